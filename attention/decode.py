@@ -1,0 +1,251 @@
+"""Warp-per-head decode ("incremental") attention: single sequence and batched.
+
+One warp computes one (query head, sequence) pair: lane ``j`` holds elements
+``j, j+32, j+64, ...`` of the head (``ceil(D/32)`` per lane, predicated past
+``D``), so head_dim 1..256 works, multiples of 32 or not. For each cached
+position the warp forms ``q . k`` with a shuffle-down reduction broadcast from
+lane 0, applies the online-softmax update of ``attention.warp`` and rescales
+its fp32 accumulators. Grid ``(H, M)``, block 32.
+
+Layouts (C-contiguous):
+    q           [M, H, D]                      float32
+    k_cache     [KV_SLOTS, H_kv, max_seq, D]   float32 (pooled, head-first)
+    v_cache     [KV_SLOTS, H_kv, max_seq, D]   float32
+    seq_lens    [M] int32: sequence m attends positions 0..seq_lens[m]-1
+    slot_table  [M] int32: sequence m reads cache slot slot_table[m]
+    out         [M, H, D] float32,  lse [M, H] float32 (natural log; -inf if empty)
+
+GQA: query head ``h`` reads kv head ``h * H_kv // H``.
+
+Planted defects (``defect=``, for the falsification suite only; the same
+kernel source with one switch flipped, see ``validation/defects.py``):
+    "stuck_rescale"    alpha computed after the max was overwritten (== 1.0)
+    "gqa_mod"          kv head ``h % H_kv`` instead of ``h * H_kv // H``
+    "slot_off_by_one"  reads slot ``slot_table[m] + 1`` (mod KV_SLOTS)
+    "batch_max_len"    every sequence uses the batch's largest length
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from . import checks
+from .device import (
+    device_empty,
+    finish,
+    host_ints,
+    is_host_array,
+    jit,
+    launch_stream,
+    to_device,
+    to_host,
+)
+from .warp import online_softmax_update, warp_sum_down
+
+WARP = 32
+KERNEL_DEFECTS = ("stuck_rescale", "gqa_mod", "slot_off_by_one", "batch_max_len")
+CACHE_DTYPES = (np.float32,)
+
+
+def n_chunks(head_dim):
+    """Elements per lane: ``ceil(head_dim / 32)``."""
+    return (head_dim + WARP - 1) // WARP
+
+
+@functools.lru_cache(maxsize=None)
+def batched_decode_kernel(chunks, defect=None):
+    """The batched warp-per-head kernel for ``chunks = ceil(D/32)`` (1..8).
+
+    ``defect`` selects a planted defect (see module docstring); None is the
+    correct kernel. Compiled lazily per argument types.
+    """
+    if defect not in (None,) + KERNEL_DEFECTS:
+        raise ValueError(f"defect: expected one of {KERNEL_DEFECTS} or None, got {defect!r}")
+    CH = chunks
+    STUCK = defect == "stuck_rescale"
+    GQA_MOD = defect == "gqa_mod"
+    SLOT_SHIFT = 1 if defect == "slot_off_by_one" else 0
+    MAX_LEN = defect == "batch_max_len"
+
+    def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, out, lse):
+        head = cuda.blockIdx.x
+        seq = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n_heads = q.shape[1]
+        head_dim = q.shape[2]
+        n_slots = k_cache.shape[0]
+        n_kv = k_cache.shape[1]
+
+        # -- which slot, kv head and length this warp reads --
+        slot = (slot_table[seq] + SLOT_SHIFT) % n_slots
+        if GQA_MOD:
+            kv_head = head % n_kv
+        else:
+            kv_head = head * n_kv // n_heads
+        length = seq_lens[seq]
+        if MAX_LEN:
+            for other in range(seq_lens.shape[0]):
+                length = max(length, seq_lens[other])
+
+        # -- this lane's slice of q, pre-scaled --
+        q_reg = cuda.local.array(CH, float32)
+        acc = cuda.local.array(CH, float32)
+        for c in range(CH):
+            d = lane + c * WARP
+            q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
+            acc[c] = float32(0.0)
+
+        m = float32(-math.inf)
+        l = float32(0.0)
+        for pos in range(length):
+            # -- score: q . k[pos], reduced across the warp --
+            part = float32(0.0)
+            for c in range(CH):
+                d = lane + c * WARP
+                if d < head_dim:
+                    part += q_reg[c] * float32(k_cache[slot, kv_head, pos, d])
+            s = warp_sum_down(part)
+
+            # -- online softmax --
+            if STUCK:
+                m_new = max(m, s)
+                m = m_new  # the old max is gone before the rescale reads it
+                alpha = math.exp(m - m_new)
+                p = math.exp(s - m_new)
+                l = l * alpha + p
+            else:
+                m, l, alpha, p = online_softmax_update(m, l, s)
+
+            # -- rescale what came before, add this position's value --
+            for c in range(CH):
+                d = lane + c * WARP
+                if d < head_dim:
+                    acc[c] = acc[c] * alpha + p * float32(v_cache[slot, kv_head, pos, d])
+
+        # -- epilogue: normalise; an empty sequence gives zeros and -inf --
+        inv = float32(1.0) / l if l > float32(0.0) else float32(0.0)
+        for c in range(CH):
+            d = lane + c * WARP
+            if d < head_dim:
+                out[seq, head, d] = acc[c] * inv
+        if lane == 0:
+            lse[seq, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
+
+    kernel.__name__ = "batched_decode" + ("" if defect is None else "_" + defect)
+    return jit(kernel, fastmath=True)
+
+
+def check_batched(q, k_cache, v_cache, seq_lens, slot_table, *, cache_dtypes=CACHE_DTYPES):
+    """Validate a batched decode call; returns (M, H, H_kv, max_seq, D, lens, slots)."""
+    m_count, n_heads, head_dim = checks.check_array(
+        "q", q, (("M", None), ("H", None), ("D", None)), dtypes=(np.float32,)
+    )
+    checks.check_head_dim("q", head_dim)
+    n_slots, n_kv, max_seq, _ = checks.check_array(
+        "k_cache", k_cache,
+        (("KV_SLOTS", None), ("H_kv", None), ("max_seq", None), ("D", head_dim)),
+        dtypes=cache_dtypes,
+    )
+    checks.check_array(
+        "v_cache", v_cache,
+        (("KV_SLOTS", n_slots), ("H_kv", n_kv), ("max_seq", max_seq), ("D", head_dim)),
+        dtypes=cache_dtypes,
+    )
+    checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache)])
+    checks.check_heads(n_heads, n_kv)
+    if n_slots < m_count:
+        raise checks.ShapeError(
+            f"k_cache: expected KV_SLOTS >= M={m_count} slots, got {n_slots}"
+        )
+    lens = checks.check_lengths("seq_lens", host_ints(seq_lens), max_seq, count=m_count)
+    slots = checks.check_slot_table(
+        None if slot_table is None else host_ints(slot_table), m_count, n_slots
+    )
+    return m_count, n_heads, n_kv, max_seq, head_dim, lens, slots
+
+
+def _output(name, given, shape, stream):
+    if given is None:
+        return device_empty(shape, np.float32, stream)
+    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
+                       dtypes=(np.float32,))
+    return to_device(given, stream)
+
+
+def batched_decode_attention(q, k_cache, v_cache, seq_lens, slot_table=None, *,
+                             scale=None, out=None, lse=None, stream=None,
+                             return_lse=False, defect=None):
+    """Decode attention for M sequences over a pooled KV cache.
+
+    q:          [M, H, D] float32
+    k_cache:    [KV_SLOTS, H_kv, max_seq, D] float32, KV_SLOTS >= M
+    v_cache:    [KV_SLOTS, H_kv, max_seq, D] float32
+    seq_lens:   [M] int: positions 0..seq_lens[m]-1 of the slot are attended;
+                0 gives zeros (LSE -inf)
+    slot_table: [M] int, the cache slot of sequence m (default ``arange(M)``);
+                slots not in the table are never read
+    scale:      default 1/sqrt(D)
+    out, lse:   optional output buffers [M, H, D] and [M, H] float32
+    stream:     numba stream; None synchronises before returning
+    Returns out [M, H, D] (and lse [M, H] with ``return_lse``): numpy when q is
+    numpy, else device arrays.
+    """
+    m_count, n_heads, _, _, head_dim, lens, slots = check_batched(
+        q, k_cache, v_cache, seq_lens, slot_table)
+    scale = checks.check_scale(scale, head_dim)
+    host = is_host_array(q)
+    if m_count == 0:
+        o, s = np.zeros((0, n_heads, head_dim), np.float32), np.zeros((0, n_heads), np.float32)
+        return (o, s) if return_lse else o
+    kernel = batched_decode_kernel(n_chunks(head_dim), defect)
+    st = launch_stream(stream)
+    d_q, d_k, d_v = to_device(q, stream), to_device(k_cache, stream), to_device(v_cache, stream)
+    d_lens, d_slots = to_device(lens, stream), to_device(slots, stream)
+    d_out = _output("out", out, (m_count, n_heads, head_dim), stream)
+    d_lse = _output("lse", lse, (m_count, n_heads), stream)
+    kernel[(n_heads, m_count), WARP, st](d_q, d_k, d_v, d_lens, d_slots,
+                                         np.float32(scale), d_out, d_lse)
+    result = (d_out, d_lse)
+    if host:
+        result = (to_host(d_out, stream), to_host(d_lse, stream))
+    finish(stream)
+    return result if return_lse else result[0]
+
+
+def decode_attention(q, k_cache, v_cache, seq_len, *, scale=None, stream=None,
+                     return_lse=False):
+    """Warp-per-head decode attention of one sequence.
+
+    q:        [H, D] float32
+    k_cache:  [H_kv, max_seq, D] float32 (head-first)
+    v_cache:  [H_kv, max_seq, D] float32
+    seq_len:  int, positions 0..seq_len-1 are attended (0 gives zeros, LSE -inf)
+    scale:    default 1/sqrt(D)
+    Returns out [H, D] (and lse [H] with ``return_lse``).
+    """
+    checks.check_array("q", q, (("H", None), ("D", None)), dtypes=(np.float32,))
+    checks.check_array("k_cache", k_cache, (("H_kv", None), ("max_seq", None),
+                                            ("D", int(q.shape[1]))), dtypes=CACHE_DTYPES)
+    checks.check_array("v_cache", v_cache, tuple(
+        (label, int(n)) for label, n in zip(("H_kv", "max_seq", "D"), k_cache.shape)),
+        dtypes=CACHE_DTYPES)
+    if not isinstance(seq_len, (int, np.integer)):
+        raise checks.DTypeError(f"seq_len: expected an int, got {type(seq_len).__name__}")
+    checks.check_range("seq_len", int(seq_len), 0, int(k_cache.shape[1]), what="length")
+    res = batched_decode_attention(
+        _unsqueeze(q), _unsqueeze(k_cache), _unsqueeze(v_cache),
+        np.array([seq_len], np.int32), None, scale=scale, stream=stream, return_lse=True)
+    out, lse = res[0][0], res[1][0]
+    return (out, lse) if return_lse else out
+
+
+def _unsqueeze(x):
+    """[...] -> [1, ...] without a copy (numpy or device array)."""
+    if is_host_array(x):
+        return x[None]
+    d = to_device(x)
+    return d.reshape((1,) + tuple(d.shape))

@@ -1,0 +1,148 @@
+"""Where kernels run, and how launchers move arguments there and back.
+
+Three ways code runs in this project (README): compile-only (``compile_ptx``,
+no GPU), the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, with the warp
+intrinsics of ``attention.simwarp``) and a real GPU. This module hides the
+difference from launchers:
+
+* ``jit(...)`` / ``device_fn`` build kernels and inlined device functions with
+  options the simulator would reject left out there.
+* ``Staged`` arguments: numpy arrays are copied to the device (and outputs
+  copied back); numba device arrays, and objects exposing
+  ``__cuda_array_interface__`` (torch, cupy) or DLPack, are used in place.
+* ``finish(stream)``: without a stream, a launcher synchronises before it
+  returns; with a stream it only enqueues.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _config
+
+SIMULATOR = bool(_config.ENABLE_CUDASIM)
+
+_GPU_ONLY_OPTIONS = ("lineinfo", "max_registers", "launch_bounds")
+
+
+def jit(fn=None, **options):
+    """``cuda.jit`` for kernels, dropping options the simulator rejects."""
+    if SIMULATOR:
+        for key in _GPU_ONLY_OPTIONS:
+            options.pop(key, None)
+    if fn is None:
+        return cuda.jit(**options)
+    return cuda.jit(**options)(fn)
+
+
+def device_fn(fn):
+    """An always-inlined device function (compiles with no GPU present)."""
+    return cuda.jit(device=True, inline="always")(fn)
+
+
+def gpu_available() -> bool:
+    """True on a machine with a usable CUDA GPU (never under the simulator)."""
+    if SIMULATOR:
+        return False
+    try:
+        return bool(cuda.is_available()) and len(cuda.gpus) > 0
+    except Exception:  # driver missing or broken
+        return False
+
+
+def can_execute() -> bool:
+    """True where kernels can run: a GPU or the simulator."""
+    return SIMULATOR or gpu_available()
+
+
+def device_name() -> str:
+    if SIMULATOR:
+        return "simulator"
+    if not gpu_available():
+        return "none"
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def is_host_array(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def is_device_array(x) -> bool:
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return isinstance(x, FakeCUDAArray)
+    return cuda.is_cuda_array(x) or (hasattr(x, "__dlpack__") and not is_host_array(x))
+
+
+def as_device_view(x):
+    """A numba device array viewing ``x`` (no copy) for a device-resident ``x``."""
+    if SIMULATOR:
+        return x
+    if cuda.cudadrv.devicearray.is_cuda_ndarray(x):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    if hasattr(x, "__dlpack__"):
+        return _from_dlpack(x)
+    raise TypeError(
+        f"expected a numpy array or a device array (numba, __cuda_array_interface__ "
+        f"or DLPack), got {type(x).__name__}"
+    )
+
+
+def _from_dlpack(x):
+    """Zero-copy numba view of a DLPack-only device tensor."""
+    from cuda.core.utils import StridedMemoryView
+
+    view = StridedMemoryView.from_dlpack(x, stream_ptr=-1)
+    itemsize = np.dtype(view.dtype).itemsize
+    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+    desc = {
+        "shape": tuple(view.shape),
+        "strides": strides,
+        "typestr": np.dtype(view.dtype).str,
+        "data": (int(view.ptr), bool(view.readonly)),
+        "version": 3,
+    }
+    return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
+
+
+def to_device(x, stream=None):
+    """Device view of ``x``; numpy arrays are copied (on ``stream`` if given)."""
+    if is_host_array(x):
+        x = np.ascontiguousarray(x)
+        return cuda.to_device(x, stream=stream or 0)
+    return as_device_view(x)
+
+
+def device_empty(shape, dtype, stream=None):
+    return cuda.device_array(shape, dtype=dtype, stream=stream or 0)
+
+
+def device_fill(shape, dtype, value, stream=None):
+    """A device array filled with ``value`` (copied from a host array)."""
+    return cuda.to_device(np.full(shape, value, dtype=dtype), stream=stream or 0)
+
+
+def to_host(d, stream=None):
+    return d.copy_to_host(stream=stream or 0)
+
+
+def finish(stream):
+    """Synchronise when the caller gave no stream (launch conventions)."""
+    if stream is None:
+        cuda.synchronize()
+
+
+def launch_stream(stream):
+    """The stream to launch on: the caller's, or the default stream."""
+    return 0 if stream is None else stream
+
+
+def host_ints(x):
+    """A host copy of a small index array or scalar (device arrays are copied)."""
+    if x is None or is_host_array(x) or isinstance(x, (list, tuple, int, np.integer)):
+        return np.asarray(x)
+    return np.asarray(to_host(as_device_view(x)))

@@ -1,0 +1,103 @@
+"""Float64 CPU references for attention. The only place references live.
+
+Written plainly (one full softmax, no online rescaling, explicit GQA map) so
+they cannot share a defect with the kernels they judge. Every function returns
+``(out, lse)``: the attention output and the natural-log log-sum-exp of the
+scaled scores (``-inf`` where a query attends to nothing, with the output
+zeros there).
+
+GQA: query head ``h`` reads kv head ``h * H_kv // H`` (consecutive query heads
+share a kv head).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def kv_head_of(head, n_heads, n_kv_heads):
+    """The kv head a query head reads under GQA."""
+    return head * n_kv_heads // n_heads
+
+
+def softmax_attend(scores, values):
+    """Attention of one query row.
+
+    scores: [S] float64 (already scaled), values: [S, Dv] float64.
+    Returns (out [Dv], lse scalar); S == 0 gives zeros and -inf.
+    """
+    if scores.shape[0] == 0:
+        return np.zeros(values.shape[1]), -np.inf
+    m = scores.max()  # pass 1: max
+    e = np.exp(scores - m)  # pass 2: exponentials and their sum
+    denom = e.sum()
+    out = (e[:, None] * values).sum(axis=0) / denom  # pass 3: weighted values
+    return out, m + np.log(denom)
+
+
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=None):
+    """Decode attention: one query per sequence over its cached positions.
+
+    q:        [M, H, D]                  (or [H, D] for one sequence)
+    k_cache:  [KV_SLOTS, H_kv, max_seq, D] (or [H_kv, max_seq, D])
+    v_cache:  same shape as k_cache
+    seq_lens: [M] ints (or one int): positions 0..len-1 of the slot are read
+    slot_table: [M] ints, the cache slot of sequence m (default arange(M))
+    scale:    default 1/sqrt(D)
+    Returns (out [M, H, D], lse [M, H]) as float64 (unbatched shapes if q was [H, D]).
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k_cache = np.asarray(k_cache, dtype=np.float64)
+    v_cache = np.asarray(v_cache, dtype=np.float64)
+    single = q.ndim == 2
+    if single:
+        q, k_cache, v_cache = q[None], k_cache[None], v_cache[None]
+        seq_lens = [int(np.asarray(seq_lens).reshape(-1)[0])]
+    m_count, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[1]
+    if slot_table is None:
+        slot_table = np.arange(m_count)
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    out = np.zeros((m_count, n_heads, v_cache.shape[-1]))
+    lse = np.full((m_count, n_heads), -np.inf)
+    for m in range(m_count):
+        slot, length = int(slot_table[m]), int(seq_lens[m])
+        for h in range(n_heads):
+            g = kv_head_of(h, n_heads, n_kv)
+            keys = k_cache[slot, g, :length]  # [L, D]
+            vals = v_cache[slot, g, :length]  # [L, D]
+            scores = (keys @ q[m, h]) * scale  # [L]
+            out[m, h], lse[m, h] = softmax_attend(scores, vals)
+    if single:
+        return out[0], lse[0]
+    return out, lse
+
+
+def prefill_attention_ref(q, k, v, n_heads, n_kv_heads=None, causal=False, scale=None):
+    """Multi-head prefill attention over T tokens, interleaved rows.
+
+    q: [T, H*D], k and v: [T, H_kv*D]; query t attends to keys 0..t when causal,
+    to all T keys otherwise. Returns (out [T, H*D], lse [H, T]) as float64.
+    """
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    t_len = q.shape[0]
+    head_dim = q.shape[1] // n_heads if n_heads else 0
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    out = np.zeros((t_len, n_heads * head_dim))
+    lse = np.full((n_heads, t_len), -np.inf)
+    for h in range(n_heads):
+        g = kv_head_of(h, n_heads, n_kv_heads)
+        qh = q[:, h * head_dim:(h + 1) * head_dim]  # [T, D]
+        kh = k[:, g * head_dim:(g + 1) * head_dim]  # [T, D]
+        vh = v[:, g * head_dim:(g + 1) * head_dim]  # [T, D]
+        for t in range(t_len):
+            visible = t + 1 if causal else t_len
+            scores = (kh[:visible] @ qh[t]) * scale  # [visible]
+            o, lse[h, t] = softmax_attend(scores, vh[:visible])
+            out[t, h * head_dim:(h + 1) * head_dim] = o
+    return out, lse

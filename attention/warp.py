@@ -1,0 +1,97 @@
+"""Warp-level building blocks shared by every kernel in this project.
+
+Each helper is a ``@cuda.jit(device=True, inline="always")`` function: it is
+inlined into the calling kernel (so kernels compile with ``compile_ptx`` and no
+GPU) and it is the *only* implementation of its reduction in the project.
+
+All helpers assume the full warp (32 lanes) calls them together: callers
+predicate loads and stores, never the collective itself.
+
+* ``warp_sum(v)`` / ``warp_max(v)``: butterfly (``shfl_xor``) reduction over
+  32 lanes; the result is in every lane.
+* ``warp_sum_down(v)``: shuffle-down tree into lane 0, then a broadcast from
+  lane 0 (``shfl_sync(.., 0)``), so every lane holds lane 0's total. This is the
+  reference design's order of additions.
+* ``online_softmax_update(m, l, s)``: one step of the streaming softmax
+  (Milakov & Gimelshein): returns ``(m_new, l_new, alpha, p)`` where
+  ``m_new = max(m, s)``, ``alpha = exp(m - m_new)`` rescales everything
+  accumulated so far, ``p = exp(s - m_new)`` weighs the new score and
+  ``l_new = l * alpha + p``. The old max is read *before* it is replaced: the
+  defect this project exists to catch is ``alpha`` computed from the new max
+  twice (``exp(0) == 1``).
+* ``online_softmax_merge(m, l, m2, l2)``: merge two partial softmax states
+  (used by the split-KV combine and by lane-parallel decode); returns
+  ``(m_new, l_new, alpha, beta)`` with ``alpha``/``beta`` the factors for the
+  first and second state's accumulators.
+
+``-inf`` handling: a state that has seen no score has ``m = -inf, l = 0``.
+Updating it with a finite score gives ``alpha = exp(-inf) = 0``. Merging two
+empty states returns factors 0 (never ``exp(-inf - -inf) = NaN``).
+"""
+
+import math
+
+from numba import cuda, float32
+
+FULL_MASK = 0xFFFFFFFF
+
+
+@cuda.jit(device=True, inline="always")
+def warp_sum(v):
+    """Sum of ``v`` over the 32 lanes, in every lane (butterfly)."""
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+    return v
+
+
+@cuda.jit(device=True, inline="always")
+def warp_max(v):
+    """Maximum of ``v`` over the 32 lanes, in every lane (butterfly)."""
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 8))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 4))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
+    return v
+
+
+@cuda.jit(device=True, inline="always")
+def warp_sum_down(v):
+    """Shuffle-down tree sum into lane 0, broadcast to every lane."""
+    v += cuda.shfl_down_sync(FULL_MASK, v, 16)
+    v += cuda.shfl_down_sync(FULL_MASK, v, 8)
+    v += cuda.shfl_down_sync(FULL_MASK, v, 4)
+    v += cuda.shfl_down_sync(FULL_MASK, v, 2)
+    v += cuda.shfl_down_sync(FULL_MASK, v, 1)
+    return cuda.shfl_sync(FULL_MASK, v, 0)
+
+
+@cuda.jit(device=True, inline="always")
+def online_softmax_update(m, l, s):
+    """One streaming-softmax step. Returns ``(m_new, l_new, alpha, p)``.
+
+    m, l: running max and running sum (float32 scalars); s: the new score.
+    Accumulators must be updated by the caller as ``acc = acc * alpha + p * v``.
+    """
+    m_new = max(m, s)
+    alpha = math.exp(m - m_new)  # reads the OLD max: rescale of what came before
+    p = math.exp(s - m_new)
+    return m_new, l * alpha + p, alpha, p
+
+
+@cuda.jit(device=True, inline="always")
+def online_softmax_merge(m, l, m2, l2):
+    """Merge softmax state ``(m2, l2)`` into ``(m, l)``.
+
+    Returns ``(m_new, l_new, alpha, beta)``; accumulators combine as
+    ``acc = acc * alpha + acc2 * beta``. Two empty states give zero factors.
+    """
+    m_new = max(m, m2)
+    if m_new == -math.inf:
+        return m_new, float32(0.0), float32(0.0), float32(0.0)
+    alpha = math.exp(m - m_new)
+    beta = math.exp(m2 - m_new)
+    return m_new, l * alpha + l2 * beta, alpha, beta

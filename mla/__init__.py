@@ -1,0 +1,1 @@
+"""DeepSeek-style multi-head latent attention (absorbed form) in Numba CUDA."""

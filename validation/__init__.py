@@ -1,0 +1,1 @@
+"""Validation: sweeps against float64 oracles, error growth, planted defects, reports."""

@@ -1,0 +1,92 @@
+"""Provenance stamped on every report: which code, which machine, which packages.
+
+``kernel_source_hash()`` hashes the kernel packages' Python sources
+(``attention/`` and ``mla/``, sorted by path, path and bytes both hashed), so a
+report can be matched to the code it measured: a committed report whose hash
+differs from the working tree's is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_PACKAGES = ("attention", "mla")
+
+
+def kernel_sources(root=ROOT):
+    files = []
+    for pkg in KERNEL_PACKAGES:
+        files.extend(sorted((root / pkg).rglob("*.py")))
+    return files
+
+
+def kernel_source_hash(root=ROOT):
+    h = hashlib.sha256()
+    for path in kernel_sources(root):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def git_commit(root=ROOT):
+    """HEAD (+dirty when kernel sources differ from it); ``ATTN_GIT_COMMIT``
+    stands in where the tree was copied without its .git (the GPU machine)."""
+    import os
+
+    if os.environ.get("ATTN_GIT_COMMIT"):
+        return os.environ["ATTN_GIT_COMMIT"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *KERNEL_PACKAGES],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def versions():
+    import numpy
+
+    out = {"python": platform.python_version(), "numpy": numpy.__version__}
+    try:
+        import numba
+
+        out["numba"] = numba.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        out["numba-cuda"] = version("numba-cuda")
+    except Exception:
+        pass
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except Exception:
+        pass
+    return out
+
+
+def provenance(**extra):
+    from attention.device import device_name
+
+    rec = {
+        "git_commit": git_commit(),
+        "kernel_source_hash": kernel_source_hash(),
+        "device": device_name(),
+        "versions": versions(),
+        "host": platform.node(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    rec.update(extra)
+    return rec
