@@ -1,7 +1,10 @@
 """Float64 CPU references for attention. The only place references live.
 
 Written plainly (one full softmax, no online rescaling, explicit GQA map) so
-they cannot share a defect with the kernels they judge. Every function returns
+they cannot share a defect with the kernels they judge. ``dtype`` (default
+float64) selects the arithmetic: the same code run in float32 is the
+same-precision *baseline* whose error against the float64 oracle sets the
+tolerance a kernel is held to (``validation/tolerance.py``). Every function returns
 ``(out, lse)``: the attention output and the natural-log log-sum-exp of the
 scaled scores (``-inf`` where a query attends to nothing, with the output
 zeros there).
@@ -23,11 +26,11 @@ def kv_head_of(head, n_heads, n_kv_heads):
 def softmax_attend(scores, values):
     """Attention of one query row.
 
-    scores: [S] float64 (already scaled), values: [S, Dv] float64.
+    scores: [S] (already scaled), values: [S, Dv], both of the working dtype.
     Returns (out [Dv], lse scalar); S == 0 gives zeros and -inf.
     """
     if scores.shape[0] == 0:
-        return np.zeros(values.shape[1]), -np.inf
+        return np.zeros(values.shape[1], values.dtype), -np.inf
     m = scores.max()  # pass 1: max
     e = np.exp(scores - m)  # pass 2: exponentials and their sum
     denom = e.sum()
@@ -35,7 +38,8 @@ def softmax_attend(scores, values):
     return out, m + np.log(denom)
 
 
-def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=None):
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=None,
+                         dtype=np.float64):
     """Decode attention: one query per sequence over its cached positions.
 
     q:        [M, H, D]                  (or [H, D] for one sequence)
@@ -44,11 +48,13 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=N
     seq_lens: [M] ints (or one int): positions 0..len-1 of the slot are read
     slot_table: [M] ints, the cache slot of sequence m (default arange(M))
     scale:    default 1/sqrt(D)
-    Returns (out [M, H, D], lse [M, H]) as float64 (unbatched shapes if q was [H, D]).
+    dtype:    arithmetic (float64 oracle; float32 for the baseline)
+    Returns (out [M, H, D], lse [M, H]) in ``dtype`` (unbatched shapes if q was [H, D]).
     """
-    q = np.asarray(q, dtype=np.float64)
-    k_cache = np.asarray(k_cache, dtype=np.float64)
-    v_cache = np.asarray(v_cache, dtype=np.float64)
+    dtype = np.dtype(dtype).type
+    q = np.asarray(q, dtype=dtype)
+    k_cache = np.asarray(k_cache, dtype=dtype)
+    v_cache = np.asarray(v_cache, dtype=dtype)
     single = q.ndim == 2
     if single:
         q, k_cache, v_cache = q[None], k_cache[None], v_cache[None]
@@ -57,10 +63,9 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=N
     n_kv = k_cache.shape[1]
     if slot_table is None:
         slot_table = np.arange(m_count)
-    if scale is None:
-        scale = 1.0 / np.sqrt(head_dim)
-    out = np.zeros((m_count, n_heads, v_cache.shape[-1]))
-    lse = np.full((m_count, n_heads), -np.inf)
+    scale = dtype(1.0 / np.sqrt(head_dim) if scale is None else scale)
+    out = np.zeros((m_count, n_heads, v_cache.shape[-1]), dtype)
+    lse = np.full((m_count, n_heads), -np.inf, dtype)
     for m in range(m_count):
         slot, length = int(slot_table[m]), int(seq_lens[m])
         for h in range(n_heads):
@@ -74,22 +79,24 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=N
     return out, lse
 
 
-def prefill_attention_ref(q, k, v, n_heads, n_kv_heads=None, causal=False, scale=None):
+def prefill_attention_ref(q, k, v, n_heads, n_kv_heads=None, causal=False, scale=None,
+                          dtype=np.float64):
     """Multi-head prefill attention over T tokens, interleaved rows.
 
     q: [T, H*D], k and v: [T, H_kv*D]; query t attends to keys 0..t when causal,
-    to all T keys otherwise. Returns (out [T, H*D], lse [H, T]) as float64.
+    to all T keys otherwise. ``dtype``: arithmetic (float64 oracle, float32 baseline).
+    Returns (out [T, H*D], lse [H, T]) in ``dtype``.
     """
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
+    dtype = np.dtype(dtype).type
+    q = np.asarray(q, dtype=dtype)
+    k = np.asarray(k, dtype=dtype)
+    v = np.asarray(v, dtype=dtype)
     t_len = q.shape[0]
     head_dim = q.shape[1] // n_heads if n_heads else 0
-    if scale is None:
-        scale = 1.0 / np.sqrt(head_dim)
-    out = np.zeros((t_len, n_heads * head_dim))
-    lse = np.full((n_heads, t_len), -np.inf)
+    scale = dtype(1.0 / np.sqrt(head_dim) if scale is None else scale)
+    out = np.zeros((t_len, n_heads * head_dim), dtype)
+    lse = np.full((n_heads, t_len), -np.inf, dtype)
     for h in range(n_heads):
         g = kv_head_of(h, n_heads, n_kv_heads)
         qh = q[:, h * head_dim:(h + 1) * head_dim]  # [T, D]

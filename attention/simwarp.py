@@ -26,8 +26,10 @@ Semantics (per warp, so blocks of several warps and partial last warps work):
 * Naming the caller's lane out of ``mask``, or a lane that has already exited,
   is a programming error on the hardware (a hang or undefined result): here it
   raises ``WarpSyncError`` so the defect is visible in tests.
-* ``activemask()`` returns the lanes of the warp that have not exited (the
-  simulator cannot see branch divergence).
+* ``activemask()`` is a rendezvous of the warp's lanes that are still running
+  and returns their mask (the simulator cannot see branch divergence: in
+  converged code this is the hardware's answer; lanes that returned early are
+  excluded).
 
 ``install()`` is idempotent and does nothing unless the simulator is enabled;
 ``attention/__init__.py`` calls it, so importing this project is enough.
@@ -53,6 +55,9 @@ class _Aborted(RuntimeError):
     pass
 
 
+_ACTIVE = "active"  # key of the activemask() round
+
+
 class _Round:
     __slots__ = ("members", "values", "done", "error")
 
@@ -63,36 +68,97 @@ class _Round:
         self.error = None
 
 
-class _Rendezvous:
-    """Collectives among a fixed set of lanes, some of which may exit early.
+class _Block:
+    """Synchronisation state of one simulated block: one lock for everything.
 
-    ``arrive(lane, mask, value)`` blocks until every live member named in
-    ``mask`` has arrived with the same mask, then returns ``{lane: value}``
-    for the round. One condition variable, one wait per call.
+    Every wait goes through ``wait_for``, which also detects a stall: all live
+    threads of the block waiting on rounds that cannot complete. A stall first
+    completes pending ``activemask()`` rounds with the lanes that reached them
+    (lanes of a divergent branch); if there are none, it is a deadlock (the
+    hardware would hang) and every waiter raises ``WarpSyncError``.
     """
 
-    def __init__(self, lanes, cv):
-        self.cv = cv
+    def __init__(self, n_threads):
+        self.cv = threading.Condition()
+        self.live = n_threads
+        self.waiting = {}  # thread -> predicate that ends its wait
+        self.aborted = False
+        self.deadlock = None
+        self.barrier = _BlockBarrier(self)
+        self.warps = [
+            _Rendezvous(range(min(WARP, n_threads - w * WARP)), self)
+            for w in range((n_threads + WARP - 1) // WARP)
+        ]
+
+    def check(self):
+        if self.aborted:
+            raise _Aborted("another simulated thread failed")
+        if self.deadlock:
+            raise WarpSyncError(self.deadlock)
+
+    def wait_for(self, done):
+        """Block (lock held) until ``done()``; detects stalls."""
+        me = threading.current_thread()
+        while not done():
+            self.check()
+            self.waiting[me] = done
+            try:
+                if len(self.waiting) == self.live and not any(
+                        d() for d in self.waiting.values()):
+                    self._resolve_stall()
+                    continue
+                self.cv.wait()
+            finally:
+                del self.waiting[me]
+        self.check()
+
+    def _resolve_stall(self):
+        completed = False
+        for warp in self.warps:
+            rnd = warp.pending.pop(_ACTIVE, None)
+            if rnd is not None:
+                rnd.done = completed = True
+        if not completed:
+            self.deadlock = (
+                "deadlock: every live thread of the block waits on a barrier or warp "
+                "collective that the others never reach (divergent syncthreads or a "
+                "mask naming lanes that took another path)"
+            )
+        self.cv.notify_all()
+
+    def leave(self, thread_id):
+        """A thread returned from the kernel."""
+        with self.cv:
+            self.live -= 1
+            self.warps[thread_id // WARP].leave(thread_id % WARP)
+            self.barrier.leave()
+            self.cv.notify_all()
+
+    def abort(self):
+        with self.cv:
+            self.aborted = True
+            self.cv.notify_all()
+
+
+class _Rendezvous:
+    """Warp collectives among the lanes of one warp, some of which may exit early.
+
+    ``arrive(lane, mask, value)`` blocks until every lane named in ``mask`` has
+    arrived with the same mask, then returns ``{lane: value}`` for the round.
+    Each call gets a fresh round object, so consecutive collectives never mix.
+    """
+
+    def __init__(self, lanes, block):
+        self.block = block
         self.lanes = frozenset(lanes)
         self.live = set(lanes)
         self.pending = {}
-        self.aborted = False
-
-    def _members(self, mask):
-        return frozenset(lane for lane in self.lanes if (mask >> lane) & 1)
-
-    def _complete_ready(self):
-        for mask, rnd in list(self.pending.items()):
-            if rnd.members <= rnd.values.keys():
-                del self.pending[mask]
-                rnd.done = True
-                self.cv.notify_all()
 
     def arrive(self, lane, mask, value):
-        with self.cv:
-            if self.aborted:
-                raise _Aborted("another simulated thread failed")
-            members = self._members(mask)
+        block = self.block
+        with block.cv:
+            block.check()
+            members = frozenset(x for x in self.lanes if (mask >> x) & 1)
             if lane not in members:
                 raise WarpSyncError(
                     f"lane {lane} executes a warp collective with mask "
@@ -111,74 +177,78 @@ class _Rendezvous:
             if rnd.members <= rnd.values.keys():
                 del self.pending[mask]
                 rnd.done = True
-                self.cv.notify_all()
+                block.cv.notify_all()
             else:
-                while not (rnd.done or rnd.error or self.aborted):
-                    self.cv.wait()
-            if self.aborted:
-                raise _Aborted("another simulated thread failed")
+                block.wait_for(lambda: rnd.done or rnd.error is not None)
             if rnd.error:
                 raise WarpSyncError(rnd.error)
             return rnd.values
 
-    def leave(self, lane):
-        """``lane`` has returned from the kernel."""
-        with self.cv:
-            self.live.discard(lane)
-            for mask, rnd in list(self.pending.items()):
-                if lane in rnd.members:
-                    del self.pending[mask]
-                    rnd.error = (
-                        f"lane {lane} exited while named in the mask "
-                        f"{mask:#010x} of a pending warp collective"
-                    )
-                    self.cv.notify_all()
+    def arrive_active(self, lane):
+        """Rendezvous of the lanes still running; returns their mask.
 
-    def abort(self):
-        with self.cv:
-            self.aborted = True
-            self.cv.notify_all()
+        A lane that exits while others wait drops out of the round, as an exited
+        lane drops out of the hardware's active mask.
+        """
+        block = self.block
+        with block.cv:
+            block.check()
+            rnd = self.pending.get(_ACTIVE)
+            if rnd is None:
+                rnd = self.pending[_ACTIVE] = _Round(None)
+            rnd.values[lane] = True
+            self._complete_active()
+            block.wait_for(lambda: rnd.done)
+            return sum(1 << other for other in rnd.values)
+
+    def _complete_active(self):
+        rnd = self.pending.get(_ACTIVE)
+        if rnd is not None and self.live <= rnd.values.keys():
+            del self.pending[_ACTIVE]
+            rnd.done = True
+            self.block.cv.notify_all()
+
+    def leave(self, lane):
+        """(lock held) ``lane`` has returned from the kernel."""
+        self.live.discard(lane)
+        self._complete_active()
+        for mask, rnd in list(self.pending.items()):
+            if mask is not _ACTIVE and lane in rnd.members:
+                del self.pending[mask]
+                rnd.error = (
+                    f"lane {lane} exited while named in the mask "
+                    f"{mask:#010x} of a pending warp collective"
+                )
 
 
 class _BlockBarrier:
-    """``syncthreads`` for one block: waits for every thread that has not exited."""
+    """``syncthreads``: waits for every thread of the block that has not exited."""
 
-    def __init__(self, n_threads, cv):
-        self.cv = cv
-        self.live = n_threads
+    def __init__(self, block):
+        self.block = block
         self.arrived = 0
         self.generation = 0
-        self.aborted = False
+
+    def wait(self):
+        block = self.block
+        with block.cv:
+            block.check()
+            gen = self.generation
+            self.arrived += 1
+            if self.arrived == block.live:
+                self._release()
+            else:
+                block.wait_for(lambda: self.generation != gen)
 
     def _release(self):
         self.arrived = 0
         self.generation += 1
-        self.cv.notify_all()
-
-    def wait(self):
-        with self.cv:
-            if self.aborted:
-                raise _Aborted("another simulated thread failed")
-            gen = self.generation
-            self.arrived += 1
-            if self.arrived == self.live:
-                self._release()
-            else:
-                while self.generation == gen and not self.aborted:
-                    self.cv.wait()
-            if self.aborted:
-                raise _Aborted("another simulated thread failed")
+        self.block.cv.notify_all()
 
     def leave(self):
-        with self.cv:
-            self.live -= 1
-            if self.arrived and self.arrived == self.live:
-                self._release()
-
-    def abort(self):
-        with self.cv:
-            self.aborted = True
-            self.cv.notify_all()
+        """(lock held) one thread fewer to wait for."""
+        if self.arrived and self.arrived == self.block.live:
+            self._release()
 
 
 def _current():
@@ -186,7 +256,7 @@ def _current():
 
 
 def _lane_and_warp(t):
-    return t.thread_id % WARP, t._manager._warps[t.thread_id // WARP]
+    return t.thread_id % WARP, t._manager._sync.warps[t.thread_id // WARP]
 
 
 def _collective(mask, value):
@@ -227,9 +297,8 @@ def _syncwarp(self, mask=FULL_MASK):
 
 def _activemask(self):
     t = _current()
-    _, warp = _lane_and_warp(t)
-    with warp.cv:
-        return sum(1 << lane for lane in warp.live)
+    lane, warp = _lane_and_warp(t)
+    return warp.arrive_active(lane)
 
 
 def _lanemask_lt(self):
@@ -270,20 +339,10 @@ def _block_run(self, grid_point, *args):
     """
     from numba.cuda.simulator.kernel import BlockThread
 
-    cv = threading.Condition()
     n_threads = 1
     for extent in self._block_dim:
         n_threads *= extent
-    self._barrier = _BlockBarrier(n_threads, cv)
-    self._warps = [
-        _Rendezvous(range(min(WARP, n_threads - w * WARP)), cv)
-        for w in range((n_threads + WARP - 1) // WARP)
-    ]
-
-    def abort_all():
-        self._barrier.abort()
-        for warp in self._warps:
-            warp.abort()
+    block = self._sync = _Block(n_threads)
 
     threads = []
     for block_point in _ndindex(self._block_dim):
@@ -294,11 +353,10 @@ def _block_run(self, grid_point, *args):
             try:
                 self._f(*args)
             except BaseException:
-                abort_all()
+                block.abort()
                 raise
             finally:
-                self._warps[t.thread_id // WARP].leave(t.thread_id % WARP)
-                self._barrier.leave()
+                block.leave(t.thread_id)
 
         t = BlockThread(target, self, grid_point, block_point, self._debug)
         holder["thread"] = t
@@ -323,7 +381,7 @@ def _ndindex(shape):
 def _thread_syncthreads(self):
     if self.abort:
         raise RuntimeError("abort flag set on syncthreads call")
-    self._manager._barrier.wait()
+    self._manager._sync.barrier.wait()
 
 
 def install():

@@ -1,0 +1,235 @@
+"""The simulator's warp intrinsics (attention.simwarp) against numpy expectations.
+
+Blocks of several warps (and a partial last warp) are used throughout, so a
+shuffle that mixed lanes of different warps, or assumed 32 threads per block,
+would fail here. Runs in the simulator process only.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from attention.simwarp import WarpSyncError
+
+pytestmark = pytest.mark.sim
+
+FULL = 0xFFFFFFFF
+BLOCK = 80  # two full warps and a partial one of 16 lanes
+
+
+def lanes_and_warps(n):
+    tid = np.arange(n)
+    return tid % 32, tid // 32
+
+
+def expected_shuffle(values, src_of_lane, n):
+    """For each thread: value of the source lane in its own warp, own value if absent."""
+    lane, warp = lanes_and_warps(n)
+    out = values.copy()
+    for t in range(n):
+        src = src_of_lane(lane[t])
+        if src is None:
+            continue
+        s = warp[t] * 32 + src
+        if 0 <= src < 32 and s < n:
+            out[t] = values[s]
+    return out
+
+
+@cuda.jit
+def shuffles(vals, delta, idx_out, up_out, down_out, xor_out):
+    t = cuda.threadIdx.x
+    v = vals[t]
+    idx_out[t] = cuda.shfl_sync(FULL, v, delta)
+    up_out[t] = cuda.shfl_up_sync(FULL, v, delta)
+    down_out[t] = cuda.shfl_down_sync(FULL, v, delta)
+    xor_out[t] = cuda.shfl_xor_sync(FULL, v, delta)
+
+
+@pytest.mark.parametrize("delta", [0, 1, 5, 16, 31, 37])
+def test_shuffles_match_numpy_in_multiwarp_block(delta):
+    vals = np.arange(BLOCK, dtype=np.float32) * 1.5 + 0.25
+    outs = [np.zeros(BLOCK, np.float32) for _ in range(4)]
+    shuffles[1, BLOCK](vals, delta, *outs)
+    idx, up, down, xor = outs
+    np.testing.assert_array_equal(idx, expected_shuffle(vals, lambda l: delta % 32, BLOCK))
+    np.testing.assert_array_equal(
+        up, expected_shuffle(vals, lambda l: l - delta if l - delta >= 0 else None, BLOCK))
+    np.testing.assert_array_equal(
+        down, expected_shuffle(vals, lambda l: l + delta if l + delta < 32 else None, BLOCK))
+    np.testing.assert_array_equal(
+        xor, expected_shuffle(vals, lambda l: (l ^ delta) if (l ^ delta) < 32 else None, BLOCK))
+
+
+def test_out_of_range_lanes_return_own_value():
+    """shfl_up below lane 0 / shfl_down past lane 31 / xor past 31: own value (PTX clamp)."""
+    vals = np.arange(64, dtype=np.float32)
+    outs = [np.zeros(64, np.float32) for _ in range(4)]
+    shuffles[1, 64](vals, 40, *outs)
+    _, up, down, xor = outs
+    np.testing.assert_array_equal(up, vals)
+    np.testing.assert_array_equal(down, vals)
+    np.testing.assert_array_equal(xor, vals)
+
+
+@cuda.jit
+def votes(preds, all_out, any_out, ballot_out, active_out, lt_out):
+    t = cuda.threadIdx.x
+    p = preds[t] != 0
+    all_out[t] = cuda.all_sync(FULL, p)
+    any_out[t] = cuda.any_sync(FULL, p)
+    ballot_out[t] = cuda.ballot_sync(FULL, p)
+    cuda.syncwarp(FULL)
+    active_out[t] = cuda.activemask()
+    lt_out[t] = cuda.lanemask_lt()
+
+
+def test_votes_per_warp():
+    n = BLOCK
+    preds = np.zeros(n, np.int32)
+    preds[0:32] = 1  # warp 0: all true
+    preds[40] = 1  # warp 1: one lane true
+    # warp 2 (16 lanes): all false
+    outs = [np.zeros(n, np.int64) for _ in range(5)]
+    votes[1, n](preds, *outs)
+    all_o, any_o, ballot, active, lt = outs
+    lane, warp = lanes_and_warps(n)
+    np.testing.assert_array_equal(all_o, (warp == 0).astype(np.int64))
+    np.testing.assert_array_equal(any_o, (warp <= 1).astype(np.int64))
+    want_ballot = np.where(warp == 0, -1, np.where(warp == 1, 1 << 8, 0))  # int32 ballot
+    np.testing.assert_array_equal(ballot, want_ballot)
+    np.testing.assert_array_equal(active, np.where(warp == 2, 0xFFFF, 0xFFFFFFFF))
+    np.testing.assert_array_equal(lt, (1 << lane) - 1)
+
+
+@cuda.jit
+def tree_sums(vals, out, n_rounds):
+    """Many consecutive shuffles: rounds must never mix values of different calls."""
+    t = cuda.threadIdx.x
+    v = vals[t]
+    for r in range(n_rounds):
+        v = v + cuda.shfl_xor_sync(FULL, v, 1 << (r % 5))
+    out[t] = v
+
+
+def test_consecutive_rounds_stay_separate():
+    vals = np.arange(64, dtype=np.float64)
+    out = np.zeros(64, np.float64)
+    tree_sums[2, 64](vals, out, 10)
+    ref = vals.reshape(2, 32).copy()
+    for r in range(10):
+        ref = ref + ref[:, np.arange(32) ^ (1 << (r % 5))]
+    np.testing.assert_array_equal(out, ref.reshape(-1))
+
+
+@cuda.jit
+def partial_mask(vals, out):
+    t = cuda.threadIdx.x
+    if t < 16:  # only the lower half-warp takes part, as its mask says
+        out[t] = cuda.shfl_xor_sync(0x0000FFFF, vals[t], 8)
+    else:
+        out[t] = -1.0
+
+
+def test_partial_mask_rendezvous_of_named_lanes_only():
+    vals = np.arange(32, dtype=np.float32)
+    out = np.zeros(32, np.float32)
+    partial_mask[1, 32](vals, out)
+    want = np.full(32, -1.0, np.float32)
+    want[:16] = vals[:16][np.arange(16) ^ 8]
+    np.testing.assert_array_equal(out, want)
+
+
+@cuda.jit
+def caller_not_in_mask(vals, out):
+    t = cuda.threadIdx.x
+    out[t] = cuda.shfl_sync(0x1, vals[t], 0)
+
+
+@cuda.jit
+def exited_lane_in_mask(vals, out):
+    t = cuda.threadIdx.x
+    if t == 3:
+        return
+    out[t] = cuda.shfl_sync(FULL, vals[t], 0)
+
+
+@pytest.mark.parametrize("kernel", [caller_not_in_mask, exited_lane_in_mask])
+def test_inconsistent_masks_raise(kernel):
+    """Positive control: masks the hardware would hang or garble on are reported."""
+    vals = np.arange(32, dtype=np.float32)
+    out = np.zeros(32, np.float32)
+    with pytest.raises(WarpSyncError):
+        kernel[1, 32](vals, out)
+
+
+@cuda.jit
+def barrier_then_shuffle(vals, out):
+    shared = cuda.shared.array(96, np.float32)
+    t = cuda.threadIdx.x
+    shared[t] = vals[t]
+    cuda.syncthreads()  # every warp's writes visible before any warp reads
+    v = shared[95 - t]
+    out[t] = v + cuda.shfl_down_sync(FULL, v, 1)
+
+
+def test_syncthreads_and_shuffles_together():
+    vals = np.arange(96, dtype=np.float32)
+    out = np.zeros(96, np.float32)
+    barrier_then_shuffle[1, 96](vals, out)
+    rev = vals[::-1]
+    want = rev + expected_shuffle(rev, lambda l: l + 1 if l + 1 < 32 else None, 96)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_warp_helpers_reduce_every_lane():
+    """attention.warp's helpers on the simulator: the sums and max land in every lane."""
+    from attention.warp import warp_max, warp_sum, warp_sum_down
+
+    @cuda.jit
+    def reduce(vals, s, m, sd):
+        t = cuda.threadIdx.x
+        s[t] = warp_sum(vals[t])
+        m[t] = warp_max(vals[t])
+        sd[t] = warp_sum_down(vals[t])
+
+    rng = np.random.default_rng(1)
+    vals = rng.standard_normal(64)
+    s, m, sd = (np.zeros(64) for _ in range(3))
+    reduce[1, 64](vals, s, m, sd)
+    w = vals.reshape(2, 32)
+    np.testing.assert_allclose(s, np.repeat(w.sum(1), 32), rtol=1e-12)
+    np.testing.assert_array_equal(m, np.repeat(w.max(1), 32))
+    np.testing.assert_allclose(sd, np.repeat(w.sum(1), 32), rtol=1e-12)
+
+
+@cuda.jit
+def divergent_activemask(out):
+    t = cuda.threadIdx.x
+    if t % 2 == 0:
+        out[t] = cuda.activemask()  # only the even lanes run this
+    else:
+        out[t] = 0
+
+
+def test_activemask_in_a_divergent_branch_names_that_branch():
+    out = np.zeros(32, np.int64)
+    divergent_activemask[1, 32](out)
+    evens = sum(1 << lane for lane in range(0, 32, 2))
+    np.testing.assert_array_equal(out[0::2], evens)
+
+
+@cuda.jit
+def divergent_syncthreads(out):
+    t = cuda.threadIdx.x
+    if t < 40:
+        cuda.syncthreads()
+    else:
+        out[t] = cuda.shfl_sync(FULL, 1.0, 0)
+
+
+def test_deadlock_is_reported_not_hung():
+    """A barrier and a shuffle that wait on each other would hang a GPU: raise here."""
+    out = np.zeros(64, np.float32)
+    with pytest.raises(WarpSyncError, match="deadlock"):
+        divergent_syncthreads[1, 64](out)
