@@ -16,16 +16,28 @@ from .checks import (  # noqa: E402
     ShapeError,
 )
 from .decode import batched_decode_attention, decode_attention  # noqa: E402
+from .decode_fast import batched_decode_attention_fast  # noqa: E402
+from .decode_graph import DecodeStep  # noqa: E402
+from .decode_state import DecodeBatch  # noqa: E402
+from .flash_decode import choose_decode_method, decode, flash_decode_attention  # noqa: E402
 from .kv_cache import batched_kv_scatter, kv_scatter  # noqa: E402
+from .prefill import prefill_attention  # noqa: E402
 
 __all__ = [
     "AttentionInputError",
+    "DecodeBatch",
+    "DecodeStep",
     "DTypeError",
     "LayoutError",
     "RangeError",
     "ShapeError",
     "batched_decode_attention",
+    "batched_decode_attention_fast",
     "batched_kv_scatter",
+    "choose_decode_method",
+    "decode",
     "decode_attention",
+    "flash_decode_attention",
     "kv_scatter",
+    "prefill_attention",
 ]

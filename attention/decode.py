@@ -17,6 +17,10 @@ Layouts (C-contiguous):
 
 GQA: query head ``h`` reads kv head ``h * H_kv // H``.
 
+Per-slot caches: ``k_cache``/``v_cache`` may instead be lists of KV_SLOTS
+``[H_kv, max_seq, D]`` device arrays; the kernel then reads slot ``s`` through
+a ``uint64`` table of their addresses (``attention.pointers``, GPU only).
+
 Planted defects (``defect=``, for the falsification suite only; the same
 kernel source with one switch flipped, see ``validation/defects.py``):
     "stuck_rescale"    alpha computed after the max was overwritten (== 1.0)
@@ -31,11 +35,12 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int64
 
 from . import checks
 from .device import (
     device_empty,
+    device_fn,
     finish,
     host_ints,
     is_host_array,
@@ -44,6 +49,7 @@ from .device import (
     to_device,
     to_host,
 )
+from .pointers import is_cache_list, pointer_table
 from .warp import online_softmax_update, warp_sum_down
 
 WARP = 32
@@ -56,16 +62,49 @@ def n_chunks(head_dim):
     return (head_dim + WARP - 1) // WARP
 
 
+def kv_loader(pointers):
+    """The device function reading one cache element, for a pooled cache or a
+    per-slot pointer table.
+
+    ``pointers`` None: ``load(cache, slot, g, pos, d, head_dim)`` reads
+    ``cache[slot, g, pos, d]`` of a pooled ``[KV_SLOTS, H_kv, max_seq, D]``
+    array. ``pointers = (H_kv, max_seq)``: ``cache`` is a ``uint64 [KV_SLOTS]``
+    table of addresses of ``[H_kv, max_seq, D]`` float32 slots (GPU only,
+    ``attention.pointers``). Returns ``(load, n_kv_of)``: ``n_kv_of(cache)``
+    is the number of kv heads.
+    """
+    if pointers is None:
+        def load(cache, slot, g, pos, d, head_dim):
+            return cache[slot, g, pos, d]
+
+        def n_kv_of(cache):
+            return cache.shape[1]
+    else:
+        from .pointers import load_f32
+
+        N_KV, MAX_SEQ = int(pointers[0]), int(pointers[1])
+
+        def load(cache, slot, g, pos, d, head_dim):
+            return load_f32(cache[slot], (int64(g) * MAX_SEQ + pos) * head_dim + d)
+
+        def n_kv_of(cache):
+            return N_KV
+    return device_fn(load), device_fn(n_kv_of)
+
+
 @functools.lru_cache(maxsize=None)
-def batched_decode_kernel(chunks, defect=None):
+def batched_decode_kernel(chunks, defect=None, pointers=None):
     """The batched warp-per-head kernel for ``chunks = ceil(D/32)`` (1..8).
 
     ``defect`` selects a planted defect (see module docstring); None is the
-    correct kernel. Compiled lazily per argument types.
+    correct kernel. ``pointers`` None reads pooled caches; ``(H_kv, max_seq)``
+    reads per-slot caches through ``uint64 [KV_SLOTS]`` pointer tables passed
+    as ``k_cache``/``v_cache`` (GPU only). Compiled lazily per argument types.
     """
     if defect not in (None,) + KERNEL_DEFECTS:
         raise ValueError(f"defect: expected one of {KERNEL_DEFECTS} or None, got {defect!r}")
     CH = chunks
+    load, n_kv_of = kv_loader(pointers)
     STUCK = defect == "stuck_rescale"
     GQA_MOD = defect == "gqa_mod"
     SLOT_SHIFT = 1 if defect == "slot_off_by_one" else 0
@@ -78,7 +117,7 @@ def batched_decode_kernel(chunks, defect=None):
         n_heads = q.shape[1]
         head_dim = q.shape[2]
         n_slots = k_cache.shape[0]
-        n_kv = k_cache.shape[1]
+        n_kv = n_kv_of(k_cache)
 
         # -- which slot, kv head and length this warp reads --
         slot = (slot_table[seq] + SLOT_SHIFT) % n_slots
@@ -107,7 +146,7 @@ def batched_decode_kernel(chunks, defect=None):
             for c in range(CH):
                 d = lane + c * WARP
                 if d < head_dim:
-                    part += q_reg[c] * float32(k_cache[slot, kv_head, pos, d])
+                    part += q_reg[c] * float32(load(k_cache, slot, kv_head, pos, d, head_dim))
             s = warp_sum_down(part)
 
             # -- online softmax --
@@ -124,7 +163,8 @@ def batched_decode_kernel(chunks, defect=None):
             for c in range(CH):
                 d = lane + c * WARP
                 if d < head_dim:
-                    acc[c] = acc[c] * alpha + p * float32(v_cache[slot, kv_head, pos, d])
+                    acc[c] = acc[c] * alpha + p * float32(load(v_cache, slot, kv_head, pos, d,
+                                                                   head_dim))
 
         # -- epilogue: normalise; an empty sequence gives zeros and -inf --
         inv = float32(1.0) / l if l > float32(0.0) else float32(0.0)
@@ -135,16 +175,30 @@ def batched_decode_kernel(chunks, defect=None):
         if lane == 0:
             lse[seq, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
 
-    kernel.__name__ = "batched_decode" + ("" if defect is None else "_" + defect)
+    kernel.__name__ = "batched_decode" + ("" if pointers is None else "_ptr") + (
+        "" if defect is None else "_" + defect)
     return jit(kernel, fastmath=True)
 
 
-def check_batched(q, k_cache, v_cache, seq_lens, slot_table, *, cache_dtypes=CACHE_DTYPES):
-    """Validate a batched decode call; returns (M, H, H_kv, max_seq, D, lens, slots)."""
-    m_count, n_heads, head_dim = checks.check_array(
-        "q", q, (("M", None), ("H", None), ("D", None)), dtypes=(np.float32,)
-    )
-    checks.check_head_dim("q", head_dim)
+def _check_cache_geometry(k_cache, v_cache, head_dim, cache_dtypes):
+    """(KV_SLOTS, H_kv, max_seq) of a pooled cache pair or a per-slot list pair."""
+    if is_cache_list(k_cache) or is_cache_list(v_cache):
+        if not (is_cache_list(k_cache) and is_cache_list(v_cache)):
+            raise checks.LayoutError(
+                "v_cache: expected a per-slot list like k_cache (or both pooled arrays)")
+        if len(v_cache) != len(k_cache):
+            raise checks.ShapeError(
+                f"v_cache: expected {len(k_cache)} per-slot caches (as k_cache), "
+                f"got {len(v_cache)}")
+        if not k_cache:
+            raise checks.ShapeError("k_cache: expected at least one per-slot cache, got none")
+        n_kv, max_seq = None, None
+        for name, lst in (("k_cache", k_cache), ("v_cache", v_cache)):
+            for i, a in enumerate(lst):
+                n_kv, max_seq, _ = checks.check_array(
+                    f"{name}[{i}]", a, (("H_kv", n_kv), ("max_seq", max_seq), ("D", head_dim)),
+                    dtypes=(np.float32,))
+        return len(k_cache), n_kv, max_seq
     n_slots, n_kv, max_seq, _ = checks.check_array(
         "k_cache", k_cache,
         (("KV_SLOTS", None), ("H_kv", None), ("max_seq", None), ("D", head_dim)),
@@ -156,6 +210,20 @@ def check_batched(q, k_cache, v_cache, seq_lens, slot_table, *, cache_dtypes=CAC
         dtypes=cache_dtypes,
     )
     checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache)])
+    return n_slots, n_kv, max_seq
+
+
+def check_batched(q, k_cache, v_cache, seq_lens, slot_table, *, cache_dtypes=CACHE_DTYPES):
+    """Validate a batched decode call; returns (M, H, H_kv, max_seq, D, lens, slots).
+
+    ``k_cache``/``v_cache`` are pooled ``[KV_SLOTS, H_kv, max_seq, D]`` arrays
+    or lists of KV_SLOTS per-slot ``[H_kv, max_seq, D]`` device arrays.
+    """
+    m_count, n_heads, head_dim = checks.check_array(
+        "q", q, (("M", None), ("H", None), ("D", None)), dtypes=(np.float32,)
+    )
+    checks.check_head_dim("q", head_dim)
+    n_slots, n_kv, max_seq = _check_cache_geometry(k_cache, v_cache, head_dim, cache_dtypes)
     checks.check_heads(n_heads, n_kv)
     if n_slots < m_count:
         raise checks.ShapeError(
@@ -168,11 +236,30 @@ def check_batched(q, k_cache, v_cache, seq_lens, slot_table, *, cache_dtypes=CAC
     return m_count, n_heads, n_kv, max_seq, head_dim, lens, slots
 
 
+def stage_caches(k_cache, v_cache, stream):
+    """Device operands for the kernels: pooled arrays as device views, or
+    per-slot lists as ``uint64`` pointer tables. Returns
+    ``(d_k, d_v, pointers, keep)`` with ``pointers`` the ``(H_kv, max_seq)``
+    key of the pointer-reading kernel (None for pooled caches) and ``keep``
+    the arrays that must outlive the launch."""
+    if is_cache_list(k_cache):
+        d_k, shape, keep_k = pointer_table(k_cache, "k_cache", stream=stream)
+        d_v, _, keep_v = pointer_table(v_cache, "v_cache", shape=shape, stream=stream)
+        return d_k, d_v, (shape[0], shape[1]), (keep_k, keep_v)
+    return to_device(k_cache, stream), to_device(v_cache, stream), None, ()
+
+
+def check_output(name, given, shape):
+    """Validate an optional output buffer (before anything is launched)."""
+    if given is not None:
+        checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
+                           dtypes=(np.float32,))
+
+
 def _output(name, given, shape, stream):
     if given is None:
         return device_empty(shape, np.float32, stream)
-    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
-                       dtypes=(np.float32,))
+    check_output(name, given, shape)
     return to_device(given, stream)
 
 
@@ -182,8 +269,10 @@ def batched_decode_attention(q, k_cache, v_cache, seq_lens, slot_table=None, *,
     """Decode attention for M sequences over a pooled KV cache.
 
     q:          [M, H, D] float32
-    k_cache:    [KV_SLOTS, H_kv, max_seq, D] float32, KV_SLOTS >= M
-    v_cache:    [KV_SLOTS, H_kv, max_seq, D] float32
+    k_cache:    [KV_SLOTS, H_kv, max_seq, D] float32, KV_SLOTS >= M; or a list
+                of KV_SLOTS per-slot [H_kv, max_seq, D] float32 device arrays,
+                read through a device pointer table (GPU only)
+    v_cache:    same form and shape as k_cache
     seq_lens:   [M] int: positions 0..seq_lens[m]-1 of the slot are attended;
                 0 gives zeros (LSE -inf)
     slot_table: [M] int, the cache slot of sequence m (default ``arange(M)``);
@@ -197,13 +286,16 @@ def batched_decode_attention(q, k_cache, v_cache, seq_lens, slot_table=None, *,
     m_count, n_heads, _, _, head_dim, lens, slots = check_batched(
         q, k_cache, v_cache, seq_lens, slot_table)
     scale = checks.check_scale(scale, head_dim)
+    check_output("out", out, (m_count, n_heads, head_dim))
+    check_output("lse", lse, (m_count, n_heads))
     host = is_host_array(q)
     if m_count == 0:
         o, s = np.zeros((0, n_heads, head_dim), np.float32), np.zeros((0, n_heads), np.float32)
         return (o, s) if return_lse else o
-    kernel = batched_decode_kernel(n_chunks(head_dim), defect)
     st = launch_stream(stream)
-    d_q, d_k, d_v = to_device(q, stream), to_device(k_cache, stream), to_device(v_cache, stream)
+    d_k, d_v, pointers, keep = stage_caches(k_cache, v_cache, stream)
+    kernel = batched_decode_kernel(n_chunks(head_dim), defect, pointers)
+    d_q = to_device(q, stream)
     d_lens, d_slots = to_device(lens, stream), to_device(slots, stream)
     d_out = _output("out", out, (m_count, n_heads, head_dim), stream)
     d_lse = _output("lse", lse, (m_count, n_heads), stream)
@@ -213,6 +305,7 @@ def batched_decode_attention(q, k_cache, v_cache, seq_lens, slot_table=None, *,
     if host:
         result = (to_host(d_out, stream), to_host(d_lse, stream))
     finish(stream)
+    del keep
     return result if return_lse else result[0]
 
 

@@ -109,10 +109,24 @@ def _from_dlpack(x):
     return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
 
 
+try:  # numpy bfloat16 arrays (numba maps them to cuda bf16)
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+
 def to_device(x, stream=None):
-    """Device view of ``x``; numpy arrays are copied (on ``stream`` if given)."""
+    """Device view of ``x``; numpy arrays are copied (on ``stream`` if given).
+
+    numpy bfloat16 arrays travel through a uint16 view: numba's host copy
+    cannot export ml_dtypes buffers.
+    """
     if is_host_array(x):
         x = np.ascontiguousarray(x)
+        if BFLOAT16 is not None and x.dtype == BFLOAT16 and not SIMULATOR:
+            return cuda.to_device(x.view(np.uint16), stream=stream or 0).view(BFLOAT16)
         return cuda.to_device(x, stream=stream or 0)
     return as_device_view(x)
 
@@ -127,6 +141,8 @@ def device_fill(shape, dtype, value, stream=None):
 
 
 def to_host(d, stream=None):
+    if BFLOAT16 is not None and not SIMULATOR and np.dtype(d.dtype) == BFLOAT16:
+        return d.view(np.uint16).copy_to_host(stream=stream or 0).view(BFLOAT16)
     return d.copy_to_host(stream=stream or 0)
 
 

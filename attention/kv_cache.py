@@ -21,10 +21,10 @@ import numpy as np
 from numba import cuda
 
 from . import checks
-from .device import finish, host_ints, is_host_array, jit, launch_stream, to_device
+from .device import BFLOAT16, finish, host_ints, is_host_array, jit, launch_stream, to_device
 
 SCATTER_DEFECTS = ("scatter_pos_plus_one",)
-SCATTER_DTYPES = (np.float32, np.float16)
+SCATTER_DTYPES = (np.float32, np.float16) + (() if BFLOAT16 is None else (BFLOAT16,))
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,26 @@ from __future__ import annotations
 import numpy as np
 
 
+ROW_BLOCK = 256  # prefill oracle: query rows scored at once
+
+
 def kv_head_of(head, n_heads, n_kv_heads):
     """The kv head a query head reads under GQA."""
     return head * n_kv_heads // n_heads
+
+
+def softmax_attend_rows(scores, values):
+    """Attention of R query rows over the same S keys.
+
+    scores: [R, S] (already scaled; -inf marks a key a row may not see),
+    values: [S, Dv], both of the working dtype. Every row must see a key.
+    Returns (out [R, Dv], lse [R]).
+    """
+    m = scores.max(axis=1, keepdims=True)  # pass 1: row max            [R, 1]
+    e = np.exp(scores - m)  # pass 2: exponentials (masked -> 0)        [R, S]
+    denom = e.sum(axis=1)  # their sum                                  [R]
+    out = (e @ values) / denom[:, None]  # pass 3: weighted values        [R, Dv]
+    return out, m[:, 0] + np.log(denom)
 
 
 def softmax_attend(scores, values):
@@ -31,11 +48,8 @@ def softmax_attend(scores, values):
     """
     if scores.shape[0] == 0:
         return np.zeros(values.shape[1], values.dtype), -np.inf
-    m = scores.max()  # pass 1: max
-    e = np.exp(scores - m)  # pass 2: exponentials and their sum
-    denom = e.sum()
-    out = (e[:, None] * values).sum(axis=0) / denom  # pass 3: weighted values
-    return out, m + np.log(denom)
+    out, lse = softmax_attend_rows(scores[None, :], values)
+    return out[0], lse[0]
 
 
 def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=None,
@@ -102,9 +116,11 @@ def prefill_attention_ref(q, k, v, n_heads, n_kv_heads=None, causal=False, scale
         qh = q[:, h * head_dim:(h + 1) * head_dim]  # [T, D]
         kh = k[:, g * head_dim:(g + 1) * head_dim]  # [T, D]
         vh = v[:, g * head_dim:(g + 1) * head_dim]  # [T, D]
-        for t in range(t_len):
-            visible = t + 1 if causal else t_len
-            scores = (kh[:visible] @ qh[t]) * scale  # [visible]
-            o, lse[h, t] = softmax_attend(scores, vh[:visible])
-            out[t, h * head_dim:(h + 1) * head_dim] = o
+        for lo in range(0, t_len, ROW_BLOCK):  # row blocks bound the [rows, T] scores
+            rows = np.arange(lo, min(lo + ROW_BLOCK, t_len))
+            scores = (qh[rows] @ kh.T) * scale  # [rows, T]
+            if causal:  # query t sees keys 0..t
+                scores[np.arange(t_len)[None, :] > rows[:, None]] = -np.inf
+            o, lse[h, rows] = softmax_attend_rows(scores, vh)
+            out[rows, h * head_dim:(h + 1) * head_dim] = o
     return out, lse

@@ -7,7 +7,8 @@ The suite runs in two pytest processes (``scripts/test``):
 * simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is imported):
   ``device`` tests at small shapes and ``sim`` tests of the warp intrinsics.
 
-``MODE`` is "sim", "gpu" or "cpu". Tests that size themselves use ``small()``.
+``MODE`` is "sim", "gpu", "gpu-small" (a GPU with ATTN_SMALL_SHAPES=1) or "cpu".
+Tests that size themselves use ``small()`` (or ``MODE == "gpu"`` for full shapes).
 When ``ATTN_TEST_REPORT`` names a file, per-test outcomes are written there as
 JSON (``scripts/gpu_test`` reads it).
 """
@@ -26,7 +27,11 @@ import attention  # noqa: E402,F401  (installs the simulator's warp intrinsics)
 from attention.device import gpu_available  # noqa: E402
 
 GPU = gpu_available()
-MODE = "sim" if SIM else ("gpu" if GPU else "cpu")
+# ATTN_SMALL_SHAPES=1 on a GPU runs the device tests at the simulator's small
+# shapes ("gpu-small": for compute-sanitizer, which slows kernels 10-100x);
+# `gpu`-marked full-shape tests are skipped then.
+SMALL_ON_GPU = GPU and os.environ.get("ATTN_SMALL_SHAPES") == "1"
+MODE = "sim" if SIM else ("gpu-small" if SMALL_ON_GPU else ("gpu" if GPU else "cpu"))
 
 
 def small():
@@ -51,8 +56,9 @@ def pytest_collection_modifyitems(config, items):
                 reason="tests the simulator's warp intrinsics: runs in the simulator process"))
         if "gpu" in item.keywords and MODE != "gpu":
             item.add_marker(pytest.mark.skip(
-                reason="needs a CUDA GPU (none here); the simulator process covers the "
-                       "small-shape versions"))
+                reason="full-shape GPU test: skipped with ATTN_SMALL_SHAPES=1" if SMALL_ON_GPU
+                else "needs a CUDA GPU (none here); the simulator process covers the "
+                     "small-shape versions"))
         elif "device" in item.keywords and MODE == "cpu":
             item.add_marker(pytest.mark.skip(
                 reason="executes kernels: no GPU here, so it runs in the simulator process"))
@@ -75,7 +81,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("ATTN_TEST_REPORT")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):  # pytest-xdist: controller only
         with open(path, "w") as f:
             json.dump({"mode": MODE, "exitstatus": int(exitstatus),
                        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,10 @@ def main(argv=None):
     # Stream the output live (a hang must show where it is) and keep it for parsing.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # A time limit interrupts the whole process group: pytest then stops and writes its
+    # outcomes; this process ignores the interrupt (after the child started, so the
+    # child does not inherit it) to still write the report.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     lines = []
     for line in proc.stdout:
         sys.stdout.write(line)
@@ -71,6 +76,7 @@ def main(argv=None):
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     report = {
         "provenance": provenance(wall_seconds=round(wall, 1)),
+        "interrupted": proc.returncode == 2 or proc.returncode < 0,
         "command": " ".join(cmd),
         "exit_status": proc.returncode,
         "mode": outcomes.get("mode"),

@@ -1,0 +1,522 @@
+"""Multi-head prefill attention: the per-head path, the batched path, a fused path.
+
+    out[t, h*D:(h+1)*D] = softmax(scale * q_h[t] . k_g[:n_t]^T) @ v_g[:n_t]
+
+over T tokens with interleaved rows (``x[t, h*D + d]``), where query head
+``h`` reads kv head ``g = h * H_kv // H`` (GQA) and ``n_t = t + 1`` when
+causal, ``T`` otherwise. Every method also produces ``lse[h, t]``, the
+natural-log log-sum-exp of row ``t``'s scaled scores.
+
+Layouts (C-contiguous, float32):
+    q    [T, H*D]       k, v  [T, H_kv*D]       out [T, H*D]       lse [H, T]
+
+Methods (``method=``):
+
+* ``"per_head"``: for each head, a chain of small kernels: gather the head
+  (``layout.gather_heads``), transpose K (``layout.batched_transpose``),
+  ``Q K^T`` (``gemm.batched_gemm``), scale (``gemm.batched_scale``), row
+  softmax (``softmax.row_softmax``), ``P V``, scatter the head back. The
+  ``[T, T]`` scores of one head are materialised. ``6 H + 3 H_kv`` launches
+  (K and V are gathered and transposed once per kv head).
+* ``"batched"``: the same steps with every head in each launch: interleaved
+  -> ``[H, T, D]``, batched transpose of K, batched GEMM (the kv head of
+  batch ``z`` is ``z * H_kv // H``), batched scale, batched softmax (one warp
+  per row), batched GEMM, back to interleaved. Materialises ``[H, T, T]``.
+* ``"fused"`` (default): one kernel (``fused_kernel``), never materialising
+  scores. A block owns ``BQ`` query rows of one head (grid
+  ``(ceil(T/BQ), H)``, ``NW`` warps, each warp ``RW`` consecutive rows). It
+  stages its Q rows (pre-scaled) in shared memory once, then streams K/V in
+  tiles of ``BK`` keys through shared memory. Lane ``j`` scores key
+  ``k0 + j`` against each of its warp's rows; the row's tile maximum comes
+  from ``warp_max``, and ``online_softmax_merge`` folds the tile into the
+  running state (running max warp-uniform, running sum kept as per-lane
+  partials, which the merge's linearity allows, summed by ``warp_sum`` once at
+  the end). The tile's probabilities go through a per-warp shared buffer to
+  ``acc += p V``, lane ``c`` owning output columns ``c, c+32, ...``. Causal
+  blocks stop at their last row's diagonal and warps skip tiles none of their
+  rows can see.
+
+Every method takes numpy arrays (copied; numpy results) or device arrays
+(numba, ``__cuda_array_interface__``, DLPack; device results) and an optional
+``stream`` on which all its launches are enqueued, so it can be timed with
+events on that stream. Intermediate buffers (per-head / batched paths) are
+allocated on each call.
+
+Debug switch: ``ATTN_PREFILL_DEBUG=1`` logs (logger ``attention.prefill``,
+INFO; a stderr handler is added when logging is not configured) for head 0:
+the means of Q/K/V, the score statistics, the largest deviation of a softmax
+row sum from 1 (materialised probabilities; for ``"fused"``, recomputed on the
+host from the kernel's LSE: ``sum_j exp(s_tj - lse_t)``), and the output
+statistics. It synchronises and copies, so it is for tracing, not timing.
+
+Planted defects (``defect=``, falsification suite only; the same kernel
+sources with one closure constant flipped, ``validation/suite_prefill.py``):
+    "softmax_not_normalised"  the softmax (or the fused epilogue) skips the
+                              division by the row sum
+    "causal_off_by_one"       a causal row sees one key too many (0 .. t+1)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import sys
+
+import numpy as np
+from numba import cuda, float32
+
+from . import checks
+from .device import (
+    device_empty,
+    finish,
+    is_host_array,
+    jit,
+    launch_stream,
+    to_device,
+    to_host,
+)
+from .gemm import batched_gemm, batched_scale
+from .layout import batched_transpose, gather_heads, scatter_heads
+from .oracle import kv_head_of
+from .softmax import SOFTMAX_DEFECTS, row_softmax
+from .warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
+
+WARP = 32
+METHODS = ("fused", "batched", "per_head")
+PREFILL_DEFECTS = SOFTMAX_DEFECTS  # ("softmax_not_normalised", "causal_off_by_one")
+DEBUG_ENV = "ATTN_PREFILL_DEBUG"
+FUSED_WARPS = 4
+SHARED_BUDGET = 48 * 1024  # static shared memory per block, bytes
+MAX_ACC = 16  # accumulator registers per lane: RW rows x ceil(D/32) columns
+
+log = logging.getLogger("attention.prefill")
+
+
+# ---------------------------------------------------------------------------
+# fused kernel
+# ---------------------------------------------------------------------------
+
+def fused_config(head_dim):
+    """Tile sizes of the fused kernel for ``head_dim``: ``(BK, RW, k_stride)``.
+
+    BK keys per K/V tile (one per lane; 16 when D > 128 so the tiles fit),
+    RW query rows per warp (at most ``MAX_ACC // ceil(D/32)``, fewer until the
+    shared memory fits ``SHARED_BUDGET``), and the K tile's row stride (odd,
+    so lanes reading ``k_tile[lane, d]`` hit distinct banks).
+    """
+    chunks = (head_dim + WARP - 1) // WARP
+    bk = WARP if head_dim <= 128 else 16
+    k_stride = head_dim + 1 if head_dim % 2 == 0 else head_dim
+    rw = max(1, min(8, MAX_ACC // chunks))
+    while rw > 1:
+        bq = FUSED_WARPS * rw
+        shared = 4 * (bq * head_dim + bk * k_stride + bk * head_dim + bq * bk)
+        if shared <= SHARED_BUDGET:
+            break
+        rw -= 1
+    return bk, rw, k_stride
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel(head_dim, causal, defect=None):
+    """The fused prefill kernel for one head size and masking mode.
+
+    ``defect`` selects a planted defect (module docstring); None is correct.
+    Grid ``(ceil(T / BQ), H)``, block ``FUSED_WARPS * 32`` threads, where
+    ``BQ = FUSED_WARPS * RW`` (``fused_rows_per_block(head_dim)``).
+    """
+    if defect not in (None,) + PREFILL_DEFECTS:
+        raise ValueError(f"defect: expected one of {PREFILL_DEFECTS} or None, got {defect!r}")
+    D = head_dim
+    CH = (D + WARP - 1) // WARP
+    BK, RW, KS = fused_config(D)
+    NW = FUSED_WARPS
+    BQ = NW * RW
+    NT = NW * WARP
+    CAUSAL = bool(causal)
+    NORMALISE = defect != "softmax_not_normalised"
+    SHIFT = 1 if defect == "causal_off_by_one" else 0
+
+    def kernel(q, k, v, scale, out, lse):
+        """Fused attention for BQ query rows of one head.
+
+        q:     [T, H*D] float32, interleaved query rows
+        k, v:  [T, H_kv*D] float32, interleaved key / value rows
+        scale: float32, multiplies every score
+        out:   [T, H*D] float32 out
+        lse:   [H, T] float32 out, natural-log log-sum-exp per (head, row)
+        """
+        q_tile = cuda.shared.array((BQ, D), float32)
+        k_tile = cuda.shared.array((BK, KS), float32)
+        v_tile = cuda.shared.array((BK, D), float32)
+        p_tile = cuda.shared.array((BQ, BK), float32)
+
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        head = cuda.blockIdx.y
+        t_len = q.shape[0]
+        n_heads = q.shape[1] // D
+        n_kv = k.shape[1] // D
+        g = head * n_kv // n_heads
+        q0 = cuda.blockIdx.x * BQ
+        row0 = warp * RW  # this warp's first row within the block
+
+        # -- stage this block's query rows, pre-scaled; rows past T are zeros --
+        for e in range(tid, BQ * D, NT):
+            r = e // D
+            d = e % D
+            t = q0 + r
+            q_tile[r, d] = q[t, head * D + d] * scale if t < t_len else float32(0.0)
+
+        m = cuda.local.array(RW, float32)  # running max, warp-uniform
+        l = cuda.local.array(RW, float32)  # this lane's part of the running sum
+        alpha = cuda.local.array(RW, float32)
+        score = cuda.local.array(RW, float32)
+        acc = cuda.local.array((RW, CH), float32)
+        v_frag = cuda.local.array(CH, float32)
+        for r in range(RW):
+            m[r] = float32(-math.inf)
+            l[r] = float32(0.0)
+            for c in range(CH):
+                acc[r, c] = float32(0.0)
+
+        kv_end = t_len
+        if CAUSAL:
+            kv_end = min(t_len, q0 + BQ + SHIFT)
+        warp_last_row = q0 + row0 + RW - 1
+
+        for k0 in range(0, kv_end, BK):
+            cuda.syncthreads()  # Q staged (first tile) / everyone done with the previous K, V
+            # -- stage K and V rows k0 .. k0+BK-1 of kv head g; keys past T are zeros --
+            for e in range(tid, BK * D, NT):
+                j = e // D
+                d = e % D
+                key = k0 + j
+                if key < t_len:
+                    k_tile[j, d] = k[key, g * D + d]
+                    v_tile[j, d] = v[key, g * D + d]
+                else:
+                    k_tile[j, d] = float32(0.0)
+                    v_tile[j, d] = float32(0.0)
+            cuda.syncthreads()  # the K/V tile is complete before any warp reads it
+
+            # warp-uniform: does any live row of this warp see a key of this tile?
+            if q0 + row0 < t_len and (not CAUSAL or k0 <= warp_last_row + SHIFT):
+                # -- scores: lane j, key k0 + j, against each of the warp's rows --
+                for r in range(RW):
+                    score[r] = float32(0.0)
+                if lane < BK:
+                    for d in range(D):
+                        kd = k_tile[lane, d]
+                        for r in range(RW):
+                            score[r] += q_tile[row0 + r, d] * kd
+
+                # -- online softmax, one row at a time --
+                key = k0 + lane
+                for r in range(RW):
+                    t = q0 + row0 + r
+                    # row-uniform, so the collectives below run with the whole warp
+                    if t < t_len and (not CAUSAL or k0 <= t + SHIFT):
+                        visible = lane < BK and key < t_len
+                        if CAUSAL and key > t + SHIFT:
+                            visible = False
+                        s = score[r] if visible else float32(-math.inf)
+                        tile_max = warp_max(s)
+                        p = math.exp(s - tile_max) if visible else float32(0.0)
+                        m_new, l_new, a_r, beta = online_softmax_merge(m[r], l[r], tile_max, p)
+                        m[r] = m_new
+                        l[r] = l_new
+                        alpha[r] = a_r
+                        p = p * beta
+                    else:  # a dead row, or a causal row before this tile: no change
+                        alpha[r] = float32(1.0)
+                        p = float32(0.0)
+                    if lane < BK:
+                        p_tile[row0 + r, lane] = p
+                cuda.syncwarp(FULL_MASK)  # the warp's probabilities are visible to all its lanes
+
+                # -- acc = acc * alpha + P V --
+                for r in range(RW):
+                    for c in range(CH):
+                        acc[r, c] *= alpha[r]
+                for j in range(BK):
+                    for c in range(CH):
+                        d = lane + c * WARP
+                        v_frag[c] = v_tile[j, d] if d < D else float32(0.0)
+                    for r in range(RW):
+                        pj = p_tile[row0 + r, j]
+                        for c in range(CH):
+                            acc[r, c] += pj * v_frag[c]
+                # (the next tile's first syncthreads orders these reads before P is rewritten)
+
+        # -- epilogue: total the lane partial sums, normalise, store --
+        for r in range(RW):
+            t = q0 + row0 + r
+            if t < t_len:  # row-uniform: warp_sum runs with the whole warp
+                total = warp_sum(l[r])
+                inv = float32(1.0) / total if total > float32(0.0) else float32(0.0)
+                if not NORMALISE:
+                    inv = float32(1.0)
+                for c in range(CH):
+                    d = lane + c * WARP
+                    if d < D:
+                        out[t, head * D + d] = acc[r, c] * inv
+                if lane == 0:
+                    lse[head, t] = (m[r] + math.log(total) if total > float32(0.0)
+                                    else float32(-math.inf))
+
+    kernel.__name__ = (f"fused_prefill_d{D}" + ("_causal" if causal else "")
+                       + ("" if defect is None else "_" + defect))
+    return jit(kernel)
+
+
+def fused_rows_per_block(head_dim):
+    """Query rows one fused block owns (``BQ = FUSED_WARPS * RW``)."""
+    return FUSED_WARPS * fused_config(head_dim)[1]
+
+
+# ---------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------
+
+def _int_arg(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise checks.DTypeError(f"{name}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_prefill(q, k, v, n_heads, n_kv_heads=None):
+    """Validate a prefill call; returns ``(T, H, H_kv, D)``.
+
+    Errors are ``checks.*`` (ValueError) naming the argument and the sizes.
+    """
+    n_heads = _int_arg("n_heads", n_heads)
+    n_kv = n_heads if n_kv_heads is None else _int_arg("n_kv_heads", n_kv_heads)
+    checks.check_heads(n_heads, n_kv, q_name="q", kv_name="n_kv_heads")
+    t_len, width = checks.check_array("q", q, (("T", None), (f"H*D (H={n_heads})", None)),
+                                      dtypes=(np.float32,))
+    if width % n_heads or width == 0:
+        raise checks.ShapeError(
+            f"q: expected shape [T, H*D] whose row width is a positive multiple of "
+            f"H={n_heads}, got {(t_len, width)}")
+    head_dim = width // n_heads
+    context = f" (T={t_len}, H={n_heads}, H_kv={n_kv}, D={head_dim})"
+    try:
+        checks.check_head_dim("q", head_dim)
+        for name, x in (("k", k), ("v", v)):
+            checks.check_array(name, x, (("T", t_len), (f"H_kv*D={n_kv}*{head_dim}",
+                                                       n_kv * head_dim)),
+                               dtypes=(np.float32,))
+    except checks.AttentionInputError as err:
+        raise type(err)(f"{err}{context}") from None
+    return t_len, n_heads, n_kv, head_dim
+
+
+# ---------------------------------------------------------------------------
+# debug tracing (ATTN_PREFILL_DEBUG=1)
+# ---------------------------------------------------------------------------
+
+def debug_enabled():
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _debug_logger():
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(handler)
+    return log
+
+
+def _host(x, stream):
+    """Host copy for tracing: synchronises."""
+    if is_host_array(x):
+        return np.asarray(x)
+    arr = to_host(to_device(x), stream)
+    cuda.synchronize()
+    return arr
+
+
+def _stats(a):
+    a = np.asarray(a, np.float64)
+    if a.size == 0:
+        return "empty"
+    finite = a[np.isfinite(a)]
+    if finite.size == 0:
+        return f"no finite values of {a.size}"
+    return (f"mean={finite.mean():.6g} std={finite.std():.6g} min={finite.min():.6g} "
+            f"max={finite.max():.6g} nonfinite={a.size - finite.size}")
+
+
+def _trace_inputs(dbg, method, qh, kh, vh, dims):
+    dbg.info("%s %s head 0: Q mean=%.6g K mean=%.6g V mean=%.6g", method, dims,
+             float(np.mean(qh)), float(np.mean(kh)), float(np.mean(vh)))
+
+
+def _trace_probabilities(dbg, method, probs, causal):
+    """probs [T, N] host: the deviation of each (visible) row sum from 1."""
+    sums = probs.astype(np.float64).sum(axis=1)
+    worst = int(np.argmax(np.abs(sums - 1.0))) if sums.size else 0
+    dbg.info("%s head 0: softmax row sums: max |sum-1|=%.3g (row %d, sum %.9g)%s", method,
+             float(np.abs(sums - 1.0).max()) if sums.size else 0.0, worst,
+             float(sums[worst]) if sums.size else 0.0, " causal" if causal else "")
+
+
+# ---------------------------------------------------------------------------
+# the three paths
+# ---------------------------------------------------------------------------
+
+def _run_per_head(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
+    t_len, n_heads, n_kv, head_dim = dims
+    q_head = device_empty((1, t_len, head_dim), np.float32, st)
+    k_head = device_empty((1, t_len, head_dim), np.float32, st)
+    v_head = device_empty((1, t_len, head_dim), np.float32, st)
+    k_t = device_empty((1, head_dim, t_len), np.float32, st)
+    scores = device_empty((1, t_len, t_len), np.float32, st)
+    o_head = device_empty((1, t_len, head_dim), np.float32, st)
+    loaded = -1
+    for h in range(n_heads):
+        g = kv_head_of(h, n_heads, n_kv)
+        gather_heads(d_q, h, q_head, st)
+        if g != loaded:  # consecutive query heads share a kv head under GQA
+            gather_heads(d_k, g, k_head, st)
+            gather_heads(d_v, g, v_head, st)
+            batched_transpose(k_head, k_t, st)
+            loaded = g
+        if dbg and h == 0:
+            _trace_inputs(dbg, "per_head", _host(q_head, st), _host(k_head, st),
+                          _host(v_head, st), _dims_text(dims))
+        batched_gemm(q_head, k_t, scores, st)
+        batched_scale(scores, scale, st)
+        if dbg and h == 0:
+            dbg.info("per_head head 0: scaled scores %s", _stats(_host(scores, st)[0]))
+        row_softmax(scores, causal, d_lse[h:h + 1], st, defect)
+        if dbg and h == 0:
+            _trace_probabilities(dbg, "per_head", _host(scores, st)[0], causal)
+        batched_gemm(scores, v_head, o_head, st)
+        scatter_heads(o_head, h, d_out, st)
+        if dbg and h == 0:
+            dbg.info("per_head head 0: output %s", _stats(_host(o_head, st)[0]))
+
+
+def _run_batched(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
+    t_len, n_heads, n_kv, head_dim = dims
+    q_heads = device_empty((n_heads, t_len, head_dim), np.float32, st)
+    k_heads = device_empty((n_kv, t_len, head_dim), np.float32, st)
+    v_heads = device_empty((n_kv, t_len, head_dim), np.float32, st)
+    k_t = device_empty((n_kv, head_dim, t_len), np.float32, st)
+    scores = device_empty((n_heads, t_len, t_len), np.float32, st)
+    o_heads = device_empty((n_heads, t_len, head_dim), np.float32, st)
+    # interleaved -> head-major, all heads per launch
+    gather_heads(d_q, 0, q_heads, st)
+    gather_heads(d_k, 0, k_heads, st)
+    gather_heads(d_v, 0, v_heads, st)
+    if dbg:
+        _trace_inputs(dbg, "batched", _host(q_heads, st)[0], _host(k_heads, st)[0],
+                      _host(v_heads, st)[0], _dims_text(dims))
+    batched_transpose(k_heads, k_t, st)
+    batched_gemm(q_heads, k_t, scores, st)  # batch z reads kv head z * H_kv // H
+    batched_scale(scores, scale, st)
+    if dbg:
+        dbg.info("batched head 0: scaled scores %s", _stats(_host(scores, st)[0]))
+    row_softmax(scores, causal, d_lse, st, defect)
+    if dbg:
+        _trace_probabilities(dbg, "batched", _host(scores, st)[0], causal)
+    batched_gemm(scores, v_heads, o_heads, st)
+    scatter_heads(o_heads, 0, d_out, st)
+    if dbg:
+        dbg.info("batched head 0: output %s", _stats(_host(o_heads, st)[0]))
+
+
+def _run_fused(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
+    t_len, n_heads, n_kv, head_dim = dims
+    kernel = fused_kernel(head_dim, bool(causal), defect)
+    bq = fused_rows_per_block(head_dim)
+    grid = ((t_len + bq - 1) // bq, n_heads)
+    kernel[grid, FUSED_WARPS * WARP, st](d_q, d_k, d_v, np.float32(scale), d_out, d_lse)
+    if dbg:
+        _trace_fused(dbg, d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st)
+
+
+def _trace_fused(dbg, d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st):
+    """Head 0 of the fused path: scores recomputed on the host (float64) for
+    up to 64 rows, and each row's ``sum_j exp(s_tj - lse_t)`` against 1."""
+    t_len, n_heads, n_kv, head_dim = dims
+    q = _host(d_q, st)[:, :head_dim].astype(np.float64)  # [T, D] head 0
+    k = _host(d_k, st)[:, :head_dim].astype(np.float64)  # [T, D] kv head 0
+    v = _host(d_v, st)[:, :head_dim]
+    lse = _host(d_lse, st)[0].astype(np.float64)  # [T]
+    _trace_inputs(dbg, "fused", q, k, v, _dims_text(dims))
+    rows = np.unique(np.linspace(0, t_len - 1, min(t_len, 64)).astype(int))
+    scores = (q[rows] @ k.T) * scale  # [R, T]
+    if causal:
+        visible = np.arange(t_len)[None, :] <= rows[:, None]  # [R, T]
+        dbg.info("fused head 0: scaled scores (%d sampled rows, visible keys) %s",
+                 rows.size, _stats(scores[visible]))
+        scores = np.where(visible, scores, -np.inf)
+    else:
+        dbg.info("fused head 0: scaled scores (%d sampled rows) %s", rows.size, _stats(scores))
+    _trace_probabilities(dbg, "fused (from LSE)", np.exp(scores - lse[rows, None]), causal)
+    dbg.info("fused head 0: output %s", _stats(_host(d_out, st)[:, :head_dim]))
+
+
+def _dims_text(dims):
+    t_len, n_heads, n_kv, head_dim = dims
+    return f"T={t_len} H={n_heads} H_kv={n_kv} D={head_dim}"
+
+
+_RUNNERS = {"fused": _run_fused, "batched": _run_batched, "per_head": _run_per_head}
+
+
+def prefill_attention(q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=None,
+                      method="fused", stream=None, return_lse=False, defect=None):
+    """Multi-head (GQA) prefill attention over T tokens.
+
+    q:          [T, H*D] float32, interleaved rows (H = n_heads)
+    k, v:       [T, H_kv*D] float32, interleaved rows (H_kv = n_kv_heads,
+                default H; must divide H)
+    causal:     query t attends keys 0..t (else all T)
+    scale:      default 1/sqrt(D)
+    method:     "fused" (default), "batched" or "per_head" (module docstring)
+    stream:     numba stream; None synchronises before returning, a stream
+                only enqueues
+    return_lse: also return lse [H, T] (natural log)
+    defect:     planted defect for the falsification suite (None in use)
+    Returns out [T, H*D] (and lse [H, T]): numpy when q is numpy, else device
+    arrays. T == 0 gives empty arrays. Raises ``checks.*`` errors (ValueError)
+    before any copy or launch.
+    """
+    if method not in METHODS:
+        raise checks.RangeError(f"method: expected one of {METHODS}, got {method!r}")
+    if defect not in (None,) + PREFILL_DEFECTS:
+        raise ValueError(f"defect: expected one of {PREFILL_DEFECTS} or None, got {defect!r}")
+    dims = check_prefill(q, k, v, n_heads, n_kv_heads)
+    t_len, n_heads, n_kv, head_dim = dims
+    scale = checks.check_scale(scale, head_dim)
+    host = is_host_array(q)
+
+    if t_len == 0:
+        if host:
+            out = np.zeros((0, n_heads * head_dim), np.float32)
+            lse = np.zeros((n_heads, 0), np.float32)
+        else:
+            out = device_empty((0, n_heads * head_dim), np.float32, stream)
+            lse = device_empty((n_heads, 0), np.float32, stream)
+        return (out, lse) if return_lse else out
+
+    dbg = _debug_logger() if debug_enabled() else None
+    st = launch_stream(stream)
+    d_q, d_k, d_v = to_device(q, stream), to_device(k, stream), to_device(v, stream)
+    d_out = device_empty((t_len, n_heads * head_dim), np.float32, stream)
+    d_lse = device_empty((n_heads, t_len), np.float32, stream)
+    _RUNNERS[method](d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg)
+    result = (d_out, d_lse)
+    if host:
+        result = (to_host(d_out, stream), to_host(d_lse, stream))
+    finish(stream)
+    return result if return_lse else result[0]

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): ``scripts/bench`` runs ``python -m bench``."""

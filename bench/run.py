@@ -1,0 +1,541 @@
+"""The benchmark run behind ``scripts/bench`` (one GPU run, ~minutes).
+
+Sections (each optional part is wrapped: a failure is printed and recorded,
+never fatal):
+  1. ceilings: device-to-device copy bandwidth; fp32 FMA peak (numba kernel)
+  2. decode kernels at B 32, H 32, H_kv 8, D 128, L in {1024, 4096, 16384} and
+     B 1, L 32768, fp32 / fp16 / bf16: warp-per-head (fp32), split-KV
+     (attention.flash_decode, when present), the fast kernels
+     (attention.decode_fast), torch SDPA (when torch imports)
+  3. MLA decode: B 64, 128 heads, latent 512 + rope 64, L 4096, fp32 / fp16
+     cache: mla.pipeline.mla_decode (when present) and a torch einsum
+     absorbed decode, TFLOP/s against the measured FMA peak
+  4. decode step host cost: plain numba launches vs the replayed CUDA graph
+Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, summary.md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DECODE_SHAPES = [(32, 32, 8, 128, 1024), (32, 32, 8, 128, 4096), (32, 32, 8, 128, 16384),
+                 (1, 32, 8, 128, 32768)]
+DTYPES = ["float32", "float16", "bfloat16"]
+COLUMNS = ["kernel", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms",
+           "GBps", "frac_of_copy"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def decode_bytes(b, h, kv, d, seq, itemsize, q_itemsize=4):
+    """Fewest bytes a decode must move: K and V read once per kv group
+    (2 * B * H_kv * L * D * itemsize; the group's query heads share the read),
+    plus q read (B * H * D) and out written (B * H * D float32) and lse (B * H)."""
+    return (2 * b * kv * seq * d * itemsize + b * h * d * q_itemsize + b * h * d * 4
+            + b * h * 4)
+
+
+# ---------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------
+
+def oracle_check(out_dev, q_dev, k_dev, v_dev, seq, n_check=1):
+    """Max |err| of sequences 0..n_check-1 against the float64 oracle (values as stored)."""
+    from attention.oracle import decode_attention_ref
+
+    out = out_dev.copy_to_host()[:n_check]
+    q = q_dev.copy_to_host()[:n_check]
+    k = np.ascontiguousarray(k_dev[:n_check].copy_to_host()).astype(np.float64)
+    v = np.ascontiguousarray(v_dev[:n_check].copy_to_host()).astype(np.float64)
+    ref, _ = decode_attention_ref(q.astype(np.float64), k, v, [seq] * n_check)
+    return float(np.abs(out - ref).max())
+
+
+def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
+    from numba import cuda
+
+    from attention import decode_fast as F
+    from attention.decode import batched_decode_kernel, n_chunks
+
+    try:
+        from attention.flash_decode import flash_decode_attention
+    except Exception as exc:  # another module; optional here
+        flash_decode_attention = None
+        log(f"  split-KV flash_decode: skipped ({type(exc).__name__}: {exc})")
+    ttimer = None
+    if torch is not None:
+        from .gpu import TorchTimer
+
+        ttimer = TorchTimer(torch)
+
+    from .gpu import random_array
+
+    shapes = DECODE_SHAPES[:2] if quick else DECODE_SHAPES
+    for (b, h, kv, d, seq) in shapes:
+        for dname in DTYPES:
+            dt = np_dtype(dname)
+            try:
+                k = random_array((b, kv, seq, d), dt, 11)
+                v = random_array((b, kv, seq, d), dt, 12)
+                q = random_array((b, h, d), np.float32, 13)
+            except Exception as exc:
+                log(f"  {dname} L={seq}: allocation failed: {exc}")
+                continue
+            lens = cuda.to_device(np.full(b, seq, np.int32))
+            slots = cuda.to_device(np.arange(b, dtype=np.int32))
+            out = cuda.device_array((b, h, d), np.float32)
+            lse = cuda.device_array((b, h), np.float32)
+            scale = np.float32(1.0 / math.sqrt(d))
+            nbytes = decode_bytes(b, h, kv, d, seq, dt.itemsize)
+
+            def record(name, ms, note=""):
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
+                             "kv_heads": kv, "head_dim": d, "seq_len": seq,
+                             "ms": round(ms, 5), "GBps": round(gbps, 1),
+                             "frac_of_copy": round(gbps / copy_gbps, 3)})
+                log(f"  {name:<22} {dname:<9} B={b:<3} L={seq:<6} {ms:8.4f} ms "
+                    f"{gbps:8.1f} GB/s  {gbps / copy_gbps:5.3f} of copy {note}")
+
+            # -- warp per head (fp32 caches only) --
+            if dname == "float32" and not (seq >= 16384 and quick):
+                try:
+                    kern = batched_decode_kernel(n_chunks(d))
+
+                    def run_wph():
+                        kern[(h, b), 32, 0](q, k, v, lens, slots, scale, out, lse)
+
+                    ms = timer.time(run_wph, reps=5, warmup=1)
+                    checks_log.append(("warp_per_head", dname, b, seq,
+                                       oracle_check(out, q, k, v, seq)))
+                    record("warp_per_head", ms)
+                except Exception as exc:
+                    log(f"  warp_per_head failed: {type(exc).__name__}: {exc}")
+
+            # -- split-KV (another module; its own launcher, device arrays) --
+            if flash_decode_attention is not None:
+                try:
+                    st = cuda.default_stream()
+                    lens_h, slots_h = np.full(b, seq, np.int32), np.arange(b, dtype=np.int32)
+
+                    def run_fd():
+                        flash_decode_attention(q, k, v, lens_h, slots_h, out=out, lse=lse,
+                                               stream=st)
+
+                    ms = timer.time(run_fd, reps=10)
+                    checks_log.append(("flash_decode", dname, b, seq,
+                                       oracle_check(out, q, k, v, seq)))
+                    record("flash_decode", ms, "(public launcher: host work included)")
+                except Exception as exc:
+                    log(f"  flash_decode {dname}: skipped ({type(exc).__name__}: "
+                        f"{str(exc)[:120]})")
+
+            # -- fast kernels (planned once; raw launches on stream 0) --
+            kind = F.dtype_kind(dt)
+            for vname, kw in variants:
+                try:
+                    pl = F.plan(b, h, kv, d, seq, kind, **kw)
+                    pa, pm = F.scratch(b, h, d, pl["n_split"])
+
+                    def run_fast():
+                        F.launch(pl, q, k, v, lens, slots, scale, out, lse, pa, pm, 0)
+
+                    ms = timer.time(run_fast, reps=20)
+                    err = oracle_check(out, q, k, v, seq)
+                    checks_log.append((vname, dname, b, seq, err))
+                    record(vname, ms, f"(splits {pl['n_split']}, err {err:.1e})")
+                except Exception as exc:
+                    log(f"  {vname} {dname} failed: {type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+
+            # -- torch SDPA (optional) --
+            if torch is not None:
+                try:
+                    tdt = {"float32": torch.float32, "float16": torch.float16,
+                           "bfloat16": torch.bfloat16}[dname]
+
+                    def as_torch(a):
+                        if dname == "bfloat16":
+                            return torch.as_tensor(a.view(np.int16), device="cuda").view(
+                                torch.bfloat16)
+                        return torch.as_tensor(a, device="cuda")
+
+                    tk, tv = as_torch(k), as_torch(v)  # [B, H_kv, L, D], zero copy
+                    tq = torch.as_tensor(q, device="cuda").to(tdt).reshape(b, h, 1, d)
+                    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                    def run_sdpa():
+                        sdpa(tq, tk, tv, enable_gqa=True)
+
+                    ms = ttimer.time(run_sdpa, reps=20)
+                    record("torch_sdpa", ms)
+                    del tk, tv, tq
+                except Exception as exc:
+                    log(f"  torch_sdpa {dname}: skipped ({type(exc).__name__}: "
+                        f"{str(exc)[:160]})")
+            del k, v, q
+            cuda.current_context().deallocations.clear()
+
+
+# ---------------------------------------------------------------------------
+# MLA
+# ---------------------------------------------------------------------------
+
+MLA = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
+
+
+def mla_flops(batch, heads, latent, rope, nope, v_dim, seq):
+    """Absorbed MLA decode flops: q absorption (2*nope*latent), scores over
+    latent+rope (2*L*(latent+rope)), P.latent (2*L*latent), output projection
+    (2*latent*v_dim), per (sequence, head)."""
+    per = 2 * nope * latent + 2 * seq * (latent + rope) + 2 * seq * latent + 2 * latent * v_dim
+    return batch * heads * per
+
+
+def bench_mla(timer, fma_tflops, torch, mla_rows):
+    from numba import cuda
+
+    from .gpu import random_array
+
+    c = MLA
+    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
+                                      c["nope"], c["v_dim"], c["seq"])
+    flops = mla_flops(b, h, lat, rope, nope, vd, seq)
+    try:
+        from mla.pipeline import mla_decode
+    except Exception as exc:
+        mla_decode = None
+        log(f"  mla.pipeline.mla_decode: skipped ({type(exc).__name__}: {exc})")
+    for dname in ("float32", "float16"):
+        dt = np.dtype(dname)
+
+        def record(name, ms, note=""):
+            tf = flops / (ms * 1e-3) / 1e12
+            mla_rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
+                             "latent": lat, "rope": rope, "seq_len": seq, "ms": round(ms, 4),
+                             "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3)})
+            log(f"  {name:<18} {dname:<8} {ms:8.3f} ms {tf:7.2f} TFLOP/s "
+                f"{tf / fma_tflops:5.3f} of fp32 FMA peak {note}")
+
+        cache = random_array((b, seq, lat + rope), dt, 21)
+        q_nope = random_array((b, h, nope), np.float32, 22)
+        q_pe = random_array((b, h, rope), np.float32, 23)
+        w_uk = random_array((h, nope, lat), np.float32, 24)
+        w_uv = random_array((h, vd, lat), np.float32, 25)  # [nh, d_v, r]
+        lengths = np.full(b, seq, np.int32)
+        if mla_decode is not None:
+            try:
+                st = cuda.default_stream()
+
+                def run_mla():
+                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st)
+
+                ms = timer.time(run_mla, reps=5, warmup=1)
+                record("mla_decode", ms)
+            except Exception as exc:
+                log(f"  mla_decode {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
+        if torch is not None:
+            try:
+                from .gpu import TorchTimer
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                tt = TorchTimer(torch)
+                tdt = torch.float32 if dname == "float32" else torch.float16
+                tc = torch.as_tensor(cache, device="cuda")
+                tqn = torch.as_tensor(q_nope, device="cuda").to(tdt)
+                tqp = torch.as_tensor(q_pe, device="cuda").to(tdt)
+                tuk = torch.as_tensor(w_uk, device="cuda").to(tdt)
+                tuv = torch.as_tensor(w_uv, device="cuda").to(tdt)
+                scale = 1.0 / math.sqrt(nope + rope)
+
+                def run_einsum():
+                    qa = torch.einsum("bhd,hdc->bhc", tqn, tuk)  # [B, H, latent]
+                    s = (torch.einsum("bhc,blc->bhl", qa, tc[..., :lat])
+                         + torch.einsum("bhr,blr->bhl", tqp, tc[..., lat:])) * scale
+                    p = torch.softmax(s.float(), dim=-1).to(tdt)  # [B, H, L]
+                    ol = torch.einsum("bhl,blc->bhc", p, tc[..., :lat])  # [B, H, latent]
+                    return torch.einsum("bhc,hdc->bhd", ol, tuv)  # [B, H, v_dim]
+
+                ms = tt.time(run_einsum, reps=10)
+                record("torch_einsum", ms, "(fp16: tensor cores)" if dname == "float16" else
+                       "(fp32, TF32 off)")
+            except Exception as exc:
+                log(f"  torch einsum {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
+        del cache
+
+
+# ---------------------------------------------------------------------------
+# decode step host cost
+# ---------------------------------------------------------------------------
+
+def bench_step(step_rows):
+    from numba import cuda
+
+    from attention.decode_graph import DecodeStep
+
+    from .gpu import random_array
+
+    b, h, kv, d, cap = 32, 32, 8, 128, 4096
+    dt = np.dtype(np.float16)
+    k = random_array((b, kv, cap, d), dt, 31)
+    v = random_array((b, kv, cap, d), dt, 32)
+    q = random_array((b, h, d), np.float32, 33)
+    kn = random_array((b, kv, d), dt, 34)
+    vn = random_array((b, kv, d), dt, 35)
+    pos = cuda.to_device(np.full(b, 512, np.int32))
+    step = DecodeStep(q, kn, vn, k, v, pos)
+    if step.graph_error:
+        log(f"  graph capture failed, step() uses plain launches: {step.graph_error}")
+    n = 200
+    for name, fn in (("plain_numba", lambda: step.step_plain()),
+                     ("cuda_graph", lambda: step.step())):
+        for _ in range(5):
+            fn()
+        step.synchronize()
+        # host cost: one call at a time on an idle queue (median), so the
+        # host never waits for the device inside the timed call
+        host = []
+        for _ in range(50):
+            step.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e6)
+        host_us = statistics.median(host)
+        # wall time per step, back to back (device-bound when host < device)
+        step.synchronize()
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        step.synchronize()
+        e1.synchronize()
+        dev_us = cuda.event_elapsed_time(e0, e1) / n * 1e3
+        step_rows.append({"path": name, "batch": b, "heads": h, "kv_heads": kv, "head_dim": d,
+                          "capacity": cap, "host_us_per_step": round(host_us, 2),
+                          "wall_us_per_step": round(dev_us, 2),
+                          "graph": step.graph is not None})
+        log(f"  {name:<12} host {host_us:8.2f} us/step (median, idle queue), "
+            f"back-to-back {dev_us:8.2f} us/step")
+    # correctness of the graph path: one more step, compared with the oracle
+    try:
+        from attention.oracle import decode_attention_ref
+
+        step.step(sync=True)
+        step.synchronize()
+        lens = step.d_lens.copy_to_host()
+        out = step.out.copy_to_host()
+        m = 0
+        kk = k[m:m + 1].copy_to_host().astype(np.float64)
+        vv = v[m:m + 1].copy_to_host().astype(np.float64)
+        ref, _ = decode_attention_ref(q[m:m + 1].copy_to_host(), kk, vv, [int(lens[m])])
+        err = float(np.abs(out[m:m + 1] - ref).max())
+        log(f"  graph step vs oracle (seq 0, len {lens[m]}): max err {err:.2e}")
+        step_rows[-1]["max_err"] = err
+    except Exception as exc:
+        log(f"  graph step check failed: {type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------
+# outputs
+# ---------------------------------------------------------------------------
+
+def write_csv(path, rows, columns=None):
+    if not rows:
+        return
+    columns = columns or list(rows[0].keys())
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def plot(path, rows, copy_gbps):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    for ax, dname in zip(axes, DTYPES):
+        sel = [r for r in rows if r["dtype"] == dname and r["batch"] == 32]
+        for kern in sorted({r["kernel"] for r in sel}):
+            pts = sorted((r["seq_len"], r["GBps"]) for r in sel if r["kernel"] == kern)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=kern)
+        one = [r for r in rows if r["dtype"] == dname and r["batch"] == 1]
+        for r in one:
+            ax.plot([r["seq_len"]], [r["GBps"]], "x", color="k")
+        ax.axhline(copy_gbps, color="gray", ls="--", label="copy ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dname} KV cache (B 32, H 32, H_kv 8, D 128; x: B 1)")
+        ax.set_xlabel("sequence length L")
+    axes[0].set_ylabel("GB/s (K,V once per kv group + q + out)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def best(rows, kernel_prefix, dname, b, seq):
+    sel = [r for r in rows if r["kernel"].startswith(kernel_prefix) and r["dtype"] == dname
+           and r["batch"] == b and r["seq_len"] == seq]
+    return max(sel, key=lambda r: r["GBps"]) if sel else None
+
+
+def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors):
+    copy_gbps, fma_tf = ceilings["copy_GBps"], ceilings["fma_TFLOPs"]
+    lines = ["# Benchmarks: decode attention, MLA decode, decode step", "",
+             "Produced by `scripts/bench`. Provenance:", "", "```",
+             json.dumps(prov, indent=1), "```", "",
+             f"- copy ceiling (device-to-device, read + write): **{copy_gbps:.0f} GB/s**",
+             f"- fp32 FMA peak (numba, 8 chains per thread): **{fma_tf:.1f} TFLOP/s**", "",
+             "## Decode (GB/s counts K and V once per kv group, plus q, out, lse)", "",
+             "| kernel | dtype | B | L | ms | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['batch']} | {r['seq_len']} | "
+                     f"{r['ms']:.4f} | {r['GBps']:.0f} | {r['frac_of_copy']:.3f} |")
+    lines += ["", "## Targets", ""]
+    for seq in (4096, 16384):
+        r = best(rows, "fast", "float32", 32, seq)
+        if r:
+            lines.append(f"- fp32 decode L={seq}: {r['frac_of_copy']:.3f} of copy "
+                         f"({'met' if r['frac_of_copy'] >= 0.8 else 'MISSED'}, target 0.80)")
+    for dname in ("float16", "bfloat16"):
+        for (b, _, _, _, seq) in DECODE_SHAPES:
+            r, t = best(rows, "fast", dname, b, seq), best(rows, "torch_sdpa", dname, b, seq)
+            if r and t:
+                ratio = r["GBps"] / t["GBps"]
+                lines.append(f"- {dname} B={b} L={seq}: {ratio:.3f} of torch SDPA "
+                             f"({'met' if ratio >= 0.9 else 'MISSED'}, target 0.90)")
+    for dname in DTYPES:
+        r = best(rows, "fast", dname, 1, 32768)
+        if r:
+            lines.append(f"- B 1, L 32768, {dname}: {r['frac_of_copy']:.3f} of copy "
+                         f"({'met' if r['frac_of_copy'] >= 0.6 else 'MISSED'}, target 0.60)")
+    for s in step_rows:
+        if s["path"] == "cuda_graph":
+            lines.append(f"- decode step host cost (graph={s['graph']}): "
+                         f"{s['host_us_per_step']:.2f} us "
+                         f"({'met' if s['host_us_per_step'] <= 10 and s['graph'] else 'MISSED'}"
+                         ", target 10 us)")
+    for dname in ("float32", "float16"):
+        m = [r for r in mla_rows if r["kernel"] == "mla_decode" and r["dtype"] == dname]
+        t = [r for r in mla_rows if r["kernel"] == "torch_einsum" and r["dtype"] == dname]
+        if m:
+            ok = m[0]["frac_of_fma_peak"] >= 0.5 and (not t or m[0]["ms"] < t[0]["ms"])
+            lines.append(f"- MLA decode {dname} cache: {m[0]['frac_of_fma_peak']:.3f} of fp32 FMA "
+                         f"peak" + (f", {t[0]['ms'] / m[0]['ms']:.2f}x torch einsum speed"
+                                    if t else "") +
+                         f" ({'met' if ok else 'MISSED'}, target 0.5 and faster than einsum)")
+    if mla_rows:
+        lines += ["", "## MLA decode (B 64, 128 heads, latent 512 + 64, L 4096)", "",
+                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak |", "|---|---|---|---|---|"]
+        for r in mla_rows:
+            lines.append(f"| {r['kernel']} | {r['dtype']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
+                         f"{r['frac_of_fma_peak']:.3f} |")
+    if step_rows:
+        lines += ["", "## Decode step (scatter + lengths + attention; B 32, fp16, capacity 4096)",
+                  "", "| path | host us / step | wall us / step |", "|---|---|---|"]
+        for s in step_rows:
+            lines.append(f"| {s['path']} | {s['host_us_per_step']:.2f} | "
+                         f"{s['wall_us_per_step']:.2f} |")
+    lines += ["", "## Correctness spot checks (sequence 0 vs the float64 oracle)", "",
+              "| kernel | dtype | B | L | max abs err |", "|---|---|---|---|---|"]
+    for name, dname, b, seq, err in checks_log:
+        lines.append(f"| {name} | {dname} | {b} | {seq} | {err:.2e} |")
+    if errors:
+        lines += ["", "## Parts that did not run", ""] + [f"- {e}" for e in errors]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench"))
+    ap.add_argument("--quick", action="store_true", help="two decode shapes only")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time tuning variants of the fast kernel")
+    ap.add_argument("--skip", default="", help="comma list of: decode,mla,step")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    from numba import cuda
+
+    if not cuda.is_available():
+        log("no CUDA GPU: the benchmarks need one (scripts/bench runs on the GPU machine)")
+        sys.exit(2)
+    from validation.provenance import provenance
+
+    from .gpu import Timer, copy_bandwidth, fma_peak
+
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            torch = None
+    except Exception:
+        torch = None
+    errors = []
+    if torch is None:
+        errors.append("torch not importable: SDPA and einsum baselines skipped")
+    timer = Timer()
+    copy_gbps, copy_ms = copy_bandwidth(timer)
+    fma_tf, _ = fma_peak(timer)
+    log(f"copy ceiling {copy_gbps:.1f} GB/s ({copy_ms:.3f} ms for 2 x 4 GiB); "
+        f"fp32 FMA peak {fma_tf:.2f} TFLOP/s")
+
+    variants = [("fast", {})]
+    if args.variants:
+        variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
+                     ("fast_nosplit", {"n_split": 1})]
+    rows, mla_rows, step_rows, checks_log = [], [], [], []
+    for name, fn in (("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
+                                                      checks_log, args.quick)),
+                     ("mla", lambda: bench_mla(timer, fma_tf, torch, mla_rows)),
+                     ("step", lambda: bench_step(step_rows))):
+        if name in skip:
+            continue
+        log(f"== {name} ({time.time() - t_start:.0f} s)")
+        try:
+            fn()
+        except Exception as exc:
+            traceback.print_exc()
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf}
+    write_csv(out_dir / "decode.csv", rows, COLUMNS)
+    write_csv(out_dir / "mla.csv", mla_rows)
+    write_csv(out_dir / "step.csv", step_rows)
+    try:
+        plot(out_dir / "decode.png", rows, copy_gbps)
+    except Exception as exc:
+        errors.append(f"plot: {type(exc).__name__}: {exc}")
+    prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings)
+    summary(out_dir / "summary.md", prov, ceilings, rows, mla_rows, step_rows, checks_log,
+            errors)
+    log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
+    log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])

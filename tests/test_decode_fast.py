@@ -1,0 +1,215 @@
+"""Fast batched decode (attention.decode_fast) against the float64 oracle.
+
+Tolerance (derived, not tuned): the kernel's max error against the float64
+oracle must be at most 2x the error of a plain numpy implementation in float32
+on the same (dtype-rounded) inputs, plus a floor of 1e-6 (a few float32 ulps
+of outputs of size ~1: fast-math exp and the different summation order
+differ by rounding only). fp16 / bf16 caches are compared on the values they
+hold (the oracle upcasts the stored values), so storage rounding is not error.
+
+Hostile data: unused slots and positions past each length hold NaN (any
+out-of-bounds read shows up), the slot table is shuffled, lengths are uneven
+and include 0 (zeros and LSE -inf, never NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention import checks
+from attention.oracle import decode_attention_ref, kv_head_of
+from attention.device import SIMULATOR
+
+try:
+    import ml_dtypes
+
+    BF16 = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover
+    BF16 = None
+
+FLOOR = 1e-6
+
+
+def numpy_f32_baseline(q, k, v, lens, slots, scale):
+    """Plain float32 numpy decode attention (the same-precision baseline)."""
+    m_count, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    out = np.zeros(q.shape, np.float32)
+    for m in range(m_count):
+        length = int(lens[m])
+        if length == 0:
+            continue
+        for h in range(n_heads):
+            g = kv_head_of(h, n_heads, n_kv)
+            keys = k[slots[m], g, :length].astype(np.float32)  # [L, D]
+            vals = v[slots[m], g, :length].astype(np.float32)  # [L, D]
+            s = (keys @ q[m, h].astype(np.float32)) * np.float32(scale)  # [L]
+            e = np.exp(s - s.max())
+            out[m, h] = (e[:, None] * vals).sum(0) / e.sum()
+    return out
+
+
+def make_case(seed, m_count, n_heads, n_kv, head_dim, max_seq, dtype, lens=None):
+    """Poisoned pooled cache (NaN outside each sequence), shuffled slot table."""
+    rng = np.random.default_rng(seed)
+    n_slots = m_count + 2
+    k = rng.standard_normal((n_slots, n_kv, max_seq, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_slots, n_kv, max_seq, head_dim)).astype(np.float32)
+    q = rng.standard_normal((m_count, n_heads, head_dim)).astype(np.float32)
+    if lens is None:
+        lens = rng.integers(1, max_seq + 1, m_count)
+        lens[0] = max_seq
+        if m_count > 2:
+            lens[1] = 0
+    lens = np.asarray(lens, np.int32)
+    slots = rng.permutation(n_slots)[:m_count].astype(np.int32)
+    used = np.zeros((n_slots, max_seq), bool)
+    for m in range(m_count):
+        used[slots[m], :lens[m]] = True
+    k.transpose(0, 2, 1, 3)[~used] = np.nan  # [slot, pos] mask over all heads
+    v.transpose(0, 2, 1, 3)[~used] = np.nan
+    return q, k.astype(dtype), v.astype(dtype), lens, slots
+
+
+def check_against_oracle(q, k, v, lens, slots, **kw):
+    from attention.decode_fast import batched_decode_attention_fast
+
+    scale = 1.0 / np.sqrt(q.shape[2])
+    out, lse = batched_decode_attention_fast(q, k, v, lens, slots, return_lse=True, **kw)
+    ref_out, ref_lse = decode_attention_ref(q, k, v, lens, slots)
+    base = numpy_f32_baseline(q, k, v, lens, slots, scale)
+    assert not np.isnan(out).any(), "NaN in output (out-of-bounds read or empty sequence)"
+    base_err = np.abs(base - ref_out).max()
+    err = np.abs(out - ref_out).max()
+    where = np.unravel_index(np.argmax(np.abs(out - ref_out)), out.shape)
+    assert err <= 2 * base_err + FLOOR, f"max err {err:.3g} at {where}, baseline {base_err:.3g}"
+    empty = lens == 0
+    assert np.all(np.isneginf(lse[empty])) and np.all(out[empty] == 0)
+    fin = ~empty
+    lse_err = np.abs(lse[fin] - ref_lse[fin]).max() if fin.any() else 0.0
+    assert lse_err <= 1e-5 * max(1.0, np.abs(ref_lse[fin]).max()), f"lse err {lse_err:.3g}"
+    return err, base_err
+
+
+# ---- simulator / GPU: small awkward shapes ---------------------------------
+
+SMALL_CASES = [
+    # (seed, M, H, H_kv, D, max_seq, dtype, n_split): why
+    (1, 3, 4, 2, 32, 21, np.float32, None),   # GQA 2, D=32 (scalar row layout)
+    (2, 3, 4, 2, 40, 13, np.float32, 2),      # D not a multiple of 32, split-KV
+    (3, 2, 2, 2, 64, 19, np.float16, 3),      # fp16 vector path (VEC=2), MHA, 3 splits
+    (4, 3, 6, 2, 128, 9, np.float32, None),   # group of 3, 16-byte loads
+    (5, 1, 2, 1, 32, 140, np.float32, 9),     # 9 splits: the combine's second batch of 8
+]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"s{c[0]}")
+def test_small_matches_oracle(case):
+    seed, m, h, kv, d, s, dt, ns = case
+    q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
+    check_against_oracle(q, k, v, lens, slots, n_split=ns)
+
+
+@pytest.mark.device
+def test_positive_control_wrong_scale_fails():
+    """The comparison can fail: a wrong scale is caught by the same check."""
+    q, k, v, lens, slots = make_case(7, 2, 2, 1, 32, 11, np.float32, lens=[11, 5])
+    with pytest.raises(AssertionError):
+        check_against_oracle(q, k, v, lens, slots, scale=0.5)
+
+
+@pytest.mark.device
+def test_q_in_cache_dtype_fp16():
+    q, k, v, lens, slots = make_case(8, 2, 2, 1, 32, 7, np.float16, lens=[7, 3])
+    check_against_oracle(q.astype(np.float16).astype(np.float32), k, v, lens, slots)
+    from attention.decode_fast import batched_decode_attention_fast
+
+    a = batched_decode_attention_fast(q.astype(np.float16), k, v, lens, slots)
+    b = batched_decode_attention_fast(q.astype(np.float16).astype(np.float32), k, v, lens, slots)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+# ---- GPU: the full shapes of the benchmark ----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("max_seq", [1024, 16384])
+def test_gpu_full_shape(dtype, max_seq):
+    if dtype == "bfloat16" and BF16 is None:
+        pytest.skip("ml_dtypes not installed")
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    m = 32 if max_seq <= 1024 else 4  # the oracle is float64 numpy: keep it quick
+    q, k, v, lens, slots = make_case(11, m, 32, 8, 128, max_seq, dt)
+    check_against_oracle(q, k, v, lens, slots)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_small():
+    """bf16 has no simulator: the small awkward shapes run on the GPU only."""
+    if BF16 is None:
+        pytest.skip("ml_dtypes not installed")
+    for seed, m, h, kv, d, s, _, ns in SMALL_CASES:
+        q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, BF16)
+        check_against_oracle(q, k, v, lens, slots, n_split=ns)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="says why bf16 is absent from the simulator run")
+def test_bf16_not_on_simulator():
+    pytest.skip("the CUDA simulator has no bfloat16: bf16 runs on the GPU "
+                "(test_gpu_bf16_small, test_gpu_full_shape) and compiles in test_compile_ptx")
+
+
+# ---- compile-only -----------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,head_dim,want", [
+    ("f32", 128, "ld.global.v4.f32"),
+    ("f16", 128, "ld.global.v2.u32"),
+    ("bf16", 128, "ld.global.v2.u32"),
+    ("f32", 40, "ld.global.f32"),
+])
+def test_compile_ptx(kind, head_dim, want):
+    """Each dtype's kernel compiles for sm_90, with the vector loads it was built for."""
+    from numba import cuda, types
+
+    from attention import decode_fast as F
+
+    elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
+    vec, ch = F.row_layout(head_dim, kind)
+    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch))
+    cache = types.Array(elem, 4, "C")
+    f32 = types.float32
+    sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
+           types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
+           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
+    assert want in ptx
+    assert "ld.local" not in ptx, "per-lane state spilled to local memory"
+
+
+# ---- bad input: named errors before any launch --------------------------------
+
+def test_bad_input_raises_named_errors():
+    from attention.decode_fast import batched_decode_attention_fast as f
+
+    q = np.zeros((2, 4, 32), np.float32)
+    k = np.zeros((2, 2, 8, 32), np.float32)
+    lens = np.array([3, 4], np.int32)
+    with pytest.raises(checks.ShapeError):
+        f(q, k, np.zeros((2, 2, 8, 31), np.float32), lens)
+    with pytest.raises(checks.DTypeError):
+        f(q, k.astype(np.float64), k.astype(np.float64), lens)
+    with pytest.raises(checks.DTypeError):
+        f(q, k, k.astype(np.float16), lens)
+    with pytest.raises(checks.DTypeError):
+        f(q.astype(np.float16), k, k, lens)  # fp16 q needs an fp16 cache
+    with pytest.raises(checks.RangeError):
+        f(q, k, k, np.array([3, 9], np.int32))
+    with pytest.raises(checks.RangeError):
+        f(q, k, k, lens, np.array([0, 2], np.int32))
+    with pytest.raises(checks.RangeError):
+        f(np.zeros((2, 3, 32), np.float32), k, k, lens)
+    with pytest.raises(checks.LayoutError):
+        f(q, np.zeros((2, 2, 32, 8), np.float32).transpose(0, 1, 3, 2), k, lens)

@@ -1,0 +1,399 @@
+"""The validation runner: metrics, fixtures, the defect aggregator, reports, CLI.
+
+Plain-process tests need no kernels (synthetic outputs and fake suites); the
+``device`` tests run real kernels at tiny shapes (simulator process, or a
+GPU). Each judgment is shown to fail on a known-bad input before it is trusted
+to pass a good one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from validation import defects, fixtures, metrics, registry, report
+from validation.tolerance import FLOOR_ULPS, unit_roundoff
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------
+
+
+def _oracle_and_baseline(seed=0, n=64):
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal((4, n))
+    base = (ref + rng.standard_normal(ref.shape) * 1e-6).astype(np.float64)
+    return ref, base
+
+
+def test_judge_passes_a_result_as_good_as_the_baseline():
+    ref, base = _oracle_and_baseline()
+    rec = metrics.judge(base, ref, base)
+    assert rec["passed"] and rec["nonfinite_ok"]
+    assert rec["ratio"] == pytest.approx(1.0)
+    assert rec["margin"] < 1
+
+
+def test_judge_fails_an_error_three_times_the_baseline():
+    ref, base = _oracle_and_baseline()
+    got = ref + 3.0 * (base - ref)  # three times the baseline's error everywhere
+    rec = metrics.judge(got, ref, base)
+    assert rec["ratio"] == pytest.approx(3.0)
+    assert not rec["passed"]
+    assert rec["worst_index"] is not None
+
+
+def test_floor_admits_a_few_roundings_where_the_baseline_is_exact():
+    """Baseline exact (ratio infinite): one unit of rounding passes by the floor,
+    a hundred units do not. Floor = FLOOR_ULPS * u(float32) * max(1, max|ref|)."""
+    ref = np.linspace(-2.0, 2.0, 33)
+    u = unit_roundoff(np.float32)
+    one_ulp = ref + 2 * u * np.abs(ref)
+    rec = metrics.judge(one_ulp, ref, ref)
+    assert rec["ratio"] == math.inf and rec["passed"]
+    assert rec["floor"] == pytest.approx(FLOOR_ULPS * u * 2.0)
+    bad = ref + 100 * u * 2.0
+    assert not metrics.judge(bad, ref, ref)["passed"]
+
+
+def test_nan_where_the_oracle_is_finite_fails_even_with_tiny_error():
+    ref, base = _oracle_and_baseline()
+    got = ref.copy()
+    got[2, 5] = np.nan  # a leaked NaN from a poisoned cache row
+    rec = metrics.judge(got, ref, base)
+    assert not rec["nonfinite_ok"] and not rec["passed"]
+    assert "unexpected NaN" in rec["nonfinite_detail"] and "(2, 5)" in rec["nonfinite_detail"]
+
+
+def test_missing_minus_inf_lse_fails():
+    """An empty sequence's LSE is -inf in the oracle; a kernel giving 0 there fails."""
+    ref = np.array([[1.0, -np.inf], [0.5, 2.0]])
+    got = np.array([[1.0, 0.0], [0.5, 2.0]])
+    rec = metrics.judge(got, ref, ref)
+    assert not rec["passed"] and "-inf of the oracle missing" in rec["nonfinite_detail"]
+    assert metrics.judge(ref.copy(), ref, ref)["passed"]
+
+
+def test_cosine_difference_and_relative_error():
+    x = np.array([1.0, 0.0])
+    assert metrics.compare(x, x)["cos_diff"] == 0.0
+    assert metrics.compare(np.array([0.0, 1.0]), x)["cos_diff"] == pytest.approx(1.0)
+    rec = metrics.compare(np.array([1.1, 2.0]), np.array([1.0, 2.0]))
+    assert rec["max_rel"] == pytest.approx(0.1)
+
+
+def test_shape_mismatch_fails():
+    ref, base = _oracle_and_baseline()
+    assert not metrics.judge(ref[:, :-1], ref, base)["passed"]
+
+
+# ---------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------
+
+
+def _decode_fixture(seed=0, scores="normal"):
+    rng = fixtures.case_rng(seed, "decode", "t", scores)
+    return fixtures.decode_inputs(rng, m=3, h=6, h_kv=2, d=40, lens=(5, 0, 3), max_seq=8,
+                                  kv_slots=5, scores=scores)
+
+
+def test_same_seed_same_data_other_seed_other_data():
+    a, b, c = _decode_fixture(0), _decode_fixture(0), _decode_fixture(1)
+    for key in ("q", "k_cache", "v_cache", "slot_table"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert not np.array_equal(a["q"], c["q"])
+    # derived from the case name, not from call order or Python's salted hash
+    case = registry.find_shape("decode", "gqa9x3_d40", True)
+    x1 = registry.make_inputs("decode", case, "normal", 7)
+    x2 = registry.make_inputs("decode", case, "normal", 7)
+    np.testing.assert_array_equal(x1["k_cache"], x2["k_cache"])
+
+
+def test_cache_is_poisoned_outside_the_live_rows():
+    x = _decode_fixture()
+    slots, lens = x["slot_table"], x["seq_lens"]
+    assert len(set(slots.tolist())) == 3
+    for m in range(3):
+        live = x["k_cache"][slots[m], :, :lens[m]]
+        assert np.isfinite(live).all()
+        assert np.isnan(x["k_cache"][slots[m], :, lens[m]:]).all()
+        assert np.isnan(x["v_cache"][slots[m], :, lens[m]:]).all()
+    unused = sorted(set(range(5)) - set(slots.tolist()))
+    assert unused and np.isnan(x["k_cache"][unused]).all()
+
+
+def test_large_and_equal_score_fixtures_are_what_they_claim():
+    x = _decode_fixture(scores="large")
+    peaks = []
+    for m in range(3):
+        s, n = int(x["slot_table"][m]), int(x["seq_lens"][m])
+        for h in range(6):
+            if n:
+                scores = x["k_cache"][s, h * 2 // 6, :n].astype(np.float64) @ x["q"][m, h] \
+                    * x["scale"]
+                peaks.append(np.abs(scores).max())
+    assert np.allclose(peaks, fixtures.LARGE_SCORE, rtol=1e-5)
+    x = _decode_fixture(scores="equal")
+    s, n = int(x["slot_table"][0]), int(x["seq_lens"][0])
+    keys = x["k_cache"][s, :, :n]  # [H_kv, n, D]: one key repeated, so every score is equal
+    assert n > 1 and np.all(keys == keys[:, :1]) and not np.all(keys == 0)
+
+
+def test_shape_cases_include_the_awkward_sizes():
+    full = registry.DECODE_FULL + registry.PREFILL_FULL
+    small = registry.DECODE_SMALL + registry.PREFILL_SMALL
+    for table in (full, small):
+        dims = [s.dims for s in table]
+        assert {40, 80, 96, 111} <= {d["d"] for d in dims}
+        assert any(d["h"] == 9 and d["h_kv"] == 3 for d in dims)
+        assert any(0 in d.get("lens", ()) or d.get("t") == 0 for d in dims)
+    lengths = {d["t"] for d in (s.dims for s in registry.PREFILL_FULL)}
+    lengths |= {n for s in registry.DECODE_FULL for n in s.dims["lens"]}
+    assert {97, 1025} <= lengths
+
+
+def test_registry_reports_missing_and_broken_modules(tmp_path, monkeypatch):
+    spec = replace(registry.KERNELS_BY_NAME["batched_decode"], module="attention.no_such_mod")
+    status, why = registry.resolve(spec)
+    assert status == "not available" and "does not exist" in why
+    (tmp_path / "broken_kernel_mod.py").write_text("raise RuntimeError('half written')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = replace(spec, module="broken_kernel_mod")
+    status, why = registry.resolve(spec)
+    assert status == "broken" and "half written" in why
+
+
+# ---------------------------------------------------------------------------
+# planted-defect aggregation
+# ---------------------------------------------------------------------------
+
+FAKE_SUITE = """
+from validation.suite import Check
+FAMILY = "fake_{name}"
+DEFECTS = ("loud", "quiet")
+def run_suite(defect=None, *, small=True):
+    checks = [Check("values", True)]
+    if defect == "loud":
+        checks.append(Check("values", False, "off by 3"))
+    if defect == "quiet" and {quiet_caught}:
+        checks.append(Check("values", False, "off by 1e-3"))
+    return checks
+"""
+
+
+def _fake_suite(tmp_path, name, quiet_caught):
+    (tmp_path / f"fake_suite_{name}.py").write_text(
+        FAKE_SUITE.format(name=name, quiet_caught=quiet_caught))
+    return f"fake_suite_{name}"
+
+
+def test_aggregator_fails_a_family_with_an_escaped_defect(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    escape = _fake_suite(tmp_path, "escape", False)
+    full = _fake_suite(tmp_path, "full", True)
+    units, broken = defects.units([escape, full, "no_such_suite_module"], small=True)
+    assert len(units) == 6 and len(broken) == 1
+    fams = {f["family"]: f for f in defects.aggregate([defects.run_unit(u) for u in units],
+                                                       broken)}
+    assert fams["fake_escape"]["escaped"] == ["quiet"] and not fams["fake_escape"]["passed"]
+    assert fams["fake_escape"]["caught"] == 1 and fams["fake_escape"]["planted"] == 2
+    assert fams["fake_full"]["passed"] and fams["fake_full"]["caught"] == 2
+    assert not fams["no_such_suite_module"]["passed"]
+
+
+def test_a_suite_that_raises_is_an_error_not_a_catch(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "fake_suite_raises.py").write_text(textwrap.dedent("""
+        from validation.suite import Check
+        FAMILY = "raises"
+        DEFECTS = ("boom",)
+        def run_suite(defect=None, *, small=True):
+            if defect:
+                raise IndexError("harness bug")
+            return [Check("ok", True)]
+    """))
+    units, _ = defects.units(["fake_suite_raises"], small=True)
+    fam = defects.aggregate([defects.run_unit(u) for u in units])[0]
+    assert fam["caught"] == 0 and fam["errors"] and not fam["passed"]
+
+
+def _run_cli(args, tmp_path, timeout=240):
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    return subprocess.run([sys.executable, "-m", "validation", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_exit_status_follows_the_defect_score(tmp_path):
+    """End to end: an escaped defect makes the run exit non-zero; the same run with a
+    suite catching everything exits 0 and writes the report."""
+    escape = _fake_suite(tmp_path, "escape", False)
+    full = _fake_suite(tmp_path, "full", True)
+    common = ["--device", "sim", "--kernels", "none", "--growth", "none", "--defects", "none",
+              "--jobs", "1", "--no-progress"]
+    bad = _run_cli(common + ["--suite-module", escape, "--out", str(tmp_path / "bad")], tmp_path)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "escaped: quiet" in bad.stdout
+    good = _run_cli(common + ["--suite-module", full, "--out", str(tmp_path / "good")], tmp_path)
+    assert good.returncode == 0, good.stdout + good.stderr
+    rep = json.loads((tmp_path / "good" / "validation.json").read_text())
+    assert rep["defects"][0]["caught"] == 2 and rep["verdict"]["passed"]
+    assert rep["provenance"]["device"] == "simulator" and rep["config"]["seeds"] == [0]
+    assert "kernel_source_hash:" in (tmp_path / "good" / "summary.md").read_text()
+
+
+def test_cli_help_and_bad_arguments():
+    from validation import cli
+
+    with pytest.raises(SystemExit) as ok:
+        cli.parser().parse_args(["--help"])
+    assert ok.value.code == 0
+    with pytest.raises(SystemExit) as bad:
+        cli.parser().parse_args(["--shard", "3/2"])
+    assert bad.value.code == 2
+    assert cli._seeds("0-2,5") == [0, 1, 2, 5]
+
+
+# ---------------------------------------------------------------------------
+# reports (synthetic records: no kernels)
+# ---------------------------------------------------------------------------
+
+
+def _case(kernel, status, ratio, margin, family="batched_decode", shape="s"):
+    return {"id": f"{kernel}/{shape}/normal/s0/float32/{status}{ratio}", "kernel": kernel,
+            "family": family, "kind": "decode", "shape": shape, "fixture": "normal",
+            "seed": 0, "dtype": "float32", "status": status, "passed": status == "pass",
+            "ratio": ratio, "margin": margin, "max_abs": margin * 1e-7, "cos_diff": 1e-14,
+            "detail": "out: max abs err over bound" if status == "fail" else "",
+            "dims": {"d": 40}}
+
+
+def _growth(status="pass"):
+    steps = list(range(1, 9))
+    return {"id": "growth/batched_decode/float32/s0/8", "kernel": "batched_decode",
+            "dtype": "float32", "seed": 0, "steps": 8, "status": status,
+            "passed": status == "pass", "cache_ok": True, "worst_ratio": 1.2,
+            "worst_margin": 0.3, "final_err": 1e-7, "final_base": 9e-8, "seconds": 1.0,
+            "detail": "", "series": {"step": steps, "out_err": [1e-7 * s for s in steps],
+                                     "out_base": [9e-8 * s for s in steps],
+                                     "out_bound": [3e-7 * s for s in steps]}}
+
+
+def _report(cases, growth=None, units=()):
+    return report.build(cases=cases, growth=growth or [_growth()], defect_units=list(units),
+                        broken_suites=[], config={"seeds": [0], "dtypes": ["float32"],
+                                                  "steps": 8, "small": True, "quick": True,
+                                                  "command": "scripts/validate", "shard": None},
+                        provenance={"kernel_source_hash": "abc123", "device": "simulator",
+                                    "git_commit": "x", "versions": {}},
+                        wall_seconds=1.0)
+
+
+def test_report_verdict_summary_and_plots(tmp_path):
+    good = _report([_case("batched_decode", "pass", 1.1, 0.2),
+                    _case("flash_decode", "pass", math.inf, 0.1)])
+    assert good["verdict"]["passed"]
+    bad = _report([_case("batched_decode", "pass", 1.1, 0.2),
+                   _case("flash_decode", "fail", 5.0, 2.5)])
+    assert not bad["verdict"]["passed"] and "flash_decode" in bad["verdict"]["failures"][0]
+    report.write(bad, tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "**Verdict: FAIL**" in text and "kernel_source_hash: `abc123`" in text
+    assert "| batched_decode | batched_decode, flash_decode | 2 | 1 | 1 |" in text
+    assert "![error growth](growth.png)" in text and (tmp_path / "growth.png").stat().st_size
+    assert (tmp_path / "ratios.png").exists()
+    assert json.loads((tmp_path / "validation.json").read_text())["verdict"]["failures"]
+    # failing growth run fails the verdict too
+    assert not _report([_case("batched_decode", "pass", 1, 0.2)], [_growth("fail")])[
+        "verdict"]["passed"]
+
+
+def test_plot_entry_point_rebuilds_from_json(tmp_path):
+    from validation import plot
+
+    report.write(_report([_case("batched_decode", "pass", 1.1, 0.2)]), tmp_path)
+    (tmp_path / "growth.png").unlink()
+    assert plot.main(["--json", str(tmp_path / "validation.json")]) == 0
+    assert (tmp_path / "growth.png").exists()
+
+
+def test_shards_partition_the_work_and_merge(tmp_path):
+    units = list(range(23))
+    parts = [units[i::4] for i in range(4)]
+    assert sorted(sum(parts, [])) == units
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    for i in range(2):
+        rep = _report([_case("batched_decode", "pass", 1.0 + i, 0.2, shape=f"s{i}")])
+        part = {k: rep[k] for k in ("provenance", "cases", "growth", "defect_units")}
+        part.update(config=dict(rep["config"], shard=[i, 2]), wall_seconds=1.0,
+                    broken_suites=[])
+        (shard_dir / f"shard-{i}-of-2.json").write_text(json.dumps(part))
+    merged = report.merge(tmp_path)
+    assert len(merged["cases"]) == 2 and merged["verdict"]["passed"]
+    (shard_dir / "shard-1-of-2.json").unlink()
+    with pytest.raises(ValueError, match="expected 0..1"):
+        report.merge(tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# real kernels at tiny shapes (simulator process, or a GPU)
+# ---------------------------------------------------------------------------
+
+
+def _with_defect(name, defect):
+    base = registry.KERNELS_BY_NAME[name]
+
+    def run(fn, x):
+        return base.run(lambda *a, **k: fn(*a, defect=defect, **k), x)
+
+    return replace(base, name=f"{name}+{defect}", run=run)
+
+
+@pytest.mark.device
+def test_sweep_case_passes_and_a_planted_defect_fails(monkeypatch):
+    from validation import sweep
+
+    case = registry.Case("batched_decode", "gqa9x3_d40", "normal", 0, "float32", True)
+    rec = sweep.run_case(case)
+    assert rec["status"] == "pass", rec["detail"]
+    assert set(rec["outputs"]) == {"out", "lse"} and rec["ratio"] < 2.5
+    for defect, why in (("stuck_rescale", "max abs err"), ("batch_max_len", "unexpected NaN")):
+        spec = _with_defect("batched_decode", defect)
+        monkeypatch.setitem(registry.KERNELS_BY_NAME, spec.name, spec)
+        bad = sweep.run_case(replace(case, kernel=spec.name))
+        assert bad["status"] == "fail" and why in bad["detail"], (defect, bad["detail"])
+    again = sweep.run_case(case)  # same seed, same data, same numbers
+    assert again["max_abs"] == rec["max_abs"]
+
+
+@pytest.mark.device
+def test_unsupported_dtype_is_reported_not_failed():
+    from validation import sweep
+
+    rec = sweep.run_case(registry.Case("batched_decode", "zero_len", "normal", 0, "float16",
+                                       True))
+    assert rec["status"] in ("unsupported", "pass"), rec["detail"]
+
+
+@pytest.mark.device
+def test_growth_run_records_a_series_and_checks_the_cache():
+    from validation import growth
+
+    rec = growth.run_growth(growth.GrowthJob("batched_decode", "float32", 0, 3, True))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["series"]["step"] == [1, 2, 3] and rec["cache_ok"]
+    assert all(e is not None and b is not None for e, b in
+               zip(rec["series"]["out_err"], rec["series"]["out_base"]))

@@ -1,0 +1,438 @@
+"""``scripts/validate`` (``python -m validation``): sweep, error growth, planted
+defects, report.
+
+On a GPU the default is the full sweep (GPU shapes, seeds 0,1,2, dtypes
+float32/float16/bfloat16, 1024 growth steps) written to ``reports/``. On the
+CUDA simulator (no GPU, or ``--device sim``) it is the quick sweep at small
+shapes (seed 0, float32/float16, 32 growth steps) written to ``reports/sim/``,
+which git ignores, so a local run never overwrites the committed GPU report.
+
+Exit status: 0 when every case, growth run and planted-defect family passes;
+1 when any fails (a case over its bound or raising, a growth step over its
+bound, a defect escaping, a broken module); 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _csv(text):
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _seeds(text):
+    out = []
+    for part in _csv(text):
+        if "-" in part[1:]:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def _shard(text):
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected i/n, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"expected 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def _matcher(patterns):
+    """None (everything) or a predicate over names; "none" matches nothing."""
+    if patterns is None:
+        return None
+    pats = _csv(patterns)
+    if pats == ["none"]:
+        return lambda name: False
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
+
+
+def parser():
+    ap = argparse.ArgumentParser(
+        prog="scripts/validate",
+        description="Validate every kernel against the float64 oracles: a sweep over kernels x "
+                    "shapes x score fixtures x seeds x dtypes, error growth over decode steps, "
+                    "and the planted-defect score; writes summary.md, validation.json and plots.",
+        epilog="Examples: scripts/validate --quick | scripts/validate --kernels 'batched*' "
+               "--growth none --defects none | scripts/validate --shard 0/4 --out reports "
+               "(then --merge) | scripts/validate --mark-stale")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", default=None,
+                      help="the quick subset of shapes and fixtures, one seed (default on the "
+                           "simulator)")
+    size.add_argument("--full", dest="quick", action="store_false",
+                      help="every shape case (default on a GPU)")
+    ap.add_argument("--kernels", help="kernels to sweep: comma list of names or globs, or "
+                                      "'none' (default: all; --list shows them)")
+    ap.add_argument("--shapes", help="shape cases: comma list of names or globs")
+    ap.add_argument("--fixtures", help="score fixtures: normal, large, equal")
+    ap.add_argument("--seeds", type=_seeds, help="e.g. 0,1,2 or 0-4 (default: 0,1,2 on a GPU, "
+                                                 "0 quick or on the simulator)")
+    ap.add_argument("--dtypes", type=_csv, help="storage dtypes: float32, float16, bfloat16")
+    ap.add_argument("--steps", type=int, help="decode steps of each growth run (default 1024 "
+                                              "on a GPU, 32 on the simulator)")
+    ap.add_argument("--growth", help="growth runs: batched_decode, flash_decode, fast_decode, mla_decode, "
+                                     "or 'none'")
+    ap.add_argument("--defects", help="planted-defect suites by family name (globs), or 'none'")
+    ap.add_argument("--suite-module", action="append", default=[], metavar="MODULE",
+                    help="also run this suite module (import path; repeatable)")
+    ap.add_argument("--device", choices=("auto", "gpu", "sim"), default="auto",
+                    help="gpu, sim (CUDA simulator) or auto (GPU when there is one)")
+    ap.add_argument("--out", help="output folder (default: reports on a GPU, reports/sim on "
+                                  "the simulator)")
+    ap.add_argument("--shard", type=_shard, metavar="I/N",
+                    help="run the I-th of N interleaved parts (0-based) into "
+                         "OUT/shards/; combine them with --merge")
+    ap.add_argument("--merge", action="store_true",
+                    help="merge OUT/shards/*.json into the report and exit")
+    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                    help="stop starting units after this many seconds; units not run are "
+                         "reported as errors and the report is still written")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="worker processes (default: 1 on a GPU, up to 2 on the simulator)")
+    ap.add_argument("--list", action="store_true", help="list the work units and exit")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--check-fresh", action="store_true",
+                    help="print whether OUT's report matches the kernel sources (exit 1 if "
+                         "stale or missing)")
+    ap.add_argument("--mark-stale", action="store_true",
+                    help="write (or clear) the STALE banner of OUT/summary.md")
+    return ap
+
+
+# ---------------------------------------------------------------------------
+# device selection (before numba is imported)
+# ---------------------------------------------------------------------------
+
+
+def _probe_gpu():
+    code = ("from numba import cuda; import sys; "
+            "sys.exit(0 if cuda.is_available() and len(cuda.gpus) > 0 else 1)")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    try:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def select_device(choice):
+    """"sim" or "gpu"; sets NUMBA_ENABLE_CUDASIM for the simulator. Raises
+    SystemExit(2) when the choice cannot be honoured."""
+    sim_env = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    numba_loaded = "numba" in sys.modules
+    if choice == "sim":
+        if not sim_env:
+            if numba_loaded:
+                _usage("--device sim: numba was imported without NUMBA_ENABLE_CUDASIM=1")
+            os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        return "sim"
+    if choice == "gpu":
+        if sim_env:
+            _usage("--device gpu, but NUMBA_ENABLE_CUDASIM=1 is set")
+        from attention.device import gpu_available
+
+        if not gpu_available():
+            _usage("--device gpu: no usable CUDA GPU here (try --device sim)")
+        return "gpu"
+    if sim_env:
+        return "sim"
+    if numba_loaded:
+        from attention.device import gpu_available
+
+        return "gpu" if gpu_available() else _usage("no GPU and numba already imported "
+                                                    "without the simulator")
+    if _probe_gpu():
+        return "gpu"
+    print("validate: no CUDA GPU found: running on the CUDA simulator", file=sys.stderr)
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    return "sim"
+
+
+def _usage(msg):
+    print(f"validate: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---------------------------------------------------------------------------
+# work units
+# ---------------------------------------------------------------------------
+
+
+def run_unit(unit):
+    """Run one unit (a sweep Case, a GrowthJob or a DefectUnit) in this process."""
+    import attention  # noqa: F401  (simulator warp intrinsics)
+    from validation import defects, growth, registry, sweep
+
+    if isinstance(unit, registry.Case):
+        return "case", sweep.run_case(unit)
+    if isinstance(unit, growth.GrowthJob):
+        return "growth", growth.run_growth(unit)
+    if isinstance(unit, defects.DefectUnit):
+        return "defect", defects.run_unit(unit)
+    raise TypeError(type(unit).__name__)
+
+
+def _unit_status(kind, rec):
+    if kind == "case":
+        extra = f" ratio {rec['ratio']:.3g}" if rec.get("ratio") is not None else ""
+        return rec["status"] + extra
+    if kind == "growth":
+        extra = (f" worst ratio {rec['worst_ratio']:.3g}" if rec.get("worst_ratio") is not None
+                 else "")
+        return rec["status"] + extra
+    return rec["status"]
+
+
+class Progress:
+    """A text progress bar over work units, one line per finished unit (stderr)."""
+
+    def __init__(self, total, enabled=True, stream=sys.stderr):
+        self.total, self.done, self.enabled, self.stream = total, 0, enabled, stream
+        self.start = time.time()
+
+    def update(self, label, status):
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * self.done / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.time() - self.start
+        self.stream.write(f"[{bar}] {self.done:>4}/{self.total} {elapsed:6.0f}s  {label}: "
+                          f"{status}\n")
+        self.stream.flush()
+
+
+def build_units(args, device):
+    """(units, early case records, broken suite records, config) for this run."""
+    import attention  # noqa: F401
+    from validation import defects, growth, registry, sweep
+
+    small = device == "sim"
+    quick = small if args.quick is None else args.quick
+    seeds = args.seeds if args.seeds else ([0] if (quick or small) else [0, 1, 2])
+    dtypes = args.dtypes or list(registry.SIM_DTYPES if small else registry.GPU_DTYPES)
+    for dt in dtypes:
+        if dt not in registry.GPU_DTYPES:
+            _usage(f"--dtypes: unknown dtype {dt!r} (float32, float16, bfloat16)")
+    steps = args.steps or (growth.SIM_STEPS if small else growth.GPU_STEPS)
+
+    kmatch = _matcher(args.kernels)
+    specs = [k for k in registry.KERNELS if kmatch is None or kmatch(k.name)]
+    if args.kernels and args.kernels != "none" and not specs:
+        _usage(f"--kernels {args.kernels!r} matches none of "
+               f"{', '.join(k.name for k in registry.KERNELS)}")
+    early, runnable = [], []
+    for spec in specs:
+        status, why = registry.resolve(spec)
+        if status == "ok":
+            runnable.append(spec)
+        else:
+            early.append(sweep.not_available_record(spec, status, why))
+    shape_match, fixture_match = _matcher(args.shapes), _matcher(args.fixtures)
+    case_list = registry.cases(runnable, small=small, quick=quick, seeds=seeds, dtypes=dtypes,
+                               shape_filter=shape_match, fixture_filter=fixture_match)
+    if quick:  # hostile fixtures only on each kind's first quick shape
+        first = {}
+        for c in case_list:
+            first.setdefault(registry.KERNELS_BY_NAME[c.kernel].kind, c.shape)
+        case_list = [c for c in case_list
+                     if c.fixture == "normal" or first[registry.KERNELS_BY_NAME[c.kernel].kind]
+                     == c.shape]
+
+    gmatch = _matcher(args.growth)
+    default_growth = growth.DEFAULT_SIM if small else growth.DEFAULT_GPU
+    growth_names = [k for k in growth.GROWTH_KERNELS
+                    if (k in default_growth if gmatch is None else gmatch(k))]
+    growth_jobs = [growth.GrowthJob(k, dt, seeds[0], steps, small)
+                   for k in growth_names for dt in dtypes]
+
+    dmatch = None if args.defects in (None, "none") else _matcher(args.defects)
+    modules = [] if args.defects == "none" else defects.discover()
+    modules += [m for m in args.suite_module if m not in modules]
+    defect_units, broken = defects.units(modules, small=small, family_filter=dmatch)
+
+    # long units first, so worker processes overlap them with the many short cases
+    units = growth_jobs + defect_units + case_list
+    config = {
+        "command": " ".join(["scripts/validate"] + sys.argv[1:]),
+        "device": device, "small": small, "quick": quick, "seeds": seeds, "dtypes": dtypes,
+        "steps": steps, "kernels": [s.name for s in specs],
+        "growth": growth_names, "suites": modules,
+        "shard": list(args.shard) if args.shard else None,
+    }
+    if args.shard:
+        i, n = args.shard
+        units = units[i::n]
+        early = early if i == 0 else []
+        broken = broken if i == 0 else []
+    return units, early, broken, config
+
+
+class DeadlineReached(Exception):
+    """A unit not run because the run's --deadline passed (it counts as failed)."""
+
+
+def execute(units, jobs, progress, deadline=None):
+    """Run units (in worker processes when jobs > 1); returns [(kind, record)] in unit order.
+
+    ``deadline`` (a ``time.monotonic()`` value): units not finished by then are
+    recorded as errors ("not run: deadline reached") and the report is still written.
+    """
+    import time
+
+    results = [None] * len(units)
+    late = DeadlineReached("not run: the --deadline was reached first")
+    if jobs <= 1 or len(units) <= 1:
+        for i, u in enumerate(units):
+            if deadline is not None and time.monotonic() > deadline:
+                results[i] = _crashed(u, late)
+            else:
+                results[i] = run_unit(u)
+            progress.update(u.id, _unit_status(*results[i]))
+        return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, TimeoutError, as_completed
+
+    ctx = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+    futures = {pool.submit(run_unit, u): i for i, u in enumerate(units)}
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        for fut in as_completed(futures, timeout=timeout):
+            i = futures[fut]
+            try:
+                results[i] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a worker crash fails that unit
+                results[i] = _crashed(units[i], exc)
+            progress.update(units[i].id, _unit_status(*results[i]))
+    except TimeoutError:
+        for i, r in enumerate(results):
+            if r is None:
+                results[i] = _crashed(units[i], late)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()  # units still running are abandoned
+        pool.shutdown(wait=False, cancel_futures=True)
+        return results
+    pool.shutdown()
+    return results
+
+
+def _crashed(unit, exc):
+    from validation import defects, growth, registry, sweep
+
+    detail = str(exc) if isinstance(exc, DeadlineReached) else \
+        f"worker process failed: {type(exc).__name__}: {exc}"
+    if isinstance(unit, registry.Case):
+        rec = sweep.base_record(unit)
+        rec.update(status="error", detail=detail)
+        return "case", rec
+    if isinstance(unit, growth.GrowthJob):
+        return "growth", {"id": unit.id, "kernel": unit.kernel, "dtype": unit.dtype,
+                          "seed": unit.seed, "steps": unit.steps, "status": "error",
+                          "passed": False, "detail": detail}
+    assert isinstance(unit, defects.DefectUnit)
+    return "defect", {"id": unit.id, "module": unit.module, "family": unit.module,
+                      "defect": unit.defect, "status": "error", "failing": [],
+                      "detail": detail, "seconds": 0.0}
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    from validation import report
+
+    if args.check_fresh or args.mark_stale:
+        out = Path(args.out) if args.out else ROOT / "reports"
+        f = report.mark_stale(out) if args.mark_stale else report.freshness(out)
+        if f["state"] == "missing":
+            print(f"missing: no {report.JSON_NAME} in {out}")
+            return 1
+        if f["state"] == "fresh":
+            print(f"fresh: {out} measured kernel sources {f['code_hash']}")
+            return 0
+        print(f"stale: {out} measured kernel sources {f['report_hash']}, the code hashes to "
+              f"{f['code_hash']}; summary.md {'carries' if f['marked'] else 'lacks'} the "
+              f"STALE banner")
+        return 0 if args.mark_stale else 1
+
+    if args.merge:
+        out = Path(args.out) if args.out else ROOT / "reports"
+        try:
+            rep = report.merge(out)
+        except ValueError as exc:
+            print(f"validate --merge: {exc}", file=sys.stderr)
+            return 2
+        report.write(rep, out)
+        _print_verdict(rep, out)
+        return 0 if rep["verdict"]["passed"] else 1
+
+    device = select_device(args.device)
+    start = time.time()
+    units, early, broken, config = build_units(args, device)
+    if args.list:
+        for u in units:
+            print(u.id)
+        for r in early:
+            print(f"{r['id']}: {r['status']}")
+        return 0
+    jobs = args.jobs if args.jobs else (min(2, os.cpu_count() or 1) if device == "sim" else 1)
+    progress = Progress(len(units), enabled=not args.no_progress)
+    if not args.no_progress:
+        print(f"validate: {len(units)} units on {device} ({jobs} worker"
+              f"{'s' if jobs > 1 else ''})", file=sys.stderr)
+    deadline = None if not args.deadline else time.monotonic() + args.deadline
+    results = execute(units, jobs, progress, deadline)
+    cases = early + [r for kind, r in results if kind == "case"]
+    growth_recs = [r for kind, r in results if kind == "growth"]
+    unit_recs = [r for kind, r in results if kind == "defect"]
+    wall = time.time() - start
+    from validation.provenance import provenance
+
+    prov = provenance(seeds=config["seeds"], wall_seconds=round(wall, 2))
+    out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
+    if args.shard:
+        import json
+
+        path = report.shard_path(out, *args.shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = {"schema": report.SCHEMA, "provenance": prov, "config": config,
+                "wall_seconds": wall, "cases": cases, "growth": growth_recs,
+                "defect_units": unit_recs, "broken_suites": broken}
+        path.write_text(json.dumps(part, indent=1, default=report._json_default))
+        bad = [r for r in cases if r["status"] in report.FAILING_CASE]
+        bad += [g for g in growth_recs if g["status"] in report.FAILING_GROWTH]
+        bad += [u for u in unit_recs if u["status"] in ("escaped", "error", "clean-fail")]
+        bad += broken
+        print(f"validate: shard {args.shard[0]}/{args.shard[1]} written to {path} "
+              f"({len(bad)} failing unit(s)); combine with --merge --out {out}")
+        return 1 if bad else 0
+    rep = report.build(cases=cases, growth=growth_recs, defect_units=unit_recs,
+                       broken_suites=broken, config=config, provenance=prov, wall_seconds=wall)
+    report.write(rep, out)
+    _print_verdict(rep, out)
+    return 0 if rep["verdict"]["passed"] else 1
+
+
+def _print_verdict(rep, out):
+    v = rep["verdict"]
+    print(f"validate: {'PASS' if v['passed'] else 'FAIL'}: report in {out}/"
+          f"{'summary.md'} ({rep['wall_seconds']:.0f} s)")
+    for text in v["failures"][:20]:
+        print(f"  {text}")
+    if len(v["failures"]) > 20:
+        print(f"  ... {len(v['failures']) - 20} more in {out}/validation.json")

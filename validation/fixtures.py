@@ -1,0 +1,173 @@
+"""Hostile, reproducible inputs for the validation sweep and the growth runs.
+
+Every generator takes a ``numpy.random.Generator`` from ``case_rng``, which
+derives it from the seed and the case's name only (not from the kernel, the
+dtype, the shard or the order of the run): the same seed gives the same data
+everywhere, and every kernel of a kind sees the same inputs.
+
+What makes the data hostile (each is a way a kernel can be silently wrong):
+
+* ``nan_fill``: cache slots no sequence uses, and every position at or
+  beyond a sequence's length, hold NaN. A kernel that reads one stray element
+  turns its output NaN, which the NaN/inf placement check reports.
+* shuffled slot tables: sequence ``m`` lives in slot ``slot_table[m]``, a
+  random permutation with spare slots, so a kernel that assumes ``slot == m``
+  or a slot stride off by one reads NaN or another sequence's keys.
+* ``scores="large"``: queries scaled so the largest ``|scale * q . k|`` of
+  every (sequence, head) is ``LARGE_SCORE`` (1e4): an ``exp`` taken before the
+  maximum is subtracted overflows to inf, and score rounding is at its worst.
+* ``scores="equal"``: every key of a (slot, kv head) is the same row, so all
+  scores of a query are exactly equal (uniform softmax; the output is the mean
+  of the values): a tie-breaking or strict-inequality bug in the running max
+  shows up here.
+* ``scores="normal"``: standard normal data, the baseline case.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+LARGE_SCORE = 1.0e4
+SCORE_FIXTURES = ("normal", "large", "equal")
+
+
+def case_rng(seed, *tags):
+    """A generator determined by ``seed`` and the text of ``tags`` (stable across runs
+    and processes: the tags are hashed with CRC32, not Python's salted ``hash``)."""
+    key = "/".join(str(t) for t in tags)
+    return np.random.default_rng([int(seed), zlib.crc32(key.encode())])
+
+
+def _rescale_to(scores, target):
+    """Factor that makes ``max|scores|`` equal ``target`` (1 when all scores are 0)."""
+    peak = float(np.abs(scores).max()) if scores.size else 0.0
+    return target / peak if peak > 0 else 1.0
+
+
+def decode_inputs(rng, *, m, h, h_kv, d, lens, max_seq, kv_slots, scores="normal",
+                  nan_fill=True, shuffle=True):
+    """Inputs of batched decode attention.
+
+    Returns a dict: ``q [M, H, D]`` float32, ``k_cache``/``v_cache``
+    ``[KV_SLOTS, H_kv, max_seq, D]`` float32 (NaN outside the live rows when
+    ``nan_fill``), ``seq_lens [M]`` int32, ``slot_table [M]`` int32 (a random
+    choice of distinct slots when ``shuffle``), ``scale`` (1/sqrt(D)).
+    """
+    if scores not in SCORE_FIXTURES:
+        raise ValueError(f"scores: expected one of {SCORE_FIXTURES}, got {scores!r}")
+    lens = np.asarray(lens, dtype=np.int32)
+    assert lens.shape == (m,) and kv_slots >= m and (lens <= max_seq).all()
+    slot_table = (rng.permutation(kv_slots)[:m] if shuffle else np.arange(m)).astype(np.int32)
+    shape = (kv_slots, h_kv, max_seq, d)
+    fill = np.nan if nan_fill else 0.0
+    k_cache = np.full(shape, fill, dtype=np.float64)
+    v_cache = np.full(shape, fill, dtype=np.float64)
+    q = rng.standard_normal((m, h, d))
+    for i in range(m):
+        slot, length = int(slot_table[i]), int(lens[i])
+        if scores == "equal":
+            row = rng.standard_normal((h_kv, 1, d))
+            k_cache[slot, :, :length] = np.broadcast_to(row, (h_kv, length, d))
+        else:
+            k_cache[slot, :, :length] = rng.standard_normal((h_kv, length, d))
+        v_cache[slot, :, :length] = rng.standard_normal((h_kv, length, d))
+    scale = 1.0 / np.sqrt(d)
+    if scores == "large":
+        for i in range(m):
+            slot, length = int(slot_table[i]), int(lens[i])
+            for head in range(h):
+                g = head * h_kv // h
+                s = k_cache[slot, g, :length] @ q[i, head] * scale
+                q[i, head] *= _rescale_to(s, LARGE_SCORE)
+    return {
+        "q": q.astype(np.float32),
+        "k_cache": k_cache.astype(np.float32),
+        "v_cache": v_cache.astype(np.float32),
+        "seq_lens": lens,
+        "slot_table": slot_table,
+        "scale": scale,
+    }
+
+
+def prefill_inputs(rng, *, t, h, h_kv, d, causal, scores="normal"):
+    """Inputs of prefill attention: ``q [T, H*D]``, ``k``/``v [T, H_kv*D]`` float32
+    (interleaved rows), ``n_heads``, ``n_kv_heads``, ``causal``, ``scale``."""
+    if scores not in SCORE_FIXTURES:
+        raise ValueError(f"scores: expected one of {SCORE_FIXTURES}, got {scores!r}")
+    q = rng.standard_normal((t, h, d))
+    if scores == "equal":
+        k = np.broadcast_to(rng.standard_normal((1, h_kv, d)), (t, h_kv, d)).copy()
+    else:
+        k = rng.standard_normal((t, h_kv, d))
+    v = rng.standard_normal((t, h_kv, d))
+    scale = 1.0 / np.sqrt(d)
+    if scores == "large" and t:
+        for head in range(h):
+            g = head * h_kv // h
+            s = q[:, head] @ k[:, g].T * scale  # [T, T]
+            q[:, head] *= _rescale_to(s, LARGE_SCORE)
+    return {
+        "q": q.reshape(t, h * d).astype(np.float32),
+        "k": k.reshape(t, h_kv * d).astype(np.float32),
+        "v": v.reshape(t, h_kv * d).astype(np.float32),
+        "n_heads": h,
+        "n_kv_heads": h_kv,
+        "causal": causal,
+        "scale": scale,
+    }
+
+
+def mla_inputs(rng, dims, *, t_q, t_kv, scores="normal"):
+    """Inputs of MLA attention (``mla.oracle`` layouts), float32.
+
+    ``q_nope [t_q, nh, d_nope]``, ``q_pe [t_q, nh, d_rope]``, ``c_kv [t_kv, r]``,
+    ``k_pe [t_kv, d_rope]``, ``w_uk [nh, d_nope, r]``, ``w_uv [nh, d_v, r]``,
+    ``scale`` (1/sqrt(d_nope + d_rope)). Weights are scaled by 1/sqrt(fan-in)
+    so scores are O(1) before the fixture rescales them.
+    """
+    if scores not in SCORE_FIXTURES:
+        raise ValueError(f"scores: expected one of {SCORE_FIXTURES}, got {scores!r}")
+    nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
+    q_nope = rng.standard_normal((t_q, nh, d_nope))
+    q_pe = rng.standard_normal((t_q, nh, d_rope))
+    if scores == "equal":
+        c_kv = np.broadcast_to(rng.standard_normal((1, r)), (t_kv, r)).copy()
+        k_pe = np.broadcast_to(rng.standard_normal((1, d_rope)), (t_kv, d_rope)).copy()
+    else:
+        c_kv = rng.standard_normal((t_kv, r))
+        k_pe = rng.standard_normal((t_kv, d_rope))
+    w_uk = rng.standard_normal((nh, d_nope, r)) / np.sqrt(r)
+    w_uv = rng.standard_normal((nh, d_v, r)) / np.sqrt(r)
+    scale = 1.0 / np.sqrt(d_nope + d_rope)
+    if scores == "large" and t_q and t_kv:
+        for head in range(nh):
+            q_lat = q_nope[:, head] @ w_uk[head]  # [t_q, r]
+            s = (q_lat @ c_kv.T + q_pe[:, head] @ k_pe.T) * scale  # [t_q, t_kv]
+            f = _rescale_to(s, LARGE_SCORE)
+            q_nope[:, head] *= f
+            q_pe[:, head] *= f
+    f32 = np.float32
+    return {
+        "q_nope": q_nope.astype(f32), "q_pe": q_pe.astype(f32),
+        "c_kv": c_kv.astype(f32), "k_pe": k_pe.astype(f32),
+        "w_uk": w_uk.astype(f32), "w_uv": w_uv.astype(f32),
+        "scale": scale,
+    }
+
+
+def cast(x, dtype):
+    """``x`` stored in ``dtype`` (numpy dtype or name; "bfloat16" via ml_dtypes).
+    Values beyond the dtype's range become inf, as a store would make them."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x).astype(resolve_dtype(dtype))
+
+
+def resolve_dtype(name):
+    """numpy dtype for a name: float32, float16 or bfloat16 (ml_dtypes)."""
+    if isinstance(name, str) and name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

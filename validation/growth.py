@@ -1,0 +1,246 @@
+"""Error growth over decode steps: does a kernel's error stay at float32 level
+as the context grows token by token?
+
+Each run decodes ``steps`` tokens. Every step appends this token's row through
+the real kernels (``DecodeBatch.step``: batched KV scatter then attention;
+``LatentCache.append``: the MLA ``append_latent`` kernel, then
+``mla_decode_step``), and compares the step's output with the float64 oracle's
+full recompute over everything cached so far, and the float32 baseline (the
+same oracle code in float32) likewise. A host mirror of the cache (what the
+appends should have written) feeds the oracles; at the end the device cache is
+copied back and must equal the mirror bit for bit, with NaN (the initial fill)
+everywhere nothing was appended.
+
+Runs (``GROWTH_KERNELS``):
+
+* ``batched_decode``: ``DecodeBatch(method="warp")``, M sequences with
+  different starting lengths in shuffled slots of a NaN-filled pool;
+* ``flash_decode``: the same with ``method="split"`` and a fixed chunk so the
+  context crosses many chunks;
+* ``fast_decode``: the same with ``method="fast"`` (``attention.decode_fast``);
+* ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
+  length) and the absorbed MLA pipeline.
+
+A step passes under the sweep's rule (``validation.metrics.judge``); the run
+passes when every step does and the cache check holds. The series (kernel and
+baseline error of every step) goes into the report and the plots.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from validation import fixtures, metrics
+
+GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode")
+DEFAULT_GPU = ("batched_decode", "flash_decode", "fast_decode", "mla_decode")
+DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
+DEFAULT_SIM = ("batched_decode", "mla_decode")
+GPU_STEPS = 1024
+SIM_STEPS = 32
+
+# geometry: simulator (small) and GPU sizes
+DECODE_GEOMETRY = {
+    True: dict(m=2, h=2, h_kv=1, d=40, start=(0, 3), kv_slots=3, chunk=8),
+    False: dict(m=3, h=8, h_kv=2, d=128, start=(0, 17, 100), kv_slots=5, chunk=128),
+}
+MLA_START = {True: 3, False: 16}
+MODULES = {"batched_decode": ("attention.decode_state", "attention.oracle"),
+           "flash_decode": ("attention.decode_state", "attention.oracle"),
+           "fast_decode": ("attention.decode_state", "attention.decode_fast", "attention.oracle"),
+           "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims")}
+
+
+@dataclass(frozen=True)
+class GrowthJob:
+    kernel: str
+    dtype: str
+    seed: int
+    steps: int
+    small: bool
+
+    @property
+    def id(self):
+        return f"growth/{self.kernel}/{self.dtype}/s{self.seed}/{self.steps}"
+
+
+def _series():
+    return {"step": [], "length": [], "out_err": [], "out_base": [], "out_bound": [],
+            "lse_err": [], "lse_base": [], "lse_bound": [], "passed": []}
+
+
+def _record_step(series, step, length, judged):
+    series["step"].append(step)
+    series["length"].append(length)
+    for name in ("out", "lse"):
+        r = judged.get(name)
+        series[f"{name}_err"].append(None if r is None else r["max_abs"])
+        series[f"{name}_base"].append(None if r is None else r["baseline_abs"])
+        series[f"{name}_bound"].append(None if r is None else r["bound"])
+    series["passed"].append(all(r["passed"] for r in judged.values()))
+
+
+def _decode_growth(job, method):
+    from attention.decode_state import DecodeBatch
+    from attention.oracle import decode_attention_ref
+
+    g = DECODE_GEOMETRY[job.small]
+    m, h, h_kv, d, kv_slots = g["m"], g["h"], g["h_kv"], g["d"], g["kv_slots"]
+    start = np.array(g["start"], np.int32)
+    max_seq = int(start.max()) + job.steps + 1  # one position is never written: stays NaN
+    dt = fixtures.resolve_dtype(job.dtype)
+    rng = fixtures.case_rng(job.seed, "growth", "decode", job.small)
+    slot_table = rng.permutation(kv_slots)[:m].astype(np.int32)
+    extra = {"split_chunk": g["chunk"]} if method == "split" else {}
+    batch = DecodeBatch(m, h, h_kv, d, max_seq, kv_slots=kv_slots, slot_table=slot_table,
+                        dtype=dt, method=method, fill=np.nan, **extra)
+    # host mirrors of what the device caches should hold (float64 copies of the stored values)
+    k_mirror = np.full((kv_slots, h_kv, max_seq, d), np.nan)
+    v_mirror = np.full((kv_slots, h_kv, max_seq, d), np.nan)
+    longest = int(start.max())
+    k_pre = rng.standard_normal((m, h_kv, longest, d)).astype(dt)
+    v_pre = rng.standard_normal((m, h_kv, longest, d)).astype(dt)
+    batch.prefill(k_pre, v_pre, start)
+    for i in range(m):
+        k_mirror[slot_table[i], :, :start[i]] = k_pre[i, :, :start[i]]
+        v_mirror[slot_table[i], :, :start[i]] = v_pre[i, :, :start[i]]
+    k32, v32 = k_mirror.astype(np.float32), v_mirror.astype(np.float32)
+    series = _series()
+    lengths = start.copy()
+    for step in range(job.steps):
+        q = rng.standard_normal((m, h, d)).astype(np.float32)
+        k_new = rng.standard_normal((m, h_kv, d)).astype(dt)
+        v_new = rng.standard_normal((m, h_kv, d)).astype(dt)
+        out, lse = batch.step(q, k_new, v_new, return_lse=True)
+        for i in range(m):
+            s, p = slot_table[i], lengths[i]
+            k_mirror[s, :, p], v_mirror[s, :, p] = k_new[i], v_new[i]
+            k32[s, :, p], v32[s, :, p] = k_new[i], v_new[i]
+        lengths = lengths + 1
+        o64, l64 = decode_attention_ref(q, k_mirror, v_mirror, lengths, slot_table)
+        o32, l32 = decode_attention_ref(q, k32, v32, lengths, slot_table, dtype=np.float32)
+        judged = {"out": metrics.judge(out, o64, o32, dt), "lse": metrics.judge(lse, l64, l32, dt)}
+        _record_step(series, step + 1, int(lengths.max()), judged)
+    # the caches after the run: appended rows bit-exact, NaN elsewhere
+    cache_ok = True
+    problems = []
+    for name, dev, mirror in (("k_cache", batch.k_cache, k_mirror),
+                              ("v_cache", batch.v_cache, v_mirror)):
+        host = np.asarray(dev.copy_to_host(), dtype=np.float64)
+        if not np.array_equal(host, mirror, equal_nan=True):
+            cache_ok = False
+            bad = np.argwhere(~((host == mirror) | (np.isnan(host) & np.isnan(mirror))))
+            problems.append(f"{name} differs from the appended rows at {tuple(bad[0])} "
+                            f"({len(bad)} elements)")
+    if not np.array_equal(batch.lengths, lengths):
+        cache_ok = False
+        problems.append(f"lengths {batch.lengths.tolist()} != expected {lengths.tolist()}")
+    geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+    return series, cache_ok, "; ".join(problems), geometry
+
+
+def _mla_growth(job):
+    from mla import dims as mla_dims
+    from mla.cache import LatentCache
+    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    from mla.pipeline import mla_decode_step
+
+    if job.small:
+        dims = mla_dims.SMALL_SHAPES[0]
+    else:  # DeepSeek-V3 widths with 16 heads (the per-step float64 recompute stays cheap)
+        dims = mla_dims.MlaDims(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512)
+    nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
+    dt = fixtures.resolve_dtype(job.dtype)
+    rng = fixtures.case_rng(job.seed, "growth", "mla", job.small)
+    start = MLA_START[job.small]
+    max_seq = start + job.steps + 1
+    cache = LatentCache(1, max_seq, dims, dtype=dt)
+    w_uk = (rng.standard_normal((nh, d_nope, r)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((nh, d_v, r)) / np.sqrt(r)).astype(np.float32)
+    c_all = rng.standard_normal((start + job.steps, r)).astype(dt)
+    k_all = rng.standard_normal((start + job.steps, d_rope)).astype(dt)
+    cache.append(0, c_all[:start], k_all[:start])
+    series = _series()
+    for step in range(job.steps):
+        length = start + step + 1
+        cache.append(0, c_all[length - 1:length], k_all[length - 1:length])
+        q_nope = rng.standard_normal((1, nh, d_nope)).astype(np.float32)
+        q_pe = rng.standard_normal((1, nh, d_rope)).astype(np.float32)
+        out = mla_decode_step(q_nope, q_pe, cache, 0, w_uk, w_uv)
+        args = (q_nope, q_pe, c_all[:length].astype(np.float64), k_all[:length].astype(
+            np.float64), w_uk, w_uv)
+        ref = mla_attend_absorbed(*args)
+        base = mla_attend_float32(*args)
+        _record_step(series, step + 1, length, {"out": metrics.judge(out, ref, base, dt)})
+    problems = []
+    rows = np.asarray(cache.rows(0), dtype=np.float64)
+    want = np.concatenate([c_all, k_all], axis=1).astype(np.float64)
+    if not np.array_equal(rows, want):
+        problems.append("latent rows differ from the appended [c_kv | k_pe] rows")
+    if not cache.in_step():
+        problems.append("device lengths out of step with the host bookkeeping")
+    plane = np.asarray(cache.plane(0).copy_to_host(), dtype=np.float64)
+    if not np.isnan(plane[start + job.steps:]).all():
+        problems.append("rows beyond the length were written")
+    geometry = {"nh": nh, "d_nope": d_nope, "d_rope": d_rope, "d_v": d_v, "r": r,
+                "start": start}
+    return series, not problems, "; ".join(problems), geometry
+
+
+def _available(kernel):
+    from validation.registry import _import
+
+    for module in MODULES[kernel]:
+        status, why = _import(module)
+        if status != "ok":
+            return status, why
+    return "ok", None
+
+
+def run_growth(job):
+    """Run one growth job; returns a JSON-ready record (module docstring)."""
+    rec = {"id": job.id, "kernel": job.kernel, "dtype": job.dtype, "seed": job.seed,
+           "steps": job.steps, "passed": False, "detail": ""}
+    status, why = _available(job.kernel)
+    if status != "ok":
+        rec.update(status=status, detail=str(why)[-2000:])
+        return rec
+    from attention.checks import DTypeError
+    from attention.device import SIMULATOR
+
+    if job.dtype == "bfloat16" and SIMULATOR:
+        rec.update(status="unsupported", detail="the CUDA simulator has no bfloat16")
+        return rec
+    start = time.perf_counter()
+    try:
+        if job.kernel == "mla_decode":
+            series, cache_ok, problems, geometry = _mla_growth(job)
+        else:
+            method = DECODE_METHODS[job.kernel]
+            series, cache_ok, problems, geometry = _decode_growth(job, method)
+    except DTypeError as exc:
+        rec.update(status="unsupported", detail=f"DTypeError: {exc}")
+        return rec
+    except Exception:  # noqa: BLE001 - a run that raises fails
+        rec.update(status="error", detail=traceback.format_exc(limit=6)[-3000:],
+                   seconds=time.perf_counter() - start)
+        return rec
+    bad_steps = [s for s, ok in zip(series["step"], series["passed"]) if not ok]
+    passed = cache_ok and not bad_steps
+    ratios = [metrics.error_ratio(e, b) for e, b in zip(series["out_err"], series["out_base"])]
+    margins = [e / bnd for e, bnd in zip(series["out_err"], series["out_bound"])]
+    detail = problems
+    if bad_steps:
+        detail = (detail + "; " if detail else "") + (
+            f"{len(bad_steps)} of {job.steps} steps over the bound (first: step {bad_steps[0]})")
+    rec.update(status="pass" if passed else "fail", passed=passed, series=series,
+               geometry=geometry, cache_ok=cache_ok, detail=detail,
+               seconds=time.perf_counter() - start,
+               worst_ratio=max(ratios, default=0.0), worst_margin=max(margins, default=0.0),
+               final_err=series["out_err"][-1] if series["out_err"] else None,
+               final_base=series["out_base"][-1] if series["out_base"] else None)
+    return rec

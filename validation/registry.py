@@ -1,0 +1,365 @@
+"""What the sweep runs: kernels x shape cases x score fixtures x seeds x dtypes.
+
+A kernel entry (``KernelSpec``) names the module and function it drives and
+how to call it; its ``kind`` ("decode", "prefill" or "mla") says which inputs
+(``validation.fixtures``), which float64 oracle and which float32 baseline
+judge it. Modules are imported only when a case runs (``resolve``): a kernel
+whose module does not exist yet is reported "not available"; a module that
+exists but fails to import (or lacks the function) is "broken" and fails the
+run.
+
+Shape cases come in two sizes: ``small`` (the CUDA simulator, where every
+thread is a Python thread) and full (a GPU). Both include the awkward sizes
+that tail handling gets wrong: head_dim 40/80/96/111 (not multiples of 32),
+GQA 9 query heads over 3 kv heads, T 97 and 1025 (one past a power of two),
+and zero-length sequences (output zeros, LSE -inf). ``quick`` marks the subset
+``--quick`` runs.
+
+Dtypes: the storage dtype of the cached tensors (K/V caches, prefill K/V, MLA
+latent rows) is cast first; if the kernel rejects that with
+``checks.DTypeError``, every floating input is cast; a second rejection makes
+the case "unsupported" (not a failure). The oracle and the baseline always see
+exactly the values the kernel was given (upcast).
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from validation import fixtures
+
+SIM_DTYPES = ("float32", "float16")  # the simulator has no bfloat16
+GPU_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# ---------------------------------------------------------------------------
+# shape cases
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kind: str
+    dims: dict = field(compare=False, hash=False)
+    quick: bool = False
+    fixtures: tuple = fixtures.SCORE_FIXTURES
+
+
+def _decode(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, **dims):
+    return Shape(name, "decode", dims, quick, fixtures_)
+
+
+def _prefill(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, **dims):
+    return Shape(name, "prefill", dims, quick, fixtures_)
+
+
+NORMAL_ONLY = ("normal",)
+
+DECODE_SMALL = (
+    # GQA 9:3 at head_dim 40 with an empty sequence in the middle of the batch
+    _decode("gqa9x3_d40", True, m=3, h=9, h_kv=3, d=40, lens=(6, 0, 3), max_seq=8, kv_slots=5),
+    _decode("zero_len", True, NORMAL_ONLY, m=3, h=2, h_kv=1, d=32, lens=(0, 0, 0), max_seq=4,
+            kv_slots=4),
+    _decode("d80", m=2, h=4, h_kv=2, d=80, lens=(5, 2), max_seq=6, kv_slots=3),
+    _decode("d96", m=2, h=2, h_kv=2, d=96, lens=(4, 7), max_seq=9, kv_slots=4),
+    _decode("d111_t97", m=2, h=2, h_kv=1, d=111, lens=(97, 1), max_seq=100, kv_slots=3),
+)
+
+DECODE_FULL = (
+    _decode("gqa9x3_d40", True, m=5, h=9, h_kv=3, d=40, lens=(97, 0, 1025, 1, 300),
+            max_seq=1100, kv_slots=8),
+    # the production shape that exposed the stuck rescale (Qwen2.5-Coder-1.5B, 2048 context)
+    _decode("qwen_gqa6_d128", True, m=3, h=12, h_kv=2, d=128, lens=(17, 11, 5), max_seq=2048,
+            kv_slots=8),
+    _decode("zero_len", True, NORMAL_ONLY, m=4, h=8, h_kv=2, d=64, lens=(0, 0, 0, 0),
+            max_seq=16, kv_slots=6),
+    _decode("d80", m=3, h=8, h_kv=2, d=80, lens=(1025, 97, 5), max_seq=1030, kv_slots=6),
+    _decode("d96", m=4, h=12, h_kv=4, d=96, lens=(64, 1025, 0, 97), max_seq=1025, kv_slots=5),
+    _decode("d111", m=2, h=9, h_kv=3, d=111, lens=(97, 1025), max_seq=1030, kv_slots=4),
+    _decode("d256", m=2, h=4, h_kv=1, d=256, lens=(1025, 33), max_seq=1100, kv_slots=3),
+    _decode("long_d128", m=4, h=32, h_kv=8, d=128, lens=(4096, 1025, 97, 0), max_seq=4096,
+            kv_slots=6),
+    _decode("m64_gqa7", False, NORMAL_ONLY, m=64, h=14, h_kv=2, d=64,
+            lens=tuple((37 * i) % 513 for i in range(64)), max_seq=520, kv_slots=70),
+)
+
+PREFILL_SMALL = (
+    _prefill("gqa3x1_d40_t5_causal", True, t=5, h=3, h_kv=1, d=40, causal=True),
+    _prefill("t0", True, NORMAL_ONLY, t=0, h=2, h_kv=1, d=32, causal=True),
+    _prefill("d111_t9", t=9, h=2, h_kv=2, d=111, causal=False),
+    _prefill("d80_t17_causal", t=17, h=2, h_kv=1, d=80, causal=True),
+)
+
+PREFILL_FULL = (
+    _prefill("t1_gqa9x3_d80", True, t=1, h=9, h_kv=3, d=80, causal=True),
+    _prefill("t97_gqa9x3_d40_causal", True, t=97, h=9, h_kv=3, d=40, causal=True),
+    _prefill("t0", True, NORMAL_ONLY, t=0, h=4, h_kv=2, d=64, causal=True),
+    _prefill("t97_d96", t=97, h=4, h_kv=4, d=96, causal=False),
+    _prefill("t1025_gqa9x3_d111_causal", t=1025, h=9, h_kv=3, d=111, causal=True),
+    _prefill("t1025_gqa4_d128_causal", t=1025, h=8, h_kv=2, d=128, causal=True),
+    _prefill("t1025_d64", False, NORMAL_ONLY, t=1025, h=4, h_kv=4, d=64,
+             causal=False),
+)
+
+# MLA: (dims index into the table, t_q, t_kv); decode is t_q = 1, chunked prefill t_q < t_kv
+MLA_SMALL = (("s0", 0, 1, 9, True), ("s1", 1, 3, 9, True), ("s2nope", 2, 4, 4, False),
+             ("s1", 1, 1, 1, False))
+MLA_FULL = (("dsv3", 0, 1, 1025, True), ("dsv3", 0, 3, 9, True), ("dsv3", 0, 17, 17, False),
+            ("nope64x256", 1, 1, 97, True), ("nope64x256", 1, 4, 4, False),
+            ("s1", 2, 17, 17, False))
+
+
+def _mla_dims_table(small):
+    from mla import dims as mla_dims
+
+    return tuple(mla_dims.SMALL_SHAPES) if small else tuple(mla_dims.PRESETS) + (
+        mla_dims.SMALL_SHAPES[1],)
+
+
+def mla_shapes(small):
+    table = _mla_dims_table(small)
+    out = []
+    for label, idx, t_q, t_kv, quick in (MLA_SMALL if small else MLA_FULL):
+        dims = table[idx]
+        out.append(Shape(f"{label}_q{t_q}_kv{t_kv}", "mla",
+                         {"dims": dims, "t_q": t_q, "t_kv": t_kv}, quick))
+    return tuple(out)
+
+
+def shapes(kind, small):
+    """The shape cases of a kind at simulator (``small``) or GPU size."""
+    if kind == "decode":
+        return DECODE_SMALL if small else DECODE_FULL
+    if kind == "prefill":
+        return PREFILL_SMALL if small else PREFILL_FULL
+    if kind == "mla":
+        return mla_shapes(small)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def find_shape(kind, name, small):
+    for s in shapes(kind, small):
+        if s.name == name:
+            return s
+    raise KeyError(f"no {kind} shape named {name!r}")
+
+
+# ---------------------------------------------------------------------------
+# inputs, oracles, baselines
+# ---------------------------------------------------------------------------
+
+
+def make_inputs(kind, shape, fixture, seed):
+    """The case's float32 inputs; depend only on (kind, shape, fixture, seed)."""
+    rng = fixtures.case_rng(seed, kind, shape.name, fixture)
+    d = shape.dims
+    if kind == "decode":
+        return fixtures.decode_inputs(rng, scores=fixture, **d)
+    if kind == "prefill":
+        return fixtures.prefill_inputs(rng, scores=fixture, **d)
+    if kind == "mla":
+        return fixtures.mla_inputs(rng, d["dims"], t_q=d["t_q"], t_kv=d["t_kv"], scores=fixture)
+    raise ValueError(kind)
+
+
+def references(kind, inputs, dtype):
+    """(oracle, baseline): dicts of output name -> array; float64 oracle, float32
+    baseline (the same oracle code in float32), on exactly ``inputs``."""
+    if kind == "decode":
+        from attention.oracle import decode_attention_ref
+
+        args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["seq_lens"],
+                inputs["slot_table"])
+        o64, l64 = decode_attention_ref(*args, dtype=np.float64)
+        o32, l32 = decode_attention_ref(*args, dtype=np.float32)
+        return {"out": o64, "lse": l64}, {"out": o32, "lse": l32}
+    if kind == "prefill":
+        from attention.oracle import prefill_attention_ref
+
+        args = (inputs["q"], inputs["k"], inputs["v"], inputs["n_heads"])
+        kw = {"n_kv_heads": inputs["n_kv_heads"], "causal": inputs["causal"]}
+        o64, l64 = prefill_attention_ref(*args, dtype=np.float64, **kw)
+        o32, l32 = prefill_attention_ref(*args, dtype=np.float32, **kw)
+        return {"out": o64, "lse": l64}, {"out": o32, "lse": l32}
+    if kind == "mla":
+        from mla.oracle import mla_attend_absorbed, mla_attend_float32
+
+        args = tuple(inputs[n] for n in MLA_ARGS)
+        return {"out": mla_attend_absorbed(*args)}, {"out": mla_attend_float32(*args)}
+    raise ValueError(kind)
+
+
+MLA_ARGS = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+
+def _run_batched(fn, x):
+    out, lse = fn(x["q"], x["k_cache"], x["v_cache"], x["seq_lens"], x["slot_table"],
+                  return_lse=True)
+    return {"out": out, "lse": lse}
+
+
+def _run_single(fn, x):
+    """decode_attention of one sequence, called for each sequence of the batch."""
+    outs, lses = [], []
+    for m in range(x["q"].shape[0]):
+        slot = int(x["slot_table"][m])
+        out, lse = fn(x["q"][m], x["k_cache"][slot], x["v_cache"][slot], int(x["seq_lens"][m]),
+                      return_lse=True)
+        outs.append(np.asarray(out))
+        lses.append(np.asarray(lse))
+    return {"out": np.stack(outs), "lse": np.stack(lses)}
+
+
+def _run_flash(num_splits):
+    def run(fn, x):
+        out, lse = fn(x["q"], x["k_cache"], x["v_cache"], x["seq_lens"], x["slot_table"],
+                      num_splits=num_splits, return_lse=True)
+        return {"out": out, "lse": lse}
+
+    return run
+
+
+def _run_prefill(method):
+    def run(fn, x):
+        out, lse = fn(x["q"], x["k"], x["v"], x["n_heads"], n_kv_heads=x["n_kv_heads"],
+                      causal=x["causal"], method=method, return_lse=True)
+        return {"out": out, "lse": lse}
+
+    return run
+
+
+def _run_mla(fn, x):
+    return {"out": fn(*(x[n] for n in MLA_ARGS))}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    family: str  # report grouping; the planted-defect suite of the same FAMILY joins it
+    kind: str  # decode | prefill | mla: inputs, oracle and baseline
+    module: str
+    attr: str
+    run: Callable = field(compare=False)
+    storage: tuple = ()  # inputs cast to the case dtype first
+    note: str = ""
+
+
+KERNELS = (
+    KernelSpec("decode", "decode", "decode", "attention.decode", "decode_attention",
+               _run_single, ("k_cache", "v_cache"),
+               "warp-per-head decode of one sequence (called per sequence)"),
+    KernelSpec("batched_decode", "batched_decode", "decode", "attention.decode",
+               "batched_decode_attention", _run_batched, ("k_cache", "v_cache"),
+               "warp per (head, sequence) over a pooled cache with a slot table"),
+    KernelSpec("flash_decode", "batched_decode", "decode", "attention.flash_decode",
+               "flash_decode_attention", _run_flash(None), ("k_cache", "v_cache"),
+               "split-KV decode, split count from the heuristic"),
+    KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.flash_decode",
+               "flash_decode_attention", _run_flash(3), ("k_cache", "v_cache"),
+               "split-KV decode forced to 3 splits (empty chunks on short sequences)"),
+    KernelSpec("decode_fast", "batched_decode", "decode", "attention.decode_fast",
+               "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
+               "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads"),
+    KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill", "prefill_attention",
+               _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill"),
+    KernelSpec("prefill_batched", "prefill", "prefill", "attention.prefill",
+               "prefill_attention", _run_prefill("batched"), ("k", "v"),
+               "all heads per launch: transpose, GEMM, softmax, GEMM"),
+    KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill",
+               "prefill_attention", _run_prefill("per_head"), ("k", "v"),
+               "one head at a time through the same small kernels"),
+    KernelSpec("mla", "mla", "mla", "mla.pipeline", "mla_attend", _run_mla, ("c_kv", "k_pe"),
+               "absorb_q -> latent rows -> attn_absorbed -> decompress_v"),
+)
+KERNELS_BY_NAME = {k.name: k for k in KERNELS}
+# modules the oracles and fixtures of each kind need besides the kernel's own
+KIND_MODULES = {"decode": ("attention.oracle",), "prefill": ("attention.oracle",),
+                "mla": ("mla.oracle", "mla.dims")}
+
+
+def _import(module):
+    """("ok", module) | ("not available", why) | ("broken", traceback)."""
+    try:
+        return "ok", importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            return "not available", f"module {module} does not exist yet"
+        return "broken", traceback.format_exc(limit=4)
+    except Exception:  # noqa: BLE001 - any import failure of an existing module is a defect
+        return "broken", traceback.format_exc(limit=4)
+
+
+def resolve(spec):
+    """("ok", function) | ("not available", why) | ("broken", why) for a kernel."""
+    for module in KIND_MODULES[spec.kind]:
+        status, got = _import(module)
+        if status != "ok":
+            return status, got
+    status, mod = _import(spec.module)
+    if status != "ok":
+        return status, mod
+    fn = getattr(mod, spec.attr, None)
+    if fn is None:
+        return "broken", f"module {spec.module} has no {spec.attr}"
+    return "ok", fn
+
+
+# ---------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    shape: str
+    fixture: str
+    seed: int
+    dtype: str
+    small: bool
+
+    @property
+    def id(self):
+        return f"{self.kernel}/{self.shape}/{self.fixture}/s{self.seed}/{self.dtype}"
+
+
+def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_filter=None):
+    """Every case of ``kernels`` (KernelSpecs) in a fixed order: grouped by kind,
+    then by data (shape, fixture, seed, dtype), the kernels of the kind last, so
+    consecutive cases share inputs and references. A kind whose shapes cannot be
+    listed (its modules missing) yields no cases; the sweep reports its kernels
+    through ``resolve``."""
+    by_kind = {}
+    for spec in kernels:
+        by_kind.setdefault(spec.kind, []).append(spec)
+    out = []
+    for kind, specs in by_kind.items():
+        try:
+            kind_shapes = shapes(kind, small)
+        except ImportError:
+            continue
+        for shape in kind_shapes:
+            if quick and not shape.quick:
+                continue
+            if shape_filter and not shape_filter(shape.name):
+                continue
+            for fixture in shape.fixtures:
+                if fixture_filter and not fixture_filter(fixture):
+                    continue
+                for seed in seeds:
+                    for dtype in dtypes:
+                        for spec in specs:
+                            out.append(Case(spec.name, shape.name, fixture, int(seed), dtype,
+                                            small))
+    return out
