@@ -96,6 +96,9 @@ def parser():
     ap.add_argument("--shard", type=_shard, metavar="I/N",
                     help="run the I-th of N interleaved parts (0-based) into "
                          "OUT/shards/; combine them with --merge")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="rewrite summary.md and the plots of OUT from its validation.json "
+                         "(e.g. after a run cut short while writing them); runs nothing")
     ap.add_argument("--merge", action="store_true",
                     help="merge OUT/shards/*.json into the report and exit")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -369,6 +372,17 @@ def main(argv=None):
               f"{f['code_hash']}; summary.md {'carries' if f['marked'] else 'lacks'} the "
               f"STALE banner")
         return 0 if args.mark_stale else 1
+
+    if args.rebuild:
+        out = Path(args.out) if args.out else ROOT / "reports"
+        try:
+            rep = report.load(out)
+        except OSError as exc:
+            print(f"validate --rebuild: {exc}", file=sys.stderr)
+            return 2
+        report.write(rep, out)  # the same results; plots and summary.md written anew
+        _print_verdict(rep, out)
+        return 0 if rep["verdict"]["passed"] else 1
 
     if args.merge:
         out = Path(args.out) if args.out else ROOT / "reports"

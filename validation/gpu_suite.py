@@ -2,12 +2,20 @@
 
     python -m validation.gpu_suite [--sanitizer memcheck|racecheck] [--name NAME]
                                    [--out reports/gpu] [-- pytest args...]
+    python -m validation.gpu_suite --from-log LOG --provenance-from JSON --name NAME
 
 The report (``reports/gpu/<name>.json``) holds the provenance of
 ``validation.provenance`` (git commit, kernel-source hash, GPU name, package
 versions), the pytest command, its exit status, per-test outcomes and, under
 compute-sanitizer, the tool and its error summary. Exit status: pytest's (or
 non-zero when the sanitizer reports errors).
+
+``--from-log`` rebuilds such a report from the streamed ``pytest -v`` log of a
+run that was cut short (the per-test lines are the evidence; the report says
+``"interrupted": true`` when the log has no final pytest summary, and a
+sanitizer's verdict only when its ERROR SUMMARY line is there). The GPU side's
+provenance comes from ``--provenance-from``: a report of the same run on the
+same machine (e.g. ``reports/validation.json``).
 """
 
 from __future__ import annotations
@@ -31,8 +39,13 @@ def main(argv=None):
     ap.add_argument("--sanitizer", choices=["memcheck", "racecheck", "initcheck", "synccheck"])
     ap.add_argument("--name", help="report file name (default: suite or sanitizer-<tool>)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "gpu"))
+    ap.add_argument("--from-log", metavar="LOG", help="rebuild the report from a pytest -v log")
+    ap.add_argument("--provenance-from", metavar="JSON",
+                    help="with --from-log: a report of the same GPU run holding its provenance")
     ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = ap.parse_args(argv)
+    if args.from_log:
+        return from_log(args)
 
     from attention.device import gpu_available
 
@@ -85,8 +98,8 @@ def main(argv=None):
     }
     status = proc.returncode
     if args.sanitizer:
-        summaries = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-        errors = sum(int(n) for n in summaries)
+        summaries = sanitizer_summaries(text)
+        errors = sum(summaries)
         report["sanitizer"] = {"tool": args.sanitizer, "error_summaries": len(summaries),
                                "errors": errors}
         if errors:
@@ -98,6 +111,66 @@ def main(argv=None):
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"gpu_suite: {counts} -> {path}" + (
         f" (sanitizer errors: {report['sanitizer']['errors']})" if args.sanitizer else ""))
+    return status
+
+
+_OUTCOME = re.compile(
+    r"^(?:\[gw\d+\] \[ *\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/.+?)\s*$"
+    r"|(tests/.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: +\[ *\d+%\])?\s*$)")
+
+
+def sanitizer_summaries(text):
+    """Error counts of compute-sanitizer's closing lines: ``ERROR SUMMARY: N errors``
+    (memcheck, initcheck, synccheck) or ``RACECHECK SUMMARY: N hazards displayed
+    (E errors, W warnings)`` (racecheck: hazards count, warnings included)."""
+    found = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+    found += [int(n) for n in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)]
+    return found
+
+
+def parse_log(text):
+    """Per-test outcomes of a ``pytest -v`` log (plain or pytest-xdist lines)."""
+    tests = {}
+    for line in text.splitlines():
+        m = _OUTCOME.match(line.strip())
+        if m:
+            outcome, nodeid = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+            tests[nodeid] = outcome.lower()
+    return [{"test": k, "outcome": v} for k, v in tests.items()]
+
+
+def from_log(args):
+    text = Path(args.from_log).read_text(errors="replace")
+    tests = parse_log(text)
+    counts = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    summaries = sanitizer_summaries(text)
+    header = re.search(r"attention test mode: (\S+) \(device: ([^)]*)\)", text)
+    prov = {}
+    if args.provenance_from:
+        prov = json.loads(Path(args.provenance_from).read_text()).get("provenance", {})
+    prov = dict(prov, reconstructed_from_log=str(args.from_log))
+    if header:
+        prov["device"] = header.group(2)
+    finished = re.search(r"^=+ .*\b(passed|failed)\b.* in [\d.]+s", text, re.M) is not None
+    report = {"provenance": prov, "command": f"(reconstructed from {args.from_log})",
+              "exit_status": None, "interrupted": not finished,
+              "mode": header.group(1) if header else None, "counts": counts, "tests": tests}
+    status = 1 if counts.get("failed") or counts.get("error") or sum(summaries) else 0
+    if "COMPUTE-SANITIZER" in text:
+        errors_inline = len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
+        report["sanitizer"] = {
+            "tool": args.name.replace("sanitizer-", "") if args.name else None,
+            "error_summaries": len(summaries), "errors": sum(summaries),
+            "errors_reported_inline": errors_inline,
+            "note": "" if summaries else "the run was cut before the tool's ERROR SUMMARY; "
+                    "errors_reported_inline counts the error records it printed until then"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.name or 'suite'}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"gpu_suite: {counts} (interrupted: {not finished}) -> {path}")
     return status
 
 
