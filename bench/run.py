@@ -11,7 +11,9 @@ never fatal):
      cache: mla.pipeline.mla_decode (when present) and a torch einsum
      absorbed decode, TFLOP/s against the measured FMA peak
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
-Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, summary.md}.
+  5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
+     4096, H 32, H_kv 8, D 128, causal (bench/prefill.py)
+Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, prefill.csv, summary.md}.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+
+from .prefill import COLUMNS as PREFILL_COLUMNS
+from .prefill import bench_prefill
+from .prefill import summary_lines as prefill_summary_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -477,7 +483,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="two decode shapes only")
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
-    ap.add_argument("--skip", default="", help="comma list of: decode,mla,step")
+    ap.add_argument("--skip", default="", help="comma list of: decode,mla,step,prefill")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -513,11 +519,12 @@ def main(argv=None):
     if args.variants:
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
-    rows, mla_rows, step_rows, checks_log = [], [], [], []
+    rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
     for name, fn in (("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
                      ("mla", lambda: bench_mla(timer, fma_tf, torch, mla_rows)),
-                     ("step", lambda: bench_step(step_rows))):
+                     ("step", lambda: bench_step(step_rows)),
+                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log))):
         if name in skip:
             continue
         log(f"== {name} ({time.time() - t_start:.0f} s)")
@@ -530,6 +537,7 @@ def main(argv=None):
     write_csv(out_dir / "decode.csv", rows, COLUMNS)
     write_csv(out_dir / "mla.csv", mla_rows)
     write_csv(out_dir / "step.csv", step_rows)
+    write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
     try:
         plot(out_dir / "decode.png", rows, copy_gbps)
     except Exception as exc:
@@ -537,5 +545,8 @@ def main(argv=None):
     prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings)
     summary(out_dir / "summary.md", prov, ceilings, rows, mla_rows, step_rows, checks_log,
             errors)
+    if prefill_rows:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("\n".join(prefill_summary_lines(prefill_rows)) + "\n")
     log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
     log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])

@@ -13,20 +13,7 @@ import pytest
 
 from mla import oracle
 from mla.dims import DEEPSEEK_V3, NOPE_64x256, SMALL_SHAPES, MlaDims
-
-
-def make_case(dims, t_q, t_kv, seed):
-    """Unit-scale inputs, weights ~ 1/sqrt(r), so scores and outputs stay O(1)."""
-    rng = np.random.default_rng(seed)
-    ws = 1.0 / np.sqrt(dims.kv_rank)
-
-    def f(*shape, sc=1.0):
-        return (rng.standard_normal(shape) * sc).astype(np.float32)
-
-    return (f(t_q, dims.n_head, dims.d_nope), f(t_q, dims.n_head, dims.d_rope),
-            f(t_kv, dims.kv_rank), f(t_kv, dims.d_rope),
-            f(dims.n_head, dims.d_nope, dims.kv_rank, sc=ws),
-            f(dims.n_head, dims.d_v, dims.kv_rank, sc=ws))
+from validation.suite_mla import make_case  # unit-scale inputs, weights ~ 1/sqrt(r)
 
 
 def test_presets_and_small_shapes():

@@ -1,0 +1,88 @@
+"""Prefill benchmark: the three methods of ``attention.prefill`` and torch SDPA.
+
+Shapes: T in {512, 2048, 4096}, H 32, H_kv 8, D 128, causal, float32.
+FLOP count: the two matrix products Q.K^T and P.V, 2 * 2 * T * T * H * D for
+full attention, half of it for causal (only the visible scores are needed), so
+the rate of a method that computes the masked half anyway is understated the
+same way for all. Softmax, scale and layout work are not counted. TFLOP/s is
+set against the fp32 FMA peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PREFILL_SHAPES = [(512, 32, 8, 128), (2048, 32, 8, 128), (4096, 32, 8, 128)]
+METHODS = ("fused", "batched", "per_head")
+COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "causal", "ms",
+           "TFLOPs", "frac_of_fma_peak"]
+
+
+def prefill_flops(t_len, heads, head_dim, causal=True):
+    full = 4.0 * t_len * t_len * heads * head_dim
+    return full / 2 if causal else full
+
+
+def bench_prefill(timer, fma_tflops, torch, rows, log):
+    from numba import cuda
+
+    from attention.prefill import prefill_attention
+
+    from .gpu import random_array
+
+    for t_len, h, kv, d in PREFILL_SHAPES:
+        flops = prefill_flops(t_len, h, d)
+        q = random_array((t_len, h * d), np.float32, 31)
+        k = random_array((t_len, kv * d), np.float32, 32)
+        v = random_array((t_len, kv * d), np.float32, 33)
+
+        def record(name, ms):
+            tf = flops / (ms * 1e-3) / 1e12
+            rows.append({"kernel": name, "dtype": "float32", "seq_len": t_len, "heads": h,
+                         "kv_heads": kv, "head_dim": d, "causal": True, "ms": round(ms, 4),
+                         "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3)})
+            log(f"  prefill {name:<10} T={t_len:<5} {ms:9.3f} ms {tf:7.2f} TFLOP/s")
+
+        st = cuda.default_stream()
+        for method in METHODS:
+            try:
+                def run(method=method):
+                    prefill_attention(q, k, v, h, n_kv_heads=kv, causal=True, method=method,
+                                      stream=st)
+
+                record(method, timer.time(run, reps=5, warmup=1))
+            except Exception as exc:  # an optional part: recorded, never fatal
+                log(f"  prefill {method} T={t_len}: skipped ({type(exc).__name__}: "
+                    f"{str(exc)[:160]})")
+        if torch is not None:
+            try:
+                from .gpu import TorchTimer
+
+                tt = TorchTimer(torch)
+                tq = torch.as_tensor(q, device="cuda").view(t_len, h, d).transpose(0, 1)
+                tk = torch.as_tensor(k, device="cuda").view(t_len, kv, d).transpose(0, 1)
+                tv = torch.as_tensor(v, device="cuda").view(t_len, kv, d).transpose(0, 1)
+                tk = tk.repeat_interleave(h // kv, dim=0)  # GQA: each query head's kv head
+                tv = tv.repeat_interleave(h // kv, dim=0)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                def run_sdpa():
+                    sdpa(tq[None], tk[None], tv[None], is_causal=True,
+                         scale=1.0 / math.sqrt(d))
+
+                record("torch_sdpa", tt.time(run_sdpa, reps=5, warmup=1))
+            except Exception as exc:
+                log(f"  prefill torch_sdpa T={t_len}: skipped ({type(exc).__name__}: {exc})")
+
+
+def summary_lines(rows):
+    lines = ["", "## Prefill (causal, float32; T x T FLOPs of QK^T and PV, halved for causal)",
+             "", "| kernel | T | H | H_kv | D | ms | TFLOP/s | of fp32 FMA peak |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['seq_len']} | {r['heads']} | {r['kv_heads']} | "
+                     f"{r['head_dim']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
+                     f"{r['frac_of_fma_peak']:.3f} |")
+    return lines
