@@ -254,6 +254,23 @@ def test_cli_exit_status_follows_the_defect_score(tmp_path):
     assert "kernel_source_hash:" in (tmp_path / "good" / "summary.md").read_text()
 
 
+def test_deadline_reports_units_not_run_and_still_writes_the_report(tmp_path):
+    """A run cut by --deadline is a failing run with a report that names what did not
+    run; --rebuild rewrites its summary from the JSON alone."""
+    full = _fake_suite(tmp_path, "full", True)
+    out = tmp_path / "cut"
+    common = ["--device", "sim", "--kernels", "none", "--growth", "none", "--defects", "none",
+              "--no-progress", "--suite-module", full, "--out", str(out)]
+    cut = _run_cli(common + ["--jobs", "1", "--deadline", "0"], tmp_path)
+    assert cut.returncode == 1, cut.stdout + cut.stderr
+    rep = json.loads((out / "validation.json").read_text())
+    assert not rep["verdict"]["passed"]
+    assert any("deadline" in f for f in rep["verdict"]["failures"])
+    (out / "summary.md").unlink()
+    rebuilt = _run_cli(["--rebuild", "--out", str(out)], tmp_path)
+    assert rebuilt.returncode == 1 and "deadline" in (out / "summary.md").read_text()
+
+
 def test_cli_help_and_bad_arguments():
     from validation import cli
 

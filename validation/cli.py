@@ -409,7 +409,7 @@ def main(argv=None):
     if not args.no_progress:
         print(f"validate: {len(units)} units on {device} ({jobs} worker"
               f"{'s' if jobs > 1 else ''})", file=sys.stderr)
-    deadline = None if not args.deadline else time.monotonic() + args.deadline
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     results = execute(units, jobs, progress, deadline)
     cases = early + [r for kind, r in results if kind == "case"]
     growth_recs = [r for kind, r in results if kind == "growth"]

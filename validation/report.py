@@ -80,7 +80,8 @@ def verdict(report):
             if not f["clean_ok"]:
                 why.append("clean run did not pass")
             if f["errors"]:
-                why.append(f"{len(f['errors'])} error(s)")
+                why.append(f"{len(f['errors'])} error(s), first: "
+                           f"{_first_line(str(f['errors'][0]))}")
             failures.append(f"defects {f['family']}: " + "; ".join(why))
     return {"passed": not failures, "failures": failures}
 
