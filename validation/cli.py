@@ -291,9 +291,29 @@ class DeadlineReached(Exception):
     """A unit not run because the run's --deadline passed (it counts as failed)."""
 
 
+def _share_key(unit, index):
+    """Sweep cases with one key share their inputs and oracle (the kernels of a kind
+    on the same shape, fixture, seed and dtype): they run together in one process,
+    so the float64 oracle is computed once (``sweep._refs`` caches it). Every other
+    unit is its own group."""
+    from validation import registry
+
+    if isinstance(unit, registry.Case):
+        spec = registry.KERNELS_BY_NAME.get(unit.kernel)
+        kind = spec.kind if spec else unit.kernel
+        return ("case", kind, unit.shape, unit.fixture, unit.seed, unit.dtype, unit.small)
+    return ("unit", index)
+
+
+def run_units(units):
+    """Run a group of units in this process, in order."""
+    return [run_unit(u) for u in units]
+
+
 def execute(units, jobs, progress, deadline=None):
     """Run units (in worker processes when jobs > 1); returns [(kind, record)] in unit order.
 
+    Units that share inputs and oracle run as one group (``_share_key``).
     ``deadline`` (a ``time.monotonic()`` value): units not finished by then are
     recorded as errors ("not run: deadline reached") and the report is still written.
     """
@@ -301,29 +321,38 @@ def execute(units, jobs, progress, deadline=None):
 
     results = [None] * len(units)
     late = DeadlineReached("not run: the --deadline was reached first")
-    if jobs <= 1 or len(units) <= 1:
-        for i, u in enumerate(units):
+    groups = {}
+    for i, u in enumerate(units):
+        groups.setdefault(_share_key(u, i), []).append(i)
+    groups = list(groups.values())
+
+    def record(idxs, recs):
+        for i, r in zip(idxs, recs):
+            results[i] = r
+            progress.update(units[i].id, _unit_status(*r))
+
+    if jobs <= 1 or len(groups) <= 1:
+        for idxs in groups:
             if deadline is not None and time.monotonic() > deadline:
-                results[i] = _crashed(u, late)
+                record(idxs, [_crashed(units[i], late) for i in idxs])
             else:
-                results[i] = run_unit(u)
-            progress.update(u.id, _unit_status(*results[i]))
+                record(idxs, run_units([units[i] for i in idxs]))
         return results
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, TimeoutError, as_completed
 
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
-    futures = {pool.submit(run_unit, u): i for i, u in enumerate(units)}
+    futures = {pool.submit(run_units, [units[i] for i in idxs]): idxs for idxs in groups}
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         for fut in as_completed(futures, timeout=timeout):
-            i = futures[fut]
+            idxs = futures[fut]
             try:
-                results[i] = fut.result()
-            except Exception as exc:  # noqa: BLE001 - a worker crash fails that unit
-                results[i] = _crashed(units[i], exc)
-            progress.update(units[i].id, _unit_status(*results[i]))
+                recs = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a worker crash fails its units
+                recs = [_crashed(units[i], exc) for i in idxs]
+            record(idxs, recs)
     except TimeoutError:
         for i, r in enumerate(results):
             if r is None:
