@@ -24,18 +24,25 @@ def _flush_kernel(buf, value):
         buf[j] = value
 
 
+@cuda.jit(device=True, inline="always")
+def _hash32(j, seed):
+    """A 32-bit mix of index ``j`` and ``seed`` (multiply-xorshift), as int64."""
+    h = (int64(j) * 2654435761 + seed) & 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
 @cuda.jit
 def _hash_fill_f32(a, seed):
     """a [N] float32: uniform in [-1, 1) from a hash of the index."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     for j in range(i, a.shape[0], stride):
-        h = (int64(j) * 2654435761 + seed) & 0xFFFFFFFF
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-        h ^= h >> 16
+        h = _hash32(j, seed)
         a[j] = float32(h) * float32(2.0 / 4294967296.0) - float32(1.0)
 
 
@@ -46,12 +53,7 @@ def _hash_fill_bits16(a, seed, exp_lo, mant_bits):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     for j in range(i, a.shape[0], stride):
-        h = (int64(j) * 2654435761 + seed) & 0xFFFFFFFF
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-        h ^= h >> 16
+        h = _hash32(j, seed)
         sign = h & 1
         e = exp_lo + ((h >> 1) & 1)
         mant = (h >> 2) & ((1 << mant_bits) - 1)
