@@ -5,7 +5,10 @@ One warp computes one (query head, sequence) pair: lane ``j`` holds elements
 ``D``), so head_dim 1..256 works, multiples of 32 or not. For each cached
 position the warp forms ``q . k`` with a shuffle-down reduction broadcast from
 lane 0, applies the online-softmax update of ``attention.warp`` and rescales
-its fp32 accumulators. Grid ``(H, M)``, block 32.
+its fp32 accumulators. The running sum and accumulators take one position at a
+time, so they are Kahan-compensated (``compensated_rescale_add``): a plain fp32
+sum over thousands of positions drifts to several times the error of numpy's
+blocked float32 sum. Grid ``(H, M)``, block 32.
 
 Layouts (C-contiguous):
     q           [M, H, D]                      float32
@@ -50,7 +53,7 @@ from .device import (
     to_host,
 )
 from .pointers import is_cache_list, pointer_table
-from .warp import online_softmax_update, warp_sum_down
+from .warp import compensated_rescale_add, online_softmax_update, warp_sum_down
 
 WARP = 32
 KERNEL_DEFECTS = ("stuck_rescale", "gqa_mod", "slot_off_by_one", "batch_max_len")
@@ -133,13 +136,16 @@ def batched_decode_kernel(chunks, defect=None, pointers=None):
         # -- this lane's slice of q, pre-scaled --
         q_reg = cuda.local.array(CH, float32)
         acc = cuda.local.array(CH, float32)
+        acc_c = cuda.local.array(CH, float32)  # Kahan compensation of acc
         for c in range(CH):
             d = lane + c * WARP
             q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
             acc[c] = float32(0.0)
+            acc_c[c] = float32(0.0)
 
         m = float32(-math.inf)
         l = float32(0.0)
+        l_c = float32(0.0)
         for pos in range(length):
             # -- score: q . k[pos], reduced across the warp --
             part = float32(0.0)
@@ -155,23 +161,27 @@ def batched_decode_kernel(chunks, defect=None, pointers=None):
                 m = m_new  # the old max is gone before the rescale reads it
                 alpha = math.exp(m - m_new)
                 p = math.exp(s - m_new)
-                l = l * alpha + p
             else:
-                m, l, alpha, p = online_softmax_update(m, l, s)
+                m, _, alpha, p = online_softmax_update(m, l, s)
 
-            # -- rescale what came before, add this position's value --
+            # -- rescale what came before, add this position's value; the sums
+            # run over every position in turn, so they carry Kahan compensation
+            # (plain fp32 sums drift to several times numpy's blocked error) --
+            l, l_c = compensated_rescale_add(l, l_c, alpha, p)
             for c in range(CH):
                 d = lane + c * WARP
                 if d < head_dim:
-                    acc[c] = acc[c] * alpha + p * float32(load(v_cache, slot, kv_head, pos, d,
-                                                                   head_dim))
+                    acc[c], acc_c[c] = compensated_rescale_add(
+                        acc[c], acc_c[c], alpha,
+                        p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
 
         # -- epilogue: normalise; an empty sequence gives zeros and -inf --
+        l = l - l_c
         inv = float32(1.0) / l if l > float32(0.0) else float32(0.0)
         for c in range(CH):
             d = lane + c * WARP
             if d < head_dim:
-                out[seq, head, d] = acc[c] * inv
+                out[seq, head, d] = (acc[c] - acc_c[c]) * inv
         if lane == 0:
             lse[seq, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
 
@@ -339,6 +349,6 @@ def decode_attention(q, k_cache, v_cache, seq_len, *, scale=None, stream=None,
 def _unsqueeze(x):
     """[...] -> [1, ...] without a copy (numpy or device array)."""
     if is_host_array(x):
-        return x[None]
+        return x.reshape((1,) + x.shape)
     d = to_device(x)
     return d.reshape((1,) + tuple(d.shape))

@@ -117,6 +117,23 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BFLOAT16 = None
 
 
+def c_strides(x):
+    """``x`` (C-contiguous numpy) as a view with the plain C strides.
+
+    numpy lets a length-1 axis carry any stride (``x[None]`` gives 0), and
+    numba's host-to-device copy takes such an array for non-contiguous and
+    walks its extent element by element in Python (seconds per megabyte).
+    """
+    want, step = [], x.itemsize
+    for n in reversed(x.shape):
+        want.append(step)
+        step *= max(int(n), 1)
+    want = tuple(reversed(want))
+    if x.strides == want:
+        return x
+    return np.lib.stride_tricks.as_strided(x, x.shape, want, writeable=x.flags.writeable)
+
+
 def to_device(x, stream=None):
     """Device view of ``x``; numpy arrays are copied (on ``stream`` if given).
 
@@ -124,7 +141,7 @@ def to_device(x, stream=None):
     cannot export ml_dtypes buffers.
     """
     if is_host_array(x):
-        x = np.ascontiguousarray(x)
+        x = c_strides(np.ascontiguousarray(x))
         if BFLOAT16 is not None and x.dtype == BFLOAT16 and not SIMULATOR:
             return cuda.to_device(x.view(np.uint16), stream=stream or 0).view(BFLOAT16)
         return cuda.to_device(x, stream=stream or 0)

@@ -23,6 +23,11 @@ predicate loads and stores, never the collective itself.
   (used by the split-KV combine and by lane-parallel decode); returns
   ``(m_new, l_new, alpha, beta)`` with ``alpha``/``beta`` the factors for the
   first and second state's accumulators.
+* ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
+  with Kahan compensation, for accumulators summed over many positions in
+  sequence (the warp-per-head decode). The true sum is ``total - comp``. A
+  compiler allowed to reassociate could fold the compensation to zero; the
+  PTX tests check that it survives numba-cuda's ``fastmath=True``.
 
 ``-inf`` handling: a state that has seen no score has ``m = -inf, l = 0``.
 Updating it with a finite score gives ``alpha = exp(-inf) = 0``. Merging two
@@ -95,3 +100,17 @@ def online_softmax_merge(m, l, m2, l2):
     alpha = math.exp(m - m_new)
     beta = math.exp(m2 - m_new)
     return m_new, l * alpha + l2 * beta, alpha, beta
+
+
+@cuda.jit(device=True, inline="always")
+def compensated_rescale_add(total, comp, alpha, y):
+    """Kahan-compensated ``total * alpha + y``. Returns ``(total, comp)``.
+
+    ``comp`` (start at 0) holds the rounding error of the sum so far, negated:
+    the exact running value is ``total - comp``. It is rescaled with ``total``
+    (online softmax's ``alpha``), so a change of running max keeps it valid.
+    """
+    scaled = total * alpha
+    y = y - comp * alpha
+    t = scaled + y
+    return t, (t - scaled) - y

@@ -1,7 +1,12 @@
-"""One fast-decode launch sequence to profile under ncu:
+"""Launch sequences to profile under ncu (scripts/profile runs them):
 
     ncu --clock-control none -k regex:decode_fast --launch-count 2 \
         python3 -m bench.profile float16 4096 [batch]
+    ncu --clock-control none -k regex:mla_ python3 -m bench.profile mla float32
+
+The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
+D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
+twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096).
 """
 
 import math
@@ -16,7 +21,29 @@ from .gpu import random_array
 from .run import np_dtype
 
 
+def mla(dname):
+    from mla.pipeline import mla_decode
+
+    from .run import MLA
+
+    c = MLA
+    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
+                                      c["nope"], c["v_dim"], c["seq"])
+    cache = random_array((b, seq, lat + rope), np_dtype(dname), 21)
+    q_nope = random_array((b, h, nope), np.float32, 22)
+    q_pe = random_array((b, h, rope), np.float32, 23)
+    w_uk = random_array((h, nope, lat), np.float32, 24)
+    w_uv = random_array((h, vd, lat), np.float32, 25)
+    lengths = np.full(b, seq, np.int32)
+    for _ in range(2):
+        mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=cuda.default_stream())
+    cuda.synchronize()
+    print("mla_decode", {k_: v_ for k_, v_ in c.items()}, dname)
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "mla":
+        return mla(sys.argv[2] if len(sys.argv) > 2 else "float32")
     dname = sys.argv[1] if len(sys.argv) > 1 else "float16"
     seq = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     b = int(sys.argv[3]) if len(sys.argv) > 3 else 32

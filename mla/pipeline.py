@@ -184,7 +184,7 @@ def mla_decode_step(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, strea
 
 def _unsqueeze(x):
     if is_host_array(x):
-        return x[None]
+        return x.reshape((1,) + x.shape)
     if not hasattr(x, "shape"):
         return x
     d = to_device(x)

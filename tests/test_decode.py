@@ -80,6 +80,49 @@ def test_decode_kernel_compiles_with_warp_shuffles(head_dim):
     assert ".local" not in ptx, "per-lane q/acc arrays spilled to local memory"
 
 
+def test_host_views_get_plain_strides_before_the_copy():
+    """numpy gives ``x[None]`` a 0 stride; numba's host copy then walks the
+    array element by element in Python (minutes for a KV cache). ``to_device``
+    hands it a view with the plain C strides instead, sharing the memory."""
+    from attention.device import c_strides
+
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    assert x[None].strides[0] == 0
+    y = c_strides(x[None])
+    assert y.strides == (96, 48, 16, 4)
+    assert np.shares_memory(x, y) and np.array_equal(y[0], x)
+    assert c_strides(x) is x
+
+
+@pytest.mark.compile
+def test_decode_kernel_keeps_its_kahan_compensation():
+    """fastmath must not fold ``(t - scaled) - y`` away: each compensated sum
+    (l and CH accumulators) keeps three subtractions in the PTX. Control: the
+    same kernel with a plain ``total * alpha + y`` in place of the helper
+    falls below the bound, so the count can fail."""
+    import re
+    import types
+
+    from numba import cuda
+
+    def subs(fn):
+        ptx, _ = cuda.compile_ptx(fn, DECODE_SIG, cc=(9, 0), fastmath=True)
+        return len(re.findall(r"\bsub(\.rn)?(\.ftz)?\.f32", ptx))
+
+    @cuda.jit(device=True, inline="always")
+    def plain_rescale_add(total, comp, alpha, y):
+        return total * alpha + y, comp
+
+    chunks = 4
+    fn = batched_decode_kernel(chunks).py_func
+    plain = types.FunctionType(
+        fn.__code__, {**fn.__globals__, "compensated_rescale_add": plain_rescale_add},
+        fn.__name__, fn.__defaults__, fn.__closure__)
+    bound = 3 * (1 + chunks)
+    assert subs(fn) >= bound, "the compensation was folded away"
+    assert subs(plain) < bound, "control: an uncompensated kernel must fall below the bound"
+
+
 @pytest.mark.compile
 def test_warp_helpers_emit_butterfly_shuffles():
     from numba import cuda
