@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from tests.conftest import MODE
 from validation import report
 from validation.provenance import ROOT, kernel_source_hash
 
@@ -21,6 +22,10 @@ REPORTS = ROOT / "reports"
 
 
 def test_committed_gpu_report_is_fresh_or_says_it_is_stale():
+    if MODE.startswith("gpu"):
+        pytest.skip("on a GPU machine the report is being rewritten (scripts/gpu_all runs the "
+                    "validation beside the suite); the check belongs to the checkout that "
+                    "commits it (CI)")
     if not (REPORTS / report.JSON_NAME).exists():
         pytest.skip("no GPU report committed yet (reports/validation.json): run "
                     "scripts/validate on a GPU and commit reports/")
