@@ -2,11 +2,13 @@
 
     ncu --clock-control none -k regex:decode_fast --launch-count 2 \
         python3 -m bench.profile float16 4096 [batch]
-    ncu --clock-control none -k regex:mla_ python3 -m bench.profile mla float32
+    ncu --clock-control none -k regex:^kernel python3 -m bench.profile mla float32
 
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
-twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096).
+twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096);
+its three kernels (absorb_q, attn_absorbed, decompress_v) reach the driver named
+"kernel", hence the regex.
 """
 
 import math
