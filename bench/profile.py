@@ -2,13 +2,15 @@
 
     ncu --clock-control none -k regex:decode_fast --launch-count 2 \
         python3 -m bench.profile float16 4096 [batch]
-    ncu --clock-control none -k regex:^kernel python3 -m bench.profile mla float32
+    ncu --clock-control none -k "regex:sgemm|mla_softmax" --launch-skip 5 \
+        --launch-count 4 python3 -m bench.profile mla float32
 
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
-twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096);
-its three kernels (absorb_q, attn_absorbed, decompress_v) reach the driver named
-"kernel", hence the regex.
+twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
+by its GEMM path. The regex matches five launches a call (absorb, scores,
+softmax, P.V, decompress); skip 5, count 4 profiles the second call's
+absorb, scores, softmax and P.V.
 """
 
 import math
@@ -37,8 +39,12 @@ def mla(dname):
     w_uk = random_array((h, nope, lat), np.float32, 24)
     w_uv = random_array((h, vd, lat), np.float32, 25)
     lengths = np.full(b, seq, np.int32)
+    from mla.attn_gemm import Workspace
+
+    ws = Workspace()
     for _ in range(2):
-        mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=cuda.default_stream())
+        mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=cuda.default_stream(),
+                   method="gemm", workspace=ws)
     cuda.synchronize()
     print("mla_decode", {k_: v_ for k_, v_ in c.items()}, dname)
 

@@ -8,8 +8,10 @@ never fatal):
      (attention.flash_decode, when present), the fast kernels
      (attention.decode_fast), torch SDPA (when torch imports)
   3. MLA decode: B 64, 128 heads, latent 512 + rope 64, L 4096, fp32 / fp16
-     cache: mla.pipeline.mla_decode (when present) and a torch einsum
-     absorbed decode, TFLOP/s against the measured FMA peak
+     cache: mla.pipeline.mla_decode (when present) by its GEMM path (row
+     ``mla_decode``, scratch reused across calls) and its tiled online-softmax
+     path (``mla_decode_flash``), and a torch einsum absorbed decode, TFLOP/s
+     against the measured FMA peak
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
   5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
      4096, H 32, H_kv 8, D 128, causal (bench/prefill.py)
@@ -256,11 +258,23 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
             try:
                 st = cuda.default_stream()
 
-                def run_mla():
-                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st)
+                from mla.attn_gemm import Workspace
 
-                ms = timer.time(run_mla, reps=5, warmup=1)
-                record("mla_decode", ms)
+                ws = Workspace()  # scratch reused across steps, as a decode loop would
+
+                def run_gemm():
+                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                               method="gemm", workspace=ws)
+
+                def run_flash():
+                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                               method="flash")
+
+                record("mla_decode", timer.time(run_gemm, reps=5, warmup=1),
+                       "(method gemm: register-tiled GEMMs)")
+                del ws
+                record("mla_decode_flash", timer.time(run_flash, reps=3, warmup=1),
+                       "(method flash: tiled online softmax)")
             except Exception as exc:
                 log(f"  mla_decode {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
         if torch is not None:

@@ -1,4 +1,11 @@
-"""The MLA pipeline: absorb_q -> latent rows [c_kv | k_pe] -> attn_absorbed -> decompress_v.
+"""The MLA pipeline: absorb_q -> latent rows [c_kv | k_pe] -> attention -> decompress_v.
+
+Two implementations of the attention (``method=``): "gemm" (``mla.attn_gemm``:
+absorb, scores, softmax, P.V and decompress as register-tiled GEMMs; the fast
+one) and "flash" (``mla.kernels``: absorb_q, the tiled online-softmax
+attn_absorbed, decompress_v; no scratch). "auto" (the default) picks the GEMM
+path unless its scratch would pass ``GEMM_WORKSPACE_LIMIT`` or a flash-only
+option is given (``choose_method``).
 
 * ``mla_attend``       one sequence, the oracles' arguments: the ``t_q`` queries
   are the last of ``t_kv`` positions (prefill, chunked prefill, decode).
@@ -30,7 +37,13 @@ from attention.device import (
     to_host,
 )
 
+from . import attn_gemm as G
 from . import kernels as K
+
+METHODS = ("auto", "gemm", "flash")
+# "auto" takes the GEMM path while its scratch (scores of every query over its
+# visible rows) stays under this many bytes, else the tiled online-softmax kernel
+GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
 def _route(defect):
@@ -61,12 +74,42 @@ def _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, n_q_label="t_q"):
     return n_q, nh, d_nope, d_rope, rank, d_v
 
 
+def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
+                  defect=None):
+    """"gemm" or "flash" for ``method`` ("auto" | "gemm" | "flash").
+
+    "auto": the GEMM path (``mla.attn_gemm``) unless a flash-only option is
+    given (``tile``, ``heads_per_block``, the ``stuck_rescale`` defect) or its
+    workspace would exceed ``GEMM_WORKSPACE_LIMIT``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    flash_only = tile is not None or heads_per_block is not None or (
+        defect is not None and defect in K.ATTN_DEFECTS and defect not in G.GEMM_DEFECTS)
+    if method == "gemm" and flash_only:
+        raise ValueError("method: 'gemm' takes no tile, heads_per_block or stuck_rescale "
+                         "(options of the tiled online-softmax kernel)")
+    if method != "auto":
+        return method
+    if flash_only or G.workspace_bytes(n_q, nh, width, max_visible) > GEMM_WORKSPACE_LIMIT:
+        return "flash"
+    return "gemm"
+
+
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
-          heads_per_block, w_uk_layout, stream, routes):
+          heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None):
     """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only)."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
+    if method == "gemm":
+        defect = routes["attn"] or routes["absorb"]
+        vis = G.visible_rows(lens, tails, defect)
+        d_q_pe = to_device(q_pe, stream) if d_rope else K._placeholder(stream)
+        return G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
+                         to_device(w_uv, stream), d_latent, slots, vis, scale, d_rope=d_rope,
+                         w_uk_layout=w_uk_layout, stream=stream, defect=defect,
+                         workspace=workspace)[0]
     st = launch_stream(stream)
     d_out = device_empty((n_q, nh, d_v), np.float32, stream)
     if n_q == 0:
@@ -98,7 +141,7 @@ def _chunk_tables(t_q, t_kv):
 
 
 def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None, defect=None,
-               w_uk_layout="mla", tile=None, heads_per_block=None):
+               w_uk_layout="mla", tile=None, heads_per_block=None, method="auto"):
     """MLA of one sequence through the kernels (same arguments as the oracles).
 
     q_nope: [t_q, nh, d_nope] float32     q_pe: [t_q, nh, d_rope] float32 (rotated)
@@ -119,6 +162,7 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
     if t_q > t_kv:
         raise checks.RangeError(f"q_nope: expected t_q <= t_kv={t_kv}, got t_q={t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
+    how = choose_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     host = is_host_array(q_nope)
     if t_q == 0:
@@ -134,12 +178,13 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
                            device_empty(1, np.int32, stream), st, routes["append"])
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes)
+                  stream=stream, routes=routes, method=how)
     return _return(d_out, host, stream)
 
 
 def mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, stream=None,
-                      defect=None, w_uk_layout="mla", tile=None, heads_per_block=None):
+                      defect=None, w_uk_layout="mla", tile=None, heads_per_block=None,
+                      method="auto"):
     """MLA of the last ``t_q`` positions of a cache plane (rows already appended).
 
     q_nope [t_q, nh, d_nope], q_pe [t_q, nh, d_rope]: the queries of positions
@@ -156,17 +201,18 @@ def mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, str
         raise checks.RangeError(
             f"q_nope: expected t_q <= the {t_kv} rows cached in layer {layer}, got {t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
+    how = choose_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     plane = cache.plane(layer)
     d_latent = plane.reshape((1,) + tuple(plane.shape))
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes)
+                  stream=stream, routes=routes, method=how)
     return _return(d_out, is_host_array(q_nope), stream)
 
 
 def mla_decode_step(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, stream=None,
-                    defect=None, w_uk_layout="mla"):
+                    defect=None, w_uk_layout="mla", method="auto"):
     """One decode query over a cache plane whose last row is this token's.
 
     q_nope [1, nh, d_nope] (or [nh, d_nope]), q_pe [1, nh, d_rope] (or [nh, d_rope]).
@@ -178,7 +224,7 @@ def mla_decode_step(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, strea
     if int(q_nope.shape[0]) != 1:
         raise checks.ShapeError(f"q_nope: expected one query [1, nh, d_nope], got {q_nope.shape}")
     out = mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, scale=scale, stream=stream,
-                            defect=defect, w_uk_layout=w_uk_layout)
+                            defect=defect, w_uk_layout=w_uk_layout, method=method)
     return out[0] if single else out
 
 
@@ -192,7 +238,8 @@ def _unsqueeze(x):
 
 
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
-               w_uk_layout="mla", tile=None, heads_per_block=None):
+               w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
+               workspace=None):
     """Batched MLA decode: sequence b's one query over its own ``lengths[b]`` latent rows.
 
     q_nope:       [B, nh, d_nope] float32
@@ -201,6 +248,9 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     lengths:      [B] ints in [0, max_seq] (0 gives zeros)
     w_uk:         [nh, d_nope, r] float32 (or the checkpoint layout); w_uv [nh, d_v, r]
     scale:        default 1/sqrt(d_nope + d_rope)
+    method:       "auto" | "gemm" | "flash" (``choose_method``)
+    workspace:    an ``mla.attn_gemm.Workspace`` reused across calls by the GEMM
+                  path (default: scratch allocated per call)
     Returns out [B, nh, d_v] float32.
     """
     n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, "B")
@@ -209,9 +259,14 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
         (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)), dtypes=K.CACHE_DTYPES)
     lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
     scale = checks.check_scale(scale, d_nope + d_rope)
+    if workspace is not None and not isinstance(workspace, G.Workspace):
+        raise checks.DTypeError(f"workspace: expected an mla.attn_gemm.Workspace or None, "
+                                f"got {type(workspace).__name__}")
+    how = choose_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
+                        heads_per_block)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     d_out = _core(q_nope, q_pe, w_uk, w_uv, to_device(latent_cache, stream),
                   np.arange(n_b, dtype=np.int32), lens, np.zeros(n_b, np.int32), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=_route(None))
+                  stream=stream, routes=_route(None), method=how, workspace=workspace)
     return _return(d_out, is_host_array(q_nope), stream)

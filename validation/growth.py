@@ -19,7 +19,8 @@ Runs (``GROWTH_KERNELS``):
   context crosses many chunks;
 * ``fast_decode``: the same with ``method="fast"`` (``attention.decode_fast``);
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
-  length) and the absorbed MLA pipeline.
+  length) and the absorbed MLA pipeline's tiled online-softmax path;
+* ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``).
 
 A step passes under the sweep's rule (``validation.metrics.judge``); the run
 passes when every step does and the cache check holds. The series (kernel and
@@ -36,8 +37,10 @@ import numpy as np
 
 from validation import fixtures, metrics
 
-GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode")
-DEFAULT_GPU = ("batched_decode", "flash_decode", "fast_decode", "mla_decode")
+GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode",
+                  "mla_gemm_decode")
+DEFAULT_GPU = GROWTH_KERNELS
+MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm"}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
 GPU_STEPS = 1024
@@ -52,7 +55,9 @@ MLA_START = {True: 3, False: 16}
 MODULES = {"batched_decode": ("attention.decode_state", "attention.oracle"),
            "flash_decode": ("attention.decode_state", "attention.oracle"),
            "fast_decode": ("attention.decode_state", "attention.decode_fast", "attention.oracle"),
-           "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims")}
+           "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
+           "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
+                               "mla.dims")}
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,8 @@ def _mla_growth(job):
         cache.append(0, c_all[length - 1:length], k_all[length - 1:length])
         q_nope = rng.standard_normal((1, nh, d_nope)).astype(np.float32)
         q_pe = rng.standard_normal((1, nh, d_rope)).astype(np.float32)
-        out = mla_decode_step(q_nope, q_pe, cache, 0, w_uk, w_uv)
+        out = mla_decode_step(q_nope, q_pe, cache, 0, w_uk, w_uv,
+                              method=MLA_METHODS[job.kernel])
         args = (q_nope, q_pe, c_all[:length].astype(np.float64), k_all[:length].astype(
             np.float64), w_uk, w_uv)
         ref = mla_attend_absorbed(*args)
@@ -217,7 +223,7 @@ def run_growth(job):
         return rec
     start = time.perf_counter()
     try:
-        if job.kernel == "mla_decode":
+        if job.kernel in MLA_METHODS:
             series, cache_ok, problems, geometry = _mla_growth(job)
         else:
             method = DECODE_METHODS[job.kernel]

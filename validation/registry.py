@@ -239,8 +239,11 @@ def _run_prefill(method):
     return run
 
 
-def _run_mla(fn, x):
-    return {"out": fn(*(x[n] for n in MLA_ARGS))}
+def _run_mla(method):
+    def run(fn, x):
+        return {"out": fn(*(x[n] for n in MLA_ARGS), method=method)}
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -279,8 +282,12 @@ KERNELS = (
     KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill",
                "prefill_attention", _run_prefill("per_head"), ("k", "v"),
                "one head at a time through the same small kernels"),
-    KernelSpec("mla", "mla", "mla", "mla.pipeline", "mla_attend", _run_mla, ("c_kv", "k_pe"),
-               "absorb_q -> latent rows -> attn_absorbed -> decompress_v"),
+    KernelSpec("mla", "mla", "mla", "mla.pipeline", "mla_attend", _run_mla("flash"),
+               ("c_kv", "k_pe"),
+               "absorb_q -> latent rows -> attn_absorbed (tiled online softmax) -> decompress_v"),
+    KernelSpec("mla_gemm", "mla_gemm", "mla", "mla.pipeline", "mla_attend", _run_mla("gemm"),
+               ("c_kv", "k_pe"),
+               "the GEMM path: absorb, scores, softmax, P.V, decompress (mla.attn_gemm)"),
 )
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 # modules the oracles and fixtures of each kind need besides the kernel's own

@@ -38,7 +38,7 @@ STALE_START = "<!-- stale-banner -->"
 STALE_END = "<!-- /stale-banner -->"
 FAILING_CASE = ("fail", "error", "broken")
 FAILING_GROWTH = ("fail", "error", "broken")
-FAMILY_ORDER = ("decode", "batched_decode", "prefill", "mla")
+FAMILY_ORDER = ("decode", "batched_decode", "prefill", "mla", "mla_gemm")
 
 
 # ---------------------------------------------------------------------------

@@ -102,12 +102,12 @@ def _check(name, fn):
     return Check(name, bool(passed), detail)
 
 
-def _prefill_check(dims, t_q, t_kv, seed, tile, defect):
+def _prefill_check(dims, t_q, t_kv, seed, tile, defect, method="flash"):
     from mla.pipeline import mla_attend
 
     def run():
         args = make_case(dims, t_q, t_kv, seed)
-        got = mla_attend(*args, tile=tile, defect=defect)
+        got = mla_attend(*args, tile=tile, defect=defect, method=method)
         p = parity(got, args)
         return p["ok"], _detail(p)
 
@@ -115,7 +115,7 @@ def _prefill_check(dims, t_q, t_kv, seed, tile, defect):
     return _check(label, run)
 
 
-def _decode_check(dims, prefill, steps, tile, defect):
+def _decode_check(dims, prefill, steps, tile, defect, method="flash"):
     from mla.cache import LatentCache
     from mla.pipeline import mla_attend_cached
 
@@ -137,7 +137,7 @@ def _decode_check(dims, prefill, steps, tile, defect):
             pos = prefill + step
             cache.append(0, c_kv[pos:pos + 1], k_pe[pos:pos + 1], defect=append_defect)
             got = mla_attend_cached(q_nope[pos:pos + 1], q_pe[pos:pos + 1], cache, 0, w_uk,
-                                    w_uv, tile=tile, defect=defect)
+                                    w_uv, tile=tile, defect=defect, method=method)
             p = parity(got, (q_nope[pos:pos + 1], q_pe[pos:pos + 1], c_kv[:pos + 1],
                              k_pe[:pos + 1], w_uk, w_uv))
             worst.append(f"step {step}: {_detail(p)}")
@@ -166,21 +166,23 @@ def _rope_check(d_rope, defect):
     return _check(f"rope d_rope {d_rope}", run)
 
 
-def run_suite(defect=None, *, small=True):
-    if defect is not None and defect not in DEFECTS:
-        raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
-    tile = 8 if small else None
+def run_suite(defect=None, *, small=True, method="flash", defects=DEFECTS):
+    """The checks of the ``method`` path ("flash" here; ``suite_mla_gemm``
+    runs them through "gemm" with its own ``defects``)."""
+    if defect is not None and defect not in defects:
+        raise ValueError(f"defect: expected one of {defects} or None, got {defect!r}")
+    tile = 8 if small and method == "flash" else None
     rope_shape, nope_shape = SMALL_SHAPES[0], SMALL_SHAPES[2]
     results = [
-        _prefill_check(rope_shape, 5, 5, 7, tile, defect),
-        _prefill_check(rope_shape, 3, 11, 12, tile, defect),
-        _prefill_check(nope_shape, 3, 11, 13, tile, defect),
+        _prefill_check(rope_shape, 5, 5, 7, tile, defect, method),
+        _prefill_check(rope_shape, 3, 11, 12, tile, defect, method),
+        _prefill_check(nope_shape, 3, 11, 13, tile, defect, method),
     ]
-    results += _decode_check(rope_shape, 5, 2, tile, defect)
+    results += _decode_check(rope_shape, 5, 2, tile, defect, method)
     results.append(_rope_check(8, defect))
     if not small:
         results.append(_rope_check(64, defect))
         for dims in (DEEPSEEK_V3, NOPE_64x256):
             for (t_q, t_kv), seed in zip(((4, 4), (3, 9), (17, 17)), (27, 28, 29)):
-                results.append(_prefill_check(dims, t_q, t_kv, seed, None, defect))
+                results.append(_prefill_check(dims, t_q, t_kv, seed, None, defect, method))
     return results

@@ -1,0 +1,204 @@
+"""MLA attention as GEMMs: the fast path of ``mla.pipeline`` (``method="gemm"``).
+
+For queries ``q < Q`` over latent rows ``[c_kv | k_pe]`` (width ``W = r +
+d_rope``) of cache slot ``slot[q]``, attending the first ``vis[q] = len[q] -
+tail[q]`` rows (decode: ``tail = 0``), the whole attention is five launches,
+four of them ``attention.sgemm`` (register-tiled, two-level fp32 sums):
+
+1. absorb   ``qc[q, h, :r] = q_nope[q, h, :] @ W_UK[h]``   (batch over heads)
+   pack     ``qc[q, h, r:] = q_pe[q, h, :]``
+2. scores   ``S[q, h, t] = scale * qc[q, h, :] . row_t``    (M = heads, N = vis[q], K = W)
+3. softmax  ``S[q, h, t] <- exp(S - max) / sum``, ``lse[q, h]`` (one warp a row)
+4. P.V      ``o_lat[q, h, :] = S[q, h, :vis] @ c_kv rows``  (M = heads, N = r, K = vis[q])
+5. decompress ``out[q, h, :] = W_UV[h] o_lat[q, h, :]``     (batch over heads)
+
+Workspace: ``qc [Q, nh, W]`` and ``S [Q, nh, max vis]`` float32
+(``workspace_bytes``); at B 64, 128 heads, L 4096 that is 134 MB, written and
+read a few times, against about 73 GFLOP of GEMM work: the path is compute
+bound, and the round trip of ``S`` through memory costs ~0.1 ms.
+
+The heads of one query are the M side of both attention GEMMs, so every latent
+row staged in shared memory serves all 128 heads (the tiled online-softmax
+kernel of ``mla.kernels`` re-reads it per group of 4 heads and spends two
+shared loads per FMA).
+
+Planted defects (falsification suite only): ``w_uk_transposed`` (W_UK's
+``[d_nope, r]`` plane read as ``[r, d_nope]``), ``causal_offset_off_by_one``
+(one row past the causal bound), ``k_pe_ignored`` (the score GEMM stops at
+``r``). ``stuck_rescale`` has no counterpart: this path keeps no running
+softmax state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from attention import sgemm
+from attention.device import device_empty, jit, launch_stream, to_device
+from attention.warp import warp_max, warp_sum
+
+GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
+ROWS_PER_BLOCK = 4  # softmax: one warp per (query, head) row
+WARP = 32
+
+
+def workspace_bytes(n_q, n_head, width, max_visible):
+    """Device scratch of the GEMM path: qc [Q, nh, W] and S [Q, nh, max_visible] float32."""
+    return 4 * n_q * n_head * (width + max(int(max_visible), 1))
+
+
+class Workspace:
+    """Reusable scratch of the GEMM path (``qc`` and ``S``), grown on demand.
+
+    Pass one to ``mla.pipeline.mla_decode(..., workspace=ws)`` in a decode
+    loop to keep device allocations out of every step. Not for concurrent
+    use: two launches in flight on different streams must not share one.
+    """
+
+    def __init__(self):
+        self._buf = None
+
+    def views(self, qc_shape, s_shape, stream=None):
+        """(qc, S) float32 device arrays of these shapes over one buffer."""
+        n_qc, n_s = int(np.prod(qc_shape)), int(np.prod(s_shape))
+        if self._buf is None or int(self._buf.shape[0]) < n_qc + n_s:
+            self._buf = device_empty(n_qc + n_s, np.float32, stream)
+        return (self._buf[:n_qc].reshape(tuple(qc_shape)),
+                self._buf[n_qc:n_qc + n_s].reshape(tuple(s_shape)))
+
+
+def _pack_q_pe(q_pe, qc, rank):
+    """qc[q, h, rank + d] = q_pe[q, h, d].
+
+    q_pe: [Q, nh, d_rope] float32;  qc: [Q, nh, rank + d_rope] float32.
+    Grid-stride over Q * nh * d_rope elements.
+    """
+    n_q, n_head, d_rope = q_pe.shape
+    total = n_q * n_head * d_rope
+    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    for i in range(start, total, cuda.gridDim.x * cuda.blockDim.x):
+        d = i % d_rope
+        h = (i // d_rope) % n_head
+        q = i // (d_rope * n_head)
+        qc[q, h, rank + d] = q_pe[q, h, d]
+
+
+pack_q_pe_kernel = jit(_pack_q_pe)
+
+
+@functools.lru_cache(maxsize=None)
+def softmax_rows_kernel():
+    """In-place softmax of each score row over its visible positions.
+
+    s:   [Q, nh, Lw] float32: scaled scores in, probabilities out (entries
+         ``t >= vis[q]`` are neither read nor written)
+    vis: [Q] int32   visible positions of query q (0: nothing, lse -inf)
+    lse: [Q, nh] float32 (out)  natural-log sum of exp of the scaled scores
+    Grid ``(ceil(nh / 4), Q)``, block 128: warp w of block (x, q) owns head
+    ``4 x + w``. The sum of exponentials is Kahan-compensated per lane (up to
+    L / 32 positive terms) before the warp's butterfly.
+    """
+
+    def kernel(s, vis, lse):
+        q = cuda.blockIdx.y
+        head = cuda.blockIdx.x * ROWS_PER_BLOCK + cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        if head >= s.shape[1]:
+            return  # a whole warp: the collectives below are per warp
+        n = vis[q]
+        m = float32(-math.inf)
+        for t in range(lane, n, WARP):
+            m = max(m, s[q, head, t])
+        m = warp_max(m)
+        total = float32(0.0)
+        comp = float32(0.0)
+        for t in range(lane, n, WARP):
+            y = math.exp(s[q, head, t] - m) - comp
+            nxt = total + y
+            comp = (nxt - total) - y
+            total = nxt
+        total = warp_sum(total)
+        inv = float32(1.0) / total if n > 0 else float32(0.0)
+        for t in range(lane, n, WARP):
+            s[q, head, t] = math.exp(s[q, head, t] - m) * inv
+        if lane == 0:
+            lse[q, head] = m + math.log(total) if n > 0 else float32(-math.inf)
+
+    kernel.__name__ = kernel.__qualname__ = "mla_softmax_rows"
+    # no fastmath: it would fold the Kahan compensation away and assume no -inf
+    return jit(kernel, fastmath=False)
+
+
+def visible_rows(lens, tails, defect=None):
+    """vis[q] = len - tail (one more with the off-by-one defect, never past len)."""
+    leak = 1 if defect == "causal_offset_off_by_one" else 0
+    lens = np.asarray(lens, np.int64)
+    return np.minimum(lens, lens - np.asarray(tails, np.int64) + leak).astype(np.int32)
+
+
+def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
+            w_uk_layout, stream, defect=None, workspace=None):
+    """Enqueue the five launches on device arrays (validated by the caller).
+
+    d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
+    d_w_uk [nh, d_nope, r] ("mla") or [nh, r, d_nope] ("checkpoint"),
+    d_w_uv [nh, d_v, r], d_latent [S, max_seq, r + d_rope] float32/float16,
+    slots / vis: host int32 [Q]; workspace: a ``Workspace`` (default: fresh
+    scratch for this call). Returns (out [Q, nh, d_v], o_lat [Q, nh, r],
+    lse [Q, nh]) device float32.
+    """
+    n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
+    width = int(d_latent.shape[2])
+    rank = width - d_rope
+    d_v = int(d_w_uv.shape[1])
+    st = launch_stream(stream)
+    d_out = device_empty((n_q, nh, d_v), np.float32, stream)
+    d_o_lat = device_empty((n_q, nh, rank), np.float32, stream)
+    d_lse = device_empty((n_q, nh), np.float32, stream)
+    if n_q == 0:
+        return d_out, d_o_lat, d_lse
+    # -- every index table of the five launches, in one host-to-device copy --
+    max_vis = int(vis.max()) if vis.size else 0
+    k_score = rank if defect == "k_pe_ignored" else width
+    per_head = (np.arange(nh), np.full(nh, rank), np.full(nh, d_nope), np.full(nh, d_v))
+    per_query = (np.asarray(slots), np.asarray(vis), np.full(n_q, k_score), np.full(n_q, rank))
+    table = to_device(np.concatenate(per_head + per_query).astype(np.int32), stream)
+    heads, h_rank, h_nope, h_dv = (table[i * nh:(i + 1) * nh] for i in range(4))
+    q0 = 4 * nh
+    d_slots, d_vis, q_score, q_rank = (table[q0 + i * n_q:q0 + (i + 1) * n_q]
+                                       for i in range(4))
+
+    d_qc, d_s = (workspace or Workspace()).views((n_q, nh, width), (n_q, nh, max(max_vis, 1)),
+                                                 stream)
+
+    # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
+    w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
+    if defect == "w_uk_transposed":  # the same words, read as the other layout
+        flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
+        w_uk, b_order = d_w_uk.reshape(flipped), ("znk" if w_uk_layout == "mla" else "zkn")
+    sgemm.launch(d_q_nope, w_uk, d_qc, heads, h_rank, h_nope, 1.0, a_order="mzk",
+                 b_order=b_order, c_order="mzn", max_n=rank, n_batch=nh, stream=st)
+    if d_rope:
+        total = n_q * nh * d_rope
+        pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, st](d_q_pe, d_qc, rank)
+
+    # -- 2. scores over each query's visible rows --
+    sgemm.launch(d_qc, d_latent, d_s, d_slots, d_vis, q_score, scale, a_order="zmk",
+                 b_order="znk", c_order="zmn", max_n=max_vis, n_batch=n_q, stream=st)
+
+    # -- 3. softmax rows in place, LSE --
+    softmax_rows_kernel()[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
+                          ROWS_PER_BLOCK * WARP, st](d_s, d_vis, d_lse)
+
+    # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
+    sgemm.launch(d_s, d_latent, d_o_lat, d_slots, q_rank, d_vis, 1.0, a_order="zmk",
+                 b_order="zkn", c_order="zmn", max_n=rank, n_batch=n_q, stream=st)
+
+    # -- 5. decompress through W_UV (batch over heads) --
+    sgemm.launch(d_o_lat, d_w_uv, d_out, heads, h_dv, h_rank, 1.0, a_order="mzk",
+                 b_order="znk", c_order="mzn", max_n=d_v, n_batch=nh, stream=st)
+    return d_out, d_o_lat, d_lse

@@ -1,0 +1,231 @@
+"""The MLA GEMM path: ``attention.sgemm`` and ``mla.attn_gemm`` (``method="gemm"``).
+
+* plain process: PTX of the GEMM (no local memory; the fragment loads are
+  16-byte vector loads, which the uint64 indices make possible), of the
+  softmax and pack kernels; bad input (method, workspace) raised before launch;
+* simulator / GPU (``device``): the GEMM against numpy for every layout, with
+  per-batch extents, a batch table and entries past ``n_ext`` left untouched;
+  the pipeline against the float64 oracles (``mla.oracle.tolerance``) and
+  against the flash path; empty sequences give zeros; a reused workspace
+  gives the same bits;
+* GPU (``gpu``): both presets, and a ragged full-size batched decode.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from attention import checks
+from attention import sgemm
+from mla import attn_gemm as G
+from mla.dims import DEEPSEEK_V3, NOPE_64x256, SMALL_SHAPES
+from tests.conftest import MODE, small
+from validation.suite_mla import make_case, parity
+
+
+def _assert_parity(got, args, label):
+    p = parity(got, args)
+    assert p["finite"], f"{label}: non-finite output"
+    assert p["ok"], (f"{label}: err naive {p['err_naive']:.3e} > tol {p['tol']:.3e} "
+                     f"(baseline {p['baseline_err']:.3e}) at {p['where']}")
+    assert np.abs(np.asarray(got)).max() > 1e-3, f"{label}: degenerate output"
+
+
+# ---------------------------------------------------------------------------
+# compile-only
+# ---------------------------------------------------------------------------
+
+def _gemm_ptx(b_order, b_dtype):
+    from numba import cuda, types
+
+    f1 = types.Array(types.float32, 1, "C")
+    b1 = types.Array(b_dtype, 1, "C")
+    i1 = types.Array(types.int32, 1, "C")
+    sig = (f1, b1, f1, i1, i1, i1, types.float32) + (types.int64,) * 7
+    ptx, _ = cuda.compile_ptx(sgemm.sgemm_kernel(b_order).py_func, sig, cc=(9, 0))
+    return ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("b_order", sgemm.B_ORDERS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_compile_sgemm(b_order, dtype):
+    from numba import types
+
+    ptx = _gemm_ptx(b_order, getattr(types, dtype))
+    assert ".local" not in ptx, "micro-tile spilled to local memory"
+    # 8 x 8 micro-tile: per k, two 16-byte loads of each operand feed 64 FMAs
+    assert len(re.findall(r"ld\.shared\.v4\.f32", ptx)) == 4
+    assert len(re.findall(r"ld\.shared\.f32", ptx)) == 0
+    assert len(re.findall(r"fma\.rn\.f32", ptx)) >= 64
+    assert ptx.count("bar.sync") == 1  # one barrier per slice (double buffering)
+
+
+@pytest.mark.compile
+def test_compile_softmax_and_pack():
+    from numba import cuda, types
+
+    f3 = types.Array(types.float32, 3, "C")
+    ptx, _ = cuda.compile_ptx(G.softmax_rows_kernel().py_func,
+                              (f3, types.Array(types.int32, 1, "C"),
+                               types.Array(types.float32, 2, "C")), cc=(9, 0))
+    assert "shfl.sync.bfly" in ptx
+    ptx, _ = cuda.compile_ptx(G._pack_q_pe, (f3, f3, types.int64), cc=(9, 0))
+    assert "st.global" in ptx
+
+
+def test_sgemm_rejects_unknown_layouts():
+    with pytest.raises(ValueError, match="b_order"):
+        sgemm.sgemm_kernel("nkz")
+    with pytest.raises(ValueError, match="plan"):
+        sgemm.sgemm_kernel("znk", 5, 8, 8)  # 25 threads cannot split a 40 x 16 slice
+
+
+def test_method_and_workspace_bad_input():
+    from mla.pipeline import choose_method, mla_attend, mla_decode
+
+    args = make_case(SMALL_SHAPES[0], 1, 4, seed=5)
+    with pytest.raises(ValueError, match="method"):
+        mla_attend(*args, method="cublas")
+    with pytest.raises(ValueError, match="method"):
+        mla_attend(*args, method="gemm", tile=8)
+    with pytest.raises(ValueError, match="method"):
+        mla_attend(*args, method="gemm", defect="stuck_rescale")
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = args
+    cache = np.zeros((1, 4, c_kv.shape[1] + k_pe.shape[1]), np.float32)
+    with pytest.raises(checks.DTypeError, match="workspace"):
+        mla_decode(q_nope, q_pe, cache, [4], w_uk, w_uv, workspace=bytearray(8))
+    # auto: the GEMM path unless its scratch is too large or a flash option is given
+    assert choose_method("auto", 64, 128, 576, 4096) == "gemm"
+    assert choose_method("auto", 4096, 128, 576, 4096) == "flash"
+    assert choose_method("auto", 1, 4, 72, 9, tile=8) == "flash"
+
+
+# ---------------------------------------------------------------------------
+# device
+# ---------------------------------------------------------------------------
+
+@pytest.mark.device
+@pytest.mark.parametrize("a_order,b_order,c_order", [
+    ("zmk", "znk", "zmn"), ("zmk", "zkn", "zmn"), ("mzk", "zkn", "mzn"), ("mzk", "znk", "mzn")])
+def test_sgemm_matches_numpy(a_order, b_order, c_order):
+    """Ragged n/k extents per batch, a batch table, M / N / K not multiples of a tile."""
+    from attention.device import to_device, to_host
+
+    rng = np.random.default_rng(11)
+    z_n, m, n, k = 3, 19, 21, 37
+    n_ext = np.array([21, 5, 13], np.int32)
+    k_ext = np.array([37, 16, 1], np.int32)
+    zb = np.array([1, 0, 1], np.int32)
+    a_zmk = rng.standard_normal((z_n, m, k)).astype(np.float32)
+    b_nk = rng.standard_normal((2, n, k)).astype(np.float32)
+    a = a_zmk if a_order == "zmk" else np.ascontiguousarray(a_zmk.transpose(1, 0, 2))
+    b = b_nk if b_order == "znk" else np.ascontiguousarray(b_nk.transpose(0, 2, 1))
+    shape_c = (z_n, m, n) if c_order == "zmn" else (m, z_n, n)
+    d_c = to_device(np.full(shape_c, np.nan, np.float32))
+    sgemm.launch(to_device(a), to_device(b), d_c, to_device(zb), to_device(n_ext),
+                 to_device(k_ext), 0.5, a_order=a_order, b_order=b_order, c_order=c_order,
+                 max_n=int(n_ext.max()), n_batch=z_n, stream=0)
+    c = to_host(d_c)
+    c = c if c_order == "zmn" else c.transpose(1, 0, 2)
+    for z in range(z_n):
+        nn, kk = n_ext[z], k_ext[z]
+        want = 0.5 * (a_zmk[z, :, :kk].astype(np.float64) @ b_nk[zb[z], :nn, :kk].T)
+        np.testing.assert_allclose(c[z, :, :nn], want, rtol=1e-5, atol=1e-5)
+        assert np.isnan(c[z, :, nn:]).all(), f"batch {z}: wrote past n_ext"
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("dims", SMALL_SHAPES, ids=lambda d: f"nh{d.n_head}_p{d.d_rope}")
+@pytest.mark.parametrize("t_q,t_kv", [(4, 4), (2, 10)], ids=["pure", "chunked"])
+def test_gemm_path_parity_small(dims, t_q, t_kv):
+    from mla.pipeline import mla_attend
+
+    args = make_case(dims, t_q, t_kv, seed=31)
+    got = mla_attend(*args, method="gemm")
+    assert got.shape == (t_q, dims.n_head, dims.d_v) and got.dtype == np.float32
+    _assert_parity(got, args, f"{dims} t_q {t_q} t_kv {t_kv}")
+    flash = mla_attend(*args, method="flash")
+    p = parity(got, args)
+    np.testing.assert_allclose(got, flash, rtol=0, atol=2 * p["tol"])
+
+
+@pytest.mark.device
+def test_gemm_decode_ragged_and_workspace():
+    """Batched decode with an empty sequence (zeros), fp16 rows, workspace reuse."""
+    from mla.pipeline import mla_decode
+    from mla.oracle import mla_attend_absorbed
+
+    dims = SMALL_SHAPES[0]
+    nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
+    rng = np.random.default_rng(4)
+    lens = np.array([0, 7, 3], np.int32)
+    q_nope = rng.standard_normal((3, nh, dims.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((3, nh, p_)).astype(np.float32)
+    cache = rng.standard_normal((3, 8, r + p_)).astype(np.float16)
+    w_uk = (rng.standard_normal((nh, dims.d_nope, r)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((nh, dims.d_v, r)) / np.sqrt(r)).astype(np.float32)
+    ws = G.Workspace()
+    got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm", workspace=ws)
+    assert np.array_equal(got[0], np.zeros_like(got[0])), "empty sequence: expected zeros"
+    rows = cache.astype(np.float32)
+    for b in (1, 2):
+        args = (q_nope[b:b + 1], q_pe[b:b + 1], rows[b, :lens[b], :r], rows[b, :lens[b], r:],
+                w_uk, w_uv)
+        _assert_parity(got[b:b + 1], args, f"sequence {b}")
+        assert np.abs(got[b] - mla_attend_absorbed(*args)[0]).max() < 1e-4
+    again = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm", workspace=ws)
+    np.testing.assert_array_equal(again, got)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("defect", G.GEMM_DEFECTS)
+def test_gemm_defects_fire(defect):
+    """Positive controls: each planted defect of the GEMM path breaks parity."""
+    from mla.pipeline import mla_attend
+
+    args = make_case(SMALL_SHAPES[0], 3, 9, seed=8)
+    assert not parity(mla_attend(*args, method="gemm", defect=defect), args)["ok"]
+
+
+@pytest.mark.device
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [DEEPSEEK_V3, NOPE_64x256], ids=["dsv3", "nope64x256"])
+@pytest.mark.parametrize("t_q,t_kv,seed", [(1, 1025, 26), (3, 9, 28), (17, 17, 29)])
+def test_gemm_path_parity_presets(dims, t_q, t_kv, seed):
+    from mla.pipeline import mla_attend
+
+    args = make_case(dims, t_q, t_kv, seed)
+    _assert_parity(mla_attend(*args, method="gemm"), args, f"{dims} t_q {t_q} t_kv {t_kv}")
+
+
+@pytest.mark.device
+@pytest.mark.gpu
+def test_gemm_decode_full_size_ragged():
+    """DeepSeek-V3 widths, 128 heads, lengths 0..700: GEMM path == flash path == oracle."""
+    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    from mla.pipeline import mla_decode
+
+    assert MODE == "gpu" and not small()
+    d = DEEPSEEK_V3
+    rng = np.random.default_rng(0)
+    lens = np.array([0, 1, 33, 700, 129, 512], np.int32)
+    cache = rng.standard_normal((6, 700, d.latent_width)).astype(np.float32)
+    q_nope = rng.standard_normal((6, d.n_head, d.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((6, d.n_head, d.d_rope)).astype(np.float32)
+    w_uk = (rng.standard_normal((d.n_head, d.d_nope, d.kv_rank)) / np.sqrt(d.kv_rank)).astype(
+        np.float32)
+    w_uv = (rng.standard_normal((d.n_head, d.d_v, d.kv_rank)) / np.sqrt(d.kv_rank)).astype(
+        np.float32)
+    got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm")
+    assert np.array_equal(got[0], np.zeros_like(got[0]))
+    for b in range(1, 6):
+        n = lens[b]
+        args = (q_nope[b:b + 1], q_pe[b:b + 1], cache[b, :n, :d.kv_rank], cache[b, :n, d.kv_rank:],
+                w_uk, w_uv)
+        ref = mla_attend_absorbed(*args)
+        base = np.abs(mla_attend_float32(*args) - ref).max()
+        assert np.abs(got[b] - ref[0]).max() <= 2 * base, f"sequence {b} (length {n})"
