@@ -1,11 +1,12 @@
 """Register-tiled batched fp32 GEMM with two-level accumulation (the MLA GEMM path).
 
-``c[z] = alpha * a[z] @ op(b[zb[z]])`` for ``z < Z``, where the layouts are
-chosen when the kernel is built (``sgemm_kernel(a_order, b_order, c_order,
-...)``) so that views of MLA's tensors are read in place, with no transposes:
+``c[z] = alpha * a[z] @ op(b[zb[z]])`` for ``z < Z``, on C-contiguous device
+arrays read in place through their layouts (``launch`` turns them into element
+strides, so MLA's tensors need no transposes):
 
     a_order "zmk": a[z, m, k]      "mzk": a[m, z, k]
-    b_order "znk": b[zb, n, k]     "zkn": b[zb, k, n]   (float32 or float16)
+    b_order "znk": b[zb, n, k]     "zkn": b[zb, k, n]   (float32 or float16;
+                                   compiled in, it sets how a slice is staged)
     c_order "zmn": c[z, m, n]      "mzn": c[m, z, n]
 
 ``M`` is ``a``'s m extent. ``N`` and ``K`` are per batch: ``n_ext[z]`` and
@@ -15,14 +16,18 @@ visible length of the query's sequence). Entries ``n >= n_ext[z]`` of ``c``
 are not written. ``zb[z]`` (int32 [Z]) picks ``b``'s batch (the latent cache
 slot of query ``z``; ``arange`` for a per-head weight).
 
-Block tile ``(16 TM) x (16 TN)`` with 16 x 16 threads; thread ``(ty, tx)`` owns
-rows ``ty + 16 i`` (``i < TM``) and columns ``tx + 16 j`` (``j < TN``), so per
-``k`` a warp reads two broadcast rows of the ``a`` slice and 16 consecutive
-words of the ``b`` slice: conflict-free, ``TM + TN`` shared loads for
-``TM * TN`` FMAs. ``K`` is stepped in slices of ``BK = 16`` staged in shared
-memory (both operands k-major, rows padded by one word), double-buffered: the
-next slice's global loads are issued into registers before the current slice
-is multiplied and stored to the other buffer after it, one barrier per slice.
+Plan ``(edge, TM, TN)`` = (16, 8, 8) on a GPU (``PLAN``; TM = 4 when M <= 64):
+block tile ``(16 TM) x (16 TN)`` with 16 x 16 threads. Thread ``(ty, tx)`` owns
+rows ``16 ty .. + TM`` and columns ``4 tx + 64 g + 0..3`` (``g < TN / 4``). ``K``
+is stepped in slices of ``BK = 16`` staged in shared memory, k-major with rows
+padded to a multiple of 4 words and 16-byte aligned, so per ``k`` a thread
+reads its ``a`` and ``b`` fragments with four 16-byte loads (a warp: two
+broadcast addresses of ``a``; eight lanes of ``b`` cover the 32 banks) for
+``TM * TN = 64`` FMAs. Slices are double-buffered: the next slice's global
+loads go to registers before the current slice is multiplied and to the other
+buffer after it, one barrier per slice. Flat indices are uint64 (numba adds a
+compare-and-select per access for signed ones). The simulator runs the same
+code with plan (4, 2, 2).
 
 Accumulation (two-level): each slice's ``BK`` products are summed into a fresh
 partial (``part``), which is then added to the running total. A plain running
