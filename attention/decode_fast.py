@@ -6,19 +6,15 @@ docstring), built for bandwidth:
 * **A block per (KV chunk, kv group, sequence).** The ``GB`` query heads of a
   kv group (GQA) that a block serves share every K/V row it loads, so K and V
   are read from memory once per kv group, not once per query head.
-* **Rows over lane groups, vector loads.** A row is spread over ``LPR``
-  lanes (16 by default, ``LANES``), so a warp holds ``32 / LPR`` rows at once:
-  lane ``j`` of a group holds elements ``c*LPR*VEC + j*VEC + v`` (``v < VEC``,
-  ``c < CH``) of its row, read with 16-byte loads at D=128 (fp32 ``VEC=4``,
-  fp16/bf16 ``VEC=8``). A score is a butterfly over its group
-  (``attention.warp.group_sum``: 4 shuffles reduce two rows' scores), and
-  the groups of a warp merge their softmax states by shuffles at the end.
-  Loads go through ``load_row_vec`` (an LLVM vector load; on the simulator a
-  plain loop). Head sizes that are not a multiple of ``LPR*VEC`` use scalar,
-  predicated loads.
-* **Several positions per warp at once.** Each lane group loads ``U`` K and
-  V rows (``R`` apart) before it uses any (``2*U`` independent loads in flight), forms
-  ``U*GB`` scores with ``attention.warp.group_sum``, takes the tile's softmax
+* **Whole rows per warp, vector loads.** Lane ``j`` holds elements
+  ``c*32*VEC + j*VEC + v`` (``v < VEC``, ``c < CH``) of a row, so one warp
+  instruction reads ``32*VEC`` consecutive elements: 16-byte loads for fp32
+  (``VEC=4``), 8-byte loads for fp16/bf16 rows of D=128. Loads go through
+  ``load_row_vec`` (an LLVM vector load; on the simulator a plain loop).
+  Head sizes that are not a multiple of 32 use scalar, predicated loads.
+* **Several positions per warp at once.** A warp loads ``U`` consecutive K
+  and V rows before it uses any (``2*U`` independent loads in flight), forms
+  ``U*GB`` scores with ``attention.warp.warp_sum``, takes the tile's softmax
   (max over its ``U`` scores, ``U`` exponentials) and folds the tile into its
   running state with ``attention.warp.online_softmax_merge``: two
   exponentials per tile and head instead of two per position.
@@ -64,8 +60,7 @@ from .device import (
     to_device,
     to_host,
 )
-from .warp import FULL_MASK as FULL
-from .warp import group_sum, online_softmax_merge
+from .warp import online_softmax_merge, warp_sum
 
 WARP = 32
 N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
@@ -73,13 +68,11 @@ N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
                      if d is not None)
 
-# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; bench/NOTES.md, run 5): 4
-# warps per block, rows over 16 lanes, 4 positions per lane group and step (with
-# 32 lanes a row: 8 once a block's chunk is long enough to use them, else 4)
+# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; bench/NOTES.md): 4 warps per
+# block; 4 positions per warp step, 8 once a block's chunk is long enough to use them
 WARPS = 4
-UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
+UNROLL = None  # None: 8 when the chunk is >= LONG_CHUNK positions, else 4
 LONG_CHUNK = 384
-LANES = {"f32": 16, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
 TARGET_BLOCKS = 16 * N_SMS  # one full wave at 16 blocks of 128 threads per SM
 
@@ -180,19 +173,16 @@ def load_row_vec(kind, n):
 # kernels
 # ---------------------------------------------------------------------------
 
-def row_layout(head_dim, kind, lanes=WARP):
-    """``(VEC, CH)``: elements per vector load and vector loads per lane per row,
-    for rows spread over ``lanes`` lanes.
+def row_layout(head_dim, kind):
+    """``(VEC, CH)``: elements per vector load and vector loads per lane per row.
 
-    The vector path needs ``D % (lanes*VEC) == 0`` (no predication); other head
-    sizes use scalar loads (``VEC=1``, ``CH=ceil(D/lanes)``, predicated). 16-byte
-    loads of 16-bit rows (``VEC=8``) are used when a row has fewer than 32 lanes.
+    The vector path needs ``D % (32*VEC) == 0`` (no predication); other head
+    sizes use scalar loads (``VEC=1``, ``CH=ceil(D/32)``, predicated).
     """
-    vecs = (8, 4, 2) if kind != "f32" and lanes < WARP else (4, 2)
-    for vec in vecs:
-        if head_dim % (lanes * vec) == 0:
-            return vec, head_dim // (lanes * vec)
-    return 1, (head_dim + lanes - 1) // lanes
+    for vec in (4, 2):
+        if head_dim % (WARP * vec) == 0:
+            return vec, head_dim // (WARP * vec)
+    return 1, (head_dim + WARP - 1) // WARP
 
 
 def heads_per_block(group, per_lane):
@@ -206,17 +196,12 @@ def heads_per_block(group, per_lane):
 
 
 @functools.lru_cache(maxsize=None)
-def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP):
+def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
     heads: query heads per block (GB), warps: warps per block (NW),
-    unroll: positions per lane group and warp step (U), lanes: lanes per row
-    (LPR, a power of two <= 32). A warp holds ``R = 32 / LPR`` rows at once:
-    lane group ``g`` takes positions ``tile + R u + g``, so one butterfly of
-    ``log2 LPR`` shuffles reduces ``R`` scores together; each group keeps its
-    own softmax state, and the groups of a warp are merged by shuffles at the
-    end, before the warps are merged through shared memory.
+    unroll: positions per warp step (U).
 
     Grid ``(n_split, H_kv * (H // H_kv) // GB, M)``, block ``32*NW`` threads.
     Arguments: q [M, H, D], k_cache / v_cache [KV_SLOTS, H_kv, max_seq, D],
@@ -225,13 +210,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     part_acc [M, H, n_split, D] f32, part_ml [M, H, n_split, 2] f32 (written
     when ``n_split > 1``, else out / lse are).
     """
-    VEC, CH, GB, NW, U, LPR = vec, chunks, heads, warps, unroll, lanes
-    R = WARP // LPR  # rows a warp holds at once
-    if R * LPR != WARP:
-        raise ValueError(f"lanes: expected a power of two <= {WARP}, got {lanes}")
+    VEC, CH, GB, NW, U = vec, chunks, heads, warps, unroll
     E = CH * VEC  # elements of a row per lane
-    ROW = CH * LPR * VEC  # row length in the lane layout (>= D)
-    STRIDE = LPR * VEC  # elements between a lane's vector loads in a row
+    ROW = CH * WARP * VEC  # row length in the lane layout (>= D)
     VECTOR = VEC > 1
     # local / shared array sizes must be plain closure constants
     N_HEAD_REG = GB * E
@@ -250,8 +231,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
         n_split = cuda.gridDim.x
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
-        grp = lane // LPR  # the lane group (row) within the warp
-        sub = lane % LPR  # the lane within its row
         n_heads = q.shape[1]
         head_dim = q.shape[2]
         n_kv = k_cache.shape[1]
@@ -275,7 +254,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
         for h in range(GB):
             for c in range(CH):
                 for v in range(VEC):
-                    d = c * STRIDE + sub * VEC + v
+                    d = c * WARP * VEC + lane * VEC + v
                     i = h * E + c * VEC + v
                     acc[i] = float32(0.0)
                     q_reg[i] = float32(0.0)
@@ -289,49 +268,45 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
         score = cuda.local.array(N_SCORE, float32)
         row0 = (int64(slot) * n_kv + kv_head) * max_seq
 
-        tile = start + warp * R * U
+        tile = start + warp * U
         while tile < end:
-            # -- load U rows of K and V per lane group (all issued before any use) --
+            # -- load U rows of K and V (all loads issued before any use) --
             for u in range(U):
-                pos = min(tile + u * R + grp, end - 1)  # past the end: re-read the last row
+                pos = min(tile + u, end - 1)  # past the end: re-read the last row
                 if VECTOR:
-                    base = (row0 + pos) * head_dim + sub * VEC
+                    base = (row0 + pos) * head_dim + lane * VEC
                     for c in range(CH):
-                        kt = load(k_cache, base + c * STRIDE)
-                        vt = load(v_cache, base + c * STRIDE)
+                        kt = load(k_cache, base + c * WARP * VEC)
+                        vt = load(v_cache, base + c * WARP * VEC)
                         for v in range(VEC):
                             k_reg[u * E + c * VEC + v] = kt[v]
                             v_reg[u * E + c * VEC + v] = vt[v]
                 else:
                     for c in range(CH):
-                        d = c * LPR + sub
+                        d = c * WARP + lane
                         k_reg[u * E + c] = float32(0.0)
                         v_reg[u * E + c] = float32(0.0)
                         if d < head_dim:
                             k_reg[u * E + c] = float32(k_cache[slot, kv_head, pos, d])
                             v_reg[u * E + c] = float32(v_cache[slot, kv_head, pos, d])
 
-            # -- scores: U positions x GB heads, each reduced over its lane group --
+            # -- scores: U positions x GB heads, each reduced over the warp --
             for h in range(GB):
                 for u in range(U):
                     part = float32(0.0)
                     for e in range(E):
                         part += q_reg[h * E + e] * k_reg[u * E + e]
-                    s = group_sum(part, LPR)
-                    score[h * U + u] = s if tile + u * R + grp < end else float32(NEG_INF)
+                    s = warp_sum(part)
+                    score[h * U + u] = s if tile + u < end else float32(NEG_INF)
 
             # -- tile softmax, merged into the running state; P.V --
             for h in range(GB):
                 m_tile = score[h * U]
                 for u in range(1, U):
                     m_tile = max(m_tile, score[h * U + u])
-                # with R > 1 rows a step, a lane group's U positions can all lie
-                # past the end (m_tile = -inf): exponentiate against 0 then, so
-                # its weights are exp(-inf) = 0, not exp(-inf + inf) = NaN
-                m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
                 l_tile = float32(0.0)
                 for u in range(U):
-                    p = math.exp(score[h * U + u] - m_ref)
+                    p = math.exp(score[h * U + u] - m_tile)
                     score[h * U + u] = p
                     l_tile += p
                 m_new, l_new, alpha, beta = online_softmax_merge(
@@ -343,31 +318,16 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     for u in range(U):
                         pv += score[h * U + u] * v_reg[u * E + e]
                     acc[h * E + e] = acc[h * E + e] * alpha + pv * beta
-            tile += NW * R * U
-
-        # -- merge the R lane groups of each warp (butterfly over groups) --
-        off = WARP // 2
-        while off >= LPR:
-            for h in range(GB):
-                m2 = cuda.shfl_xor_sync(FULL, m_run[h], off)
-                l2 = cuda.shfl_xor_sync(FULL, l_run[h], off)
-                m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m2, l2)
-                for e in range(E):
-                    a2 = cuda.shfl_xor_sync(FULL, acc[h * E + e], off)
-                    acc[h * E + e] = acc[h * E + e] * alpha + a2 * beta
-                m_run[h] = m_new
-                l_run[h] = l_new
-            off //= 2
+            tile += NW * U
 
         # -- merge the NW warps' states through shared memory --
         sh_acc = cuda.shared.array(N_SH_ACC, float32)
         sh_ml = cuda.shared.array(N_SH_ML, float32)
         for h in range(GB):
-            if grp == 0:
-                for c in range(CH):
-                    for v in range(VEC):
-                        sh_acc[(warp * GB + h) * ROW + c * STRIDE + sub * VEC + v] = \
-                            acc[h * E + c * VEC + v]
+            for c in range(CH):
+                for v in range(VEC):
+                    sh_acc[(warp * GB + h) * ROW + c * WARP * VEC + lane * VEC + v] = \
+                        acc[h * E + c * VEC + v]
             if lane == 0:
                 sh_ml[(warp * GB + h) * 2] = m_run[h]
                 sh_ml[(warp * GB + h) * 2 + 1] = l_run[h]
@@ -398,8 +358,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                         part_ml[seq, head, split, 0] = m_all
                         part_ml[seq, head, split, 1] = l_all
 
-    kernel.__name__ = kernel.__qualname__ = (
-        f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}"))
+    kernel.__name__ = kernel.__qualname__ = f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}"
     return jit(kernel, fastmath=True)
 
 
@@ -461,17 +420,14 @@ def combine_kernel():
 # ---------------------------------------------------------------------------
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
-         warps=WARPS, unroll=UNROLL, lanes=None):
+         warps=WARPS, unroll=UNROLL):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
-
-    ``lanes``: lanes per row (default ``LANES[kind]``).
 
     ``n_split`` (default: heuristic) cuts each sequence into chunks so that
     ``blocks = M * head_blocks * n_split`` reaches about ``TARGET_BLOCKS``,
     never giving a block fewer than ``MIN_CHUNK`` positions.
     """
-    lanes = LANES[kind] if lanes is None else int(lanes)
-    vec, chunks = row_layout(head_dim, kind, lanes)
+    vec, chunks = row_layout(head_dim, kind)
     group = n_heads // n_kv
     gb = heads_per_block(group, vec * chunks)
     head_blocks = n_kv * (group // gb)
@@ -483,11 +439,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     n_split = max(1, int(n_split))
     chunk = -(-max(max_len, 1) // n_split)
     if unroll is None:
-        unroll = 8 if chunk >= LONG_CHUNK and lanes == WARP else 4
-    step = warps * unroll * (WARP // lanes)
+        unroll = 8 if chunk >= LONG_CHUNK else 4
+    step = warps * unroll
     chunk = -(-chunk // step) * step  # whole warp steps
     return {
-        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes),
+        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll),
         "grid": (n_split, head_blocks, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),
@@ -495,7 +451,6 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         "heads_per_block": gb,
         "vec": vec,
         "unroll": unroll,
-        "lanes": lanes,
     }
 
 

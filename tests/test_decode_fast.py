@@ -112,31 +112,6 @@ def test_small_matches_oracle(case):
     check_against_oracle(q, k, v, lens, slots, n_split=ns)
 
 
-LANE_CASES = [
-    # (seed, M, H, H_kv, D, max_seq, dtype, n_split): lengths 1..max_seq leave
-    # lane groups whose positions all lie past the end of a tile
-    (11, 3, 4, 2, 64, 23, np.float32, None),
-    (12, 3, 4, 2, 64, 23, np.float16, 3),
-    (13, 2, 6, 2, 40, 17, np.float16, 2),  # scalar layout with 16 / 8 lanes a row
-]
-
-
-@pytest.mark.device
-@pytest.mark.parametrize("lanes", [16, 8])
-@pytest.mark.parametrize("case", LANE_CASES, ids=lambda c: f"s{c[0]}")
-def test_rows_of_fewer_lanes_match_oracle(case, lanes, monkeypatch):
-    """Several rows a warp (lanes per row 16 / 8), the layout of the 16-bit
-    caches, for every dtype: group sums, the merge of a warp's lane groups,
-    groups with nothing to attend (lengths 1 and 0)."""
-    from attention import decode_fast as F
-
-    seed, m, h, kv, d, s, dt, ns = case
-    monkeypatch.setattr(F, "LANES", {kind: lanes for kind in F.LANES})
-    q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
-    lens[-1] = 1
-    check_against_oracle(q, k, v, lens, slots, n_split=ns)
-
-
 @pytest.mark.device
 def test_positive_control_wrong_scale_fails():
     """The comparison can fail: a wrong scale is caught by the same check."""
@@ -191,21 +166,19 @@ def test_bf16_not_on_simulator():
 @pytest.mark.compile
 @pytest.mark.parametrize("kind,head_dim,want", [
     ("f32", 128, "ld.global.v4.f32"),
-    ("f16", 128, "ld.global.v4.u32"),
-    ("bf16", 128, "ld.global.v4.u32"),
+    ("f16", 128, "ld.global.v2.u32"),
+    ("bf16", 128, "ld.global.v2.u32"),
     ("f32", 40, "ld.global.f32"),
 ])
 def test_compile_ptx(kind, head_dim, want):
-    """Each dtype's kernel (its default lanes per row) compiles for sm_90, with
-    the vector loads it was built for: 16-byte loads for every dtype at D 128."""
+    """Each dtype's kernel compiles for sm_90, with the vector loads it was built for."""
     from numba import cuda, types
 
     from attention import decode_fast as F
 
     elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
-    lanes = F.LANES[kind]
-    vec, ch = F.row_layout(head_dim, kind, lanes)
-    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch), lanes=lanes)
+    vec, ch = F.row_layout(head_dim, kind)
+    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch))
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
