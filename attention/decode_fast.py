@@ -6,15 +6,19 @@ docstring), built for bandwidth:
 * **A block per (KV chunk, kv group, sequence).** The ``GB`` query heads of a
   kv group (GQA) that a block serves share every K/V row it loads, so K and V
   are read from memory once per kv group, not once per query head.
-* **Whole rows per warp, vector loads.** Lane ``j`` holds elements
-  ``c*32*VEC + j*VEC + v`` (``v < VEC``, ``c < CH``) of a row, so one warp
-  instruction reads ``32*VEC`` consecutive elements: 16-byte loads for fp32
-  (``VEC=4``), 8-byte loads for fp16/bf16 rows of D=128. Loads go through
-  ``load_row_vec`` (an LLVM vector load; on the simulator a plain loop).
-  Head sizes that are not a multiple of 32 use scalar, predicated loads.
-* **Several positions per warp at once.** A warp loads ``U`` consecutive K
-  and V rows before it uses any (``2*U`` independent loads in flight), forms
-  ``U*GB`` scores with ``attention.warp.warp_sum``, takes the tile's softmax
+* **Rows over lane groups, vector loads.** A row is spread over ``LPR``
+  lanes (``LANES``: 16 for fp16/bf16 caches, 32 for fp32), so a warp holds
+  ``32 / LPR`` rows at once: lane ``j`` of a group holds elements
+  ``c*LPR*VEC + j*VEC + v`` (``v < VEC``, ``c < CH``) of its row, read with
+  16-byte loads at D=128 (fp32 ``VEC=4``, fp16/bf16 ``VEC=8``). A score is a
+  butterfly over its group (``attention.warp.group_sum``; with 16 lanes, 4
+  shuffles reduce two rows' scores), and the groups of a warp merge their
+  softmax states by shuffles at the end. Loads go through ``load_row_vec``
+  (an LLVM vector load; on the simulator a plain loop). Head sizes that are
+  not a multiple of ``LPR*VEC`` use scalar, predicated loads.
+* **Several positions per warp at once.** Each lane group loads ``U`` K and
+  V rows (``R`` apart) before it uses any (``2*U`` independent loads in flight), forms
+  ``U*GB`` scores with ``attention.warp.group_sum``, takes the tile's softmax
   (max over its ``U`` scores, ``U`` exponentials) and folds the tile into its
   running state with ``attention.warp.online_softmax_merge``: two
   exponentials per tile and head instead of two per position.
@@ -60,7 +64,8 @@ from .device import (
     to_device,
     to_host,
 )
-from .warp import online_softmax_merge, warp_sum
+from .warp import FULL_MASK as FULL
+from .warp import group_sum, online_softmax_merge
 
 WARP = 32
 N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
@@ -68,11 +73,15 @@ N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
                      if d is not None)
 
-# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; bench/NOTES.md): 4 warps per
-# block; 4 positions per warp step, 8 once a block's chunk is long enough to use them
+# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; bench/NOTES.md, runs 5-7): 4
+# warps per block; rows over 16 lanes for 16-bit caches (16-byte loads, half the
+# shuffles a score), over 32 lanes for fp32 (16-byte loads already; 16 lanes
+# changed its order of additions for no speed); 4 positions per lane group and
+# step, with 32 lanes a row 8 once a block's chunk is long enough to use them
 WARPS = 4
-UNROLL = None  # None: 8 when the chunk is >= LONG_CHUNK positions, else 4
+UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
 LONG_CHUNK = 384
+LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
 TARGET_BLOCKS = 16 * N_SMS  # one full wave at 16 blocks of 128 threads per SM
 
@@ -173,16 +182,19 @@ def load_row_vec(kind, n):
 # kernels
 # ---------------------------------------------------------------------------
 
-def row_layout(head_dim, kind):
-    """``(VEC, CH)``: elements per vector load and vector loads per lane per row.
+def row_layout(head_dim, kind, lanes=WARP):
+    """``(VEC, CH)``: elements per vector load and vector loads per lane per row,
+    for rows spread over ``lanes`` lanes.
 
-    The vector path needs ``D % (32*VEC) == 0`` (no predication); other head
-    sizes use scalar loads (``VEC=1``, ``CH=ceil(D/32)``, predicated).
+    The vector path needs ``D % (lanes*VEC) == 0`` (no predication); other head
+    sizes use scalar loads (``VEC=1``, ``CH=ceil(D/lanes)``, predicated). 16-byte
+    loads of 16-bit rows (``VEC=8``) are used when a row has fewer than 32 lanes.
     """
-    for vec in (4, 2):
-        if head_dim % (WARP * vec) == 0:
-            return vec, head_dim // (WARP * vec)
-    return 1, (head_dim + WARP - 1) // WARP
+    vecs = (8, 4, 2) if kind != "f32" and lanes < WARP else (4, 2)
+    for vec in vecs:
+        if head_dim % (lanes * vec) == 0:
+            return vec, head_dim // (lanes * vec)
+    return 1, (head_dim + lanes - 1) // lanes
 
 
 def heads_per_block(group, per_lane):
@@ -196,12 +208,17 @@ def heads_per_block(group, per_lane):
 
 
 @functools.lru_cache(maxsize=None)
-def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
+def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
     heads: query heads per block (GB), warps: warps per block (NW),
-    unroll: positions per warp step (U).
+    unroll: positions per lane group and warp step (U), lanes: lanes per row
+    (LPR, a power of two <= 32). A warp holds ``R = 32 / LPR`` rows at once:
+    lane group ``g`` takes positions ``tile + R u + g``, so one butterfly of
+    ``log2 LPR`` shuffles reduces ``R`` scores together; each group keeps its
+    own softmax state, and the groups of a warp are merged by shuffles at the
+    end, before the warps are merged through shared memory.
 
     Grid ``(n_split, H_kv * (H // H_kv) // GB, M)``, block ``32*NW`` threads.
     Arguments: q [M, H, D], k_cache / v_cache [KV_SLOTS, H_kv, max_seq, D],
@@ -210,9 +227,13 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
     part_acc [M, H, n_split, D] f32, part_ml [M, H, n_split, 2] f32 (written
     when ``n_split > 1``, else out / lse are).
     """
-    VEC, CH, GB, NW, U = vec, chunks, heads, warps, unroll
+    VEC, CH, GB, NW, U, LPR = vec, chunks, heads, warps, unroll, lanes
+    R = WARP // LPR  # rows a warp holds at once
+    if R * LPR != WARP:
+        raise ValueError(f"lanes: expected a power of two <= {WARP}, got {lanes}")
     E = CH * VEC  # elements of a row per lane
-    ROW = CH * WARP * VEC  # row length in the lane layout (>= D)
+    ROW = CH * LPR * VEC  # row length in the lane layout (>= D)
+    STRIDE = LPR * VEC  # elements between a lane's vector loads in a row
     VECTOR = VEC > 1
     # local / shared array sizes must be plain closure constants
     N_HEAD_REG = GB * E
@@ -221,7 +242,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
     N_SH_ACC = NW * GB * ROW
     N_SH_ML = NW * GB * 2
     load = load_row_vec(kind, VEC) if VECTOR else None
-    NEG_INF = -math.inf
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
                out, lse, part_acc, part_ml):
@@ -231,6 +251,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
         n_split = cuda.gridDim.x
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
+        grp = lane // LPR  # the lane group (row) within the warp
+        sub = lane % LPR  # the lane within its row
         n_heads = q.shape[1]
         head_dim = q.shape[2]
         n_kv = k_cache.shape[1]
@@ -254,13 +276,13 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
         for h in range(GB):
             for c in range(CH):
                 for v in range(VEC):
-                    d = c * WARP * VEC + lane * VEC + v
+                    d = c * STRIDE + sub * VEC + v
                     i = h * E + c * VEC + v
                     acc[i] = float32(0.0)
                     q_reg[i] = float32(0.0)
                     if d < head_dim:
                         q_reg[i] = float32(q[seq, head0 + h, d]) * scale
-            m_run[h] = float32(NEG_INF)
+            m_run[h] = float32(-math.inf)
             l_run[h] = float32(0.0)
 
         k_reg = cuda.local.array(N_ROW_REG, float32)
@@ -268,45 +290,49 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
         score = cuda.local.array(N_SCORE, float32)
         row0 = (int64(slot) * n_kv + kv_head) * max_seq
 
-        tile = start + warp * U
+        tile = start + warp * R * U
         while tile < end:
-            # -- load U rows of K and V (all loads issued before any use) --
+            # -- load U rows of K and V per lane group (all issued before any use) --
             for u in range(U):
-                pos = min(tile + u, end - 1)  # past the end: re-read the last row
+                pos = min(tile + u * R + grp, end - 1)  # past the end: re-read the last row
                 if VECTOR:
-                    base = (row0 + pos) * head_dim + lane * VEC
+                    base = (row0 + pos) * head_dim + sub * VEC
                     for c in range(CH):
-                        kt = load(k_cache, base + c * WARP * VEC)
-                        vt = load(v_cache, base + c * WARP * VEC)
+                        kt = load(k_cache, base + c * STRIDE)
+                        vt = load(v_cache, base + c * STRIDE)
                         for v in range(VEC):
                             k_reg[u * E + c * VEC + v] = kt[v]
                             v_reg[u * E + c * VEC + v] = vt[v]
                 else:
                     for c in range(CH):
-                        d = c * WARP + lane
+                        d = c * LPR + sub
                         k_reg[u * E + c] = float32(0.0)
                         v_reg[u * E + c] = float32(0.0)
                         if d < head_dim:
                             k_reg[u * E + c] = float32(k_cache[slot, kv_head, pos, d])
                             v_reg[u * E + c] = float32(v_cache[slot, kv_head, pos, d])
 
-            # -- scores: U positions x GB heads, each reduced over the warp --
+            # -- scores: U positions x GB heads, each reduced over its lane group --
             for h in range(GB):
                 for u in range(U):
                     part = float32(0.0)
                     for e in range(E):
                         part += q_reg[h * E + e] * k_reg[u * E + e]
-                    s = warp_sum(part)
-                    score[h * U + u] = s if tile + u < end else float32(NEG_INF)
+                    s = group_sum(part, LPR)
+                    score[h * U + u] = s if tile + u * R + grp < end else float32(-math.inf)
 
             # -- tile softmax, merged into the running state; P.V --
             for h in range(GB):
                 m_tile = score[h * U]
                 for u in range(1, U):
                     m_tile = max(m_tile, score[h * U + u])
+                # with R > 1 rows a step, a lane group's U positions can all lie
+                # past the end (m_tile = -inf): exponentiate against 0 then, so
+                # its weights are exp(-inf) = 0, not exp(-inf + inf) = NaN
+                m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
                 l_tile = float32(0.0)
                 for u in range(U):
-                    p = math.exp(score[h * U + u] - m_tile)
+                    p = math.exp(score[h * U + u] - m_ref)
                     score[h * U + u] = p
                     l_tile += p
                 m_new, l_new, alpha, beta = online_softmax_merge(
@@ -318,16 +344,31 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
                     for u in range(U):
                         pv += score[h * U + u] * v_reg[u * E + e]
                     acc[h * E + e] = acc[h * E + e] * alpha + pv * beta
-            tile += NW * U
+            tile += NW * R * U
+
+        # -- merge the R lane groups of each warp (butterfly over groups) --
+        off = WARP // 2
+        while off >= LPR:
+            for h in range(GB):
+                m2 = cuda.shfl_xor_sync(FULL, m_run[h], off)
+                l2 = cuda.shfl_xor_sync(FULL, l_run[h], off)
+                m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m2, l2)
+                for e in range(E):
+                    a2 = cuda.shfl_xor_sync(FULL, acc[h * E + e], off)
+                    acc[h * E + e] = acc[h * E + e] * alpha + a2 * beta
+                m_run[h] = m_new
+                l_run[h] = l_new
+            off //= 2
 
         # -- merge the NW warps' states through shared memory --
         sh_acc = cuda.shared.array(N_SH_ACC, float32)
         sh_ml = cuda.shared.array(N_SH_ML, float32)
         for h in range(GB):
-            for c in range(CH):
-                for v in range(VEC):
-                    sh_acc[(warp * GB + h) * ROW + c * WARP * VEC + lane * VEC + v] = \
-                        acc[h * E + c * VEC + v]
+            if grp == 0:
+                for c in range(CH):
+                    for v in range(VEC):
+                        sh_acc[(warp * GB + h) * ROW + c * STRIDE + sub * VEC + v] = \
+                            acc[h * E + c * VEC + v]
             if lane == 0:
                 sh_ml[(warp * GB + h) * 2] = m_run[h]
                 sh_ml[(warp * GB + h) * 2 + 1] = l_run[h]
@@ -337,7 +378,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
             h = idx // ROW
             d = idx % ROW
             if d < head_dim:
-                m_all = float32(NEG_INF)
+                m_all = float32(-math.inf)
                 l_all = float32(0.0)
                 a_all = float32(0.0)
                 for w in range(NW):
@@ -351,67 +392,117 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4):
                     out[seq, head, d] = a_all * inv
                     if d == 0:
                         lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
-                                          else float32(NEG_INF))
+                                          else float32(-math.inf))
                 else:
                     part_acc[seq, head, split, d] = a_all
                     if d == 0:
                         part_ml[seq, head, split, 0] = m_all
                         part_ml[seq, head, split, 1] = l_all
 
-    kernel.__name__ = kernel.__qualname__ = f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}"
+    kernel.__name__ = kernel.__qualname__ = (
+        f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}"))
     return jit(kernel, fastmath=True)
 
 
-COMBINE_BATCH = 8  # partials loaded together before they are merged
+COMBINE_BATCH = 8  # partials a warp loads together before it merges them
+COMBINE_WARPS = 8  # most warps a combine block has, each over its own run of splits
+
+
+def combine_warps(n_split):
+    """Warps of a combine block: one per ``COMBINE_BATCH`` splits, at most
+    ``COMBINE_WARPS`` (one warp merges 8 or fewer splits with no barrier)."""
+    return max(1, min(COMBINE_WARPS, -(-int(n_split) // COMBINE_BATCH)))
 
 
 @functools.lru_cache(maxsize=None)
-def combine_kernel():
-    """Merge split-KV partials: grid ``(H, M)``, block 128 threads over D.
+def combine_kernel(chunks):
+    """Merge split-KV partials: grid ``(H, M)``, block ``32 * combine_warps(n_split)``.
 
+    chunks: ``ceil(D / 32)`` (lane ``j`` of a warp holds ``d = j + 32 c``).
     part_acc [M, H, n_split, D] f32, part_ml [M, H, n_split, 2] f32 (max, sum);
     out [M, H, D] f32, lse [M, H] f32. Empty partials (m=-inf, l=0) drop out;
-    all empty gives zeros and -inf. Partials are loaded ``COMBINE_BATCH`` at a
-    time (independent loads in flight) and then merged in order with
-    ``online_softmax_merge``: a loop of one dependent load per split was
-    load-latency bound (52 us for 128 splits on the H200, bench/NOTES.md).
+    all empty gives zeros and -inf.
+
+    Warp ``w`` of ``W`` merges the ``w``-th run of ``ceil(n_split / W)``
+    consecutive splits, loading ``COMBINE_BATCH`` of them (all of their
+    ``D`` values) before it merges them in split order; with ``W > 1`` the
+    warps' states are then merged in warp order through shared memory. One
+    thread per ``d`` walking all splits was load-latency bound (19 us for 128
+    splits at B 1, L 32768 on the H200, reports/bench/ncu of run 5); a warp
+    now waits for ``ceil(n_split / (W * COMBINE_BATCH))`` rounds of loads.
     """
-    NB = COMBINE_BATCH
+    NB, CW, CHD = COMBINE_BATCH, COMBINE_WARPS, chunks
+    N_BUF = NB * CHD
+    ROW = CHD * WARP
+    N_SH = CW * ROW
+    N_SH_ML = 2 * CW  # array sizes must be plain closure constants
 
     def kernel(part_acc, part_ml, out, lse):
         head = cuda.blockIdx.x
         seq = cuda.blockIdx.y
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        n_warps = cuda.blockDim.x // WARP  # <= CW
         n_split = part_acc.shape[2]
         head_dim = part_acc.shape[3]
+        per = (n_split + n_warps - 1) // n_warps
+        first = warp * per
+        last = min(first + per, n_split)
         m_buf = cuda.local.array(NB, float32)
         l_buf = cuda.local.array(NB, float32)
-        a_buf = cuda.local.array(NB, float32)
-        for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
-            m_all = float32(-math.inf)
-            l_all = float32(0.0)
-            a_all = float32(0.0)
-            for s0 in range(0, n_split, NB):
-                # -- load NB partials (an empty state past the last split) --
-                for j in range(NB):
-                    m_buf[j] = float32(-math.inf)
-                    l_buf[j] = float32(0.0)
-                    a_buf[j] = float32(0.0)
-                    if s0 + j < n_split:
-                        m_buf[j] = part_ml[seq, head, s0 + j, 0]
-                        l_buf[j] = part_ml[seq, head, s0 + j, 1]
-                        a_buf[j] = part_acc[seq, head, s0 + j, d]
-                # -- merge them in split order --
-                for j in range(NB):
-                    m_all, l_all, alpha, beta = online_softmax_merge(
-                        m_all, l_all, m_buf[j], l_buf[j])
-                    a_all = a_all * alpha + a_buf[j] * beta
+        a_buf = cuda.local.array(N_BUF, float32)
+        acc = cuda.local.array(CHD, float32)
+        for c in range(CHD):
+            acc[c] = float32(0.0)
+        m_all = float32(-math.inf)
+        l_all = float32(0.0)
+        for s0 in range(first, last, NB):
+            # -- load NB partials (an empty state past the warp's last split) --
+            for j in range(NB):
+                m_buf[j] = float32(-math.inf)
+                l_buf[j] = float32(0.0)
+                for c in range(CHD):
+                    a_buf[j * CHD + c] = float32(0.0)
+                if s0 + j < last:
+                    m_buf[j] = part_ml[seq, head, s0 + j, 0]
+                    l_buf[j] = part_ml[seq, head, s0 + j, 1]
+                    for c in range(CHD):
+                        d = c * WARP + lane
+                        if d < head_dim:
+                            a_buf[j * CHD + c] = part_acc[seq, head, s0 + j, d]
+            # -- merge them in split order --
+            for j in range(NB):
+                m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, m_buf[j],
+                                                                 l_buf[j])
+                for c in range(CHD):
+                    acc[c] = acc[c] * alpha + a_buf[j * CHD + c] * beta
+
+        # -- the warps' states, merged in warp order (block-uniform branch) --
+        sh_acc = cuda.shared.array(N_SH, float32)
+        sh_ml = cuda.shared.array(N_SH_ML, float32)
+        if n_warps > 1:
+            for c in range(CHD):
+                sh_acc[warp * ROW + c * WARP + lane] = acc[c]
+            if lane == 0:
+                sh_ml[2 * warp] = m_all
+                sh_ml[2 * warp + 1] = l_all
+            cuda.syncthreads()
+        if warp == 0:
+            for w in range(1, n_warps):
+                m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, sh_ml[2 * w],
+                                                                 sh_ml[2 * w + 1])
+                for c in range(CHD):
+                    acc[c] = acc[c] * alpha + sh_acc[w * ROW + c * WARP + lane] * beta
             inv = float32(1.0) / l_all if l_all > float32(0.0) else float32(0.0)
-            out[seq, head, d] = a_all * inv
-            if d == 0:
+            for c in range(CHD):
+                d = c * WARP + lane
+                if d < head_dim:
+                    out[seq, head, d] = acc[c] * inv
+            if lane == 0:
                 lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
                                   else float32(-math.inf))
 
-    kernel.__name__ = kernel.__qualname__ = "decode_fast_combine"
+    kernel.__name__ = kernel.__qualname__ = f"decode_fast_combine_c{CHD}"
     return jit(kernel, fastmath=True)
 
 
@@ -420,14 +511,17 @@ def combine_kernel():
 # ---------------------------------------------------------------------------
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
-         warps=WARPS, unroll=UNROLL):
+         warps=WARPS, unroll=UNROLL, lanes=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
+
+    ``lanes``: lanes per row (default ``LANES[kind]``).
 
     ``n_split`` (default: heuristic) cuts each sequence into chunks so that
     ``blocks = M * head_blocks * n_split`` reaches about ``TARGET_BLOCKS``,
     never giving a block fewer than ``MIN_CHUNK`` positions.
     """
-    vec, chunks = row_layout(head_dim, kind)
+    lanes = LANES[kind] if lanes is None else int(lanes)
+    vec, chunks = row_layout(head_dim, kind, lanes)
     group = n_heads // n_kv
     gb = heads_per_block(group, vec * chunks)
     head_blocks = n_kv * (group // gb)
@@ -439,11 +533,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     n_split = max(1, int(n_split))
     chunk = -(-max(max_len, 1) // n_split)
     if unroll is None:
-        unroll = 8 if chunk >= LONG_CHUNK else 4
-    step = warps * unroll
+        unroll = 8 if chunk >= LONG_CHUNK and lanes == WARP else 4
+    step = warps * unroll * (WARP // lanes)
     chunk = -(-chunk // step) * step  # whole warp steps
     return {
-        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll),
+        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes),
         "grid": (n_split, head_blocks, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),
@@ -451,6 +545,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         "heads_per_block": gb,
         "vec": vec,
         "unroll": unroll,
+        "lanes": lanes,
     }
 
 
@@ -497,7 +592,9 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
         d_out, d_lse, d_part_acc, d_part_ml)
     if pl["n_split"] > 1:
         m_count, n_heads = d_out.shape[0], d_out.shape[1]
-        combine_kernel()[(n_heads, m_count), 128, stream](d_part_acc, d_part_ml, d_out, d_lse)
+        kern = combine_kernel(-(-int(d_out.shape[2]) // WARP))
+        kern[(n_heads, m_count), combine_warps(pl["n_split"]) * WARP, stream](
+            d_part_acc, d_part_ml, d_out, d_lse)
 
 
 def scratch(m_count, n_heads, head_dim, n_split, stream=None):

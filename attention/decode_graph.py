@@ -38,14 +38,13 @@ from numba import cuda
 from . import checks
 from .decode_fast import check_fast, launch, plan, scratch
 from .device import (
-    SIMULATOR,
     device_empty,
-    gpu_available,
     host_ints,
     is_host_array,
     jit,
     to_device,
 )
+from .graph import CapturedLaunches
 from .kv_cache import scatter_kernel
 
 
@@ -119,17 +118,9 @@ class DecodeStep:
         self.d_pa, self.d_pm = scratch(m_count, n_heads, head_dim, self.plan["n_split"])
         self.advance = bool(advance)
         self._threads = int(min(128, max(32, (head_dim + 31) // 32 * 32)))
-        self.graph = None
-        self.graph_error = None
-        self._cstream = None
-        if not SIMULATOR:
-            cuda.synchronize()
-        if graph and gpu_available():
-            try:
-                self._capture()
-            except Exception as exc:  # keep working on the plain path, say why
-                self.graph = None
-                self.graph_error = f"{type(exc).__name__}: {exc}"
+        self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0, advance=False),
+                                       enabled=graph)
+        self.graph, self.graph_error = self._graph.graph, self._graph.error
 
     # -- the launches of one step, on any stream-like object --
     def enqueue(self, stream, advance=None):
@@ -142,31 +133,12 @@ class DecodeStep:
         launch(self.plan, self.d_q, self.d_k, self.d_v, self.d_lens, self.d_slots, self.scale,
                self.out, self.lse, self.d_pa, self.d_pm, stream)
 
-    def _capture(self):
-        from cuda.core import Device
-
-        dev = Device()
-        dev.set_current()
-        # compile (and load) every kernel outside the capture, without moving state
-        self.enqueue(0, advance=False)
-        cuda.synchronize()
-        self._cstream = dev.create_stream()
-        builder = self._cstream.create_graph_builder()
-        builder.begin_building()
-        self.enqueue(builder)
-        builder.end_building()
-        self.graph = builder.complete()
-        self.graph.upload(self._cstream)
-        self._cstream.sync()
-
     def step(self, sync=False):
         """Run one step (graph replay when built). ``sync`` waits for it."""
         if self.graph is None:
             self.step_plain(sync=sync)
             return
-        self.graph.launch(self._cstream)
-        if sync:
-            self._cstream.sync()
+        self._graph.launch(sync)
 
     def step_plain(self, stream=0, sync=False):
         """The same step through numba's ordinary launches (no graph)."""
@@ -175,6 +147,4 @@ class DecodeStep:
             cuda.synchronize()
 
     def synchronize(self):
-        if self._cstream is not None:
-            self._cstream.sync()
-        cuda.synchronize()
+        self._graph.synchronize()

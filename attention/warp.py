@@ -9,6 +9,9 @@ predicate loads and stores, never the collective itself.
 
 * ``warp_sum(v)`` / ``warp_max(v)``: butterfly (``shfl_xor``) reduction over
   32 lanes; the result is in every lane.
+* ``group_sum(v, lanes)``: the butterfly over aligned groups of ``lanes``
+  lanes (a power of two <= 32; a compile-time constant in the caller): every
+  lane gets its group's total. ``group_sum(v, 32) == warp_sum(v)``.
 * ``warp_sum_down(v)``: shuffle-down tree into lane 0, then a broadcast from
   lane 0 (``shfl_sync(.., 0)``), so every lane holds lane 0's total. This is the
   reference design's order of additions.
@@ -60,6 +63,16 @@ def warp_max(v):
     v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 4))
     v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
     v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
+    return v
+
+
+@cuda.jit(device=True, inline="always")
+def group_sum(v, lanes):
+    """Sum of ``v`` over each aligned group of ``lanes`` lanes, in every lane of it."""
+    off = lanes // 2
+    while off > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+        off //= 2
     return v
 
 

@@ -120,6 +120,27 @@ class Timer:
         return statistics.median(times)
 
 
+    def time_on_stream(self, fn, handle, reps=20, warmup=3):
+        """Median ms of ``fn()``, which enqueues on the stream of int ``handle``
+        (e.g. a cuda.core stream replaying a graph): the flush runs and finishes
+        on the default stream first, then events on that stream bracket ``fn``."""
+        ext = cuda.external_stream(handle)
+        for _ in range(warmup):
+            fn()
+        cuda.synchronize()
+        ext.synchronize()
+        times = []
+        for _ in range(reps):
+            self.flush()
+            cuda.synchronize()
+            self.e0.record(ext)
+            fn()
+            self.e1.record(ext)
+            self.e1.synchronize()
+            times.append(cuda.event_elapsed_time(self.e0, self.e1))
+        return statistics.median(times)
+
+
 class TorchTimer:
     """The same protocol for torch work (torch events, torch flush buffer)."""
 

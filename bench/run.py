@@ -9,8 +9,10 @@ never fatal):
      (attention.decode_fast), torch SDPA (when torch imports)
   3. MLA decode: B 64, 128 heads, latent 512 + rope 64, L 4096, fp32 / fp16
      cache: mla.pipeline.mla_decode (when present) by its GEMM path (row
-     ``mla_decode``, scratch reused across calls) and its tiled online-softmax
-     path (``mla_decode_flash``), and a torch einsum absorbed decode, TFLOP/s
+     ``mla_decode``, scratch reused across calls: host work included), the
+     same launches prepared once and replayed as a CUDA graph
+     (``mla_decode_graph``, mla.decode_graph), the tiled online-softmax path
+     (``mla_decode_flash``), and a torch einsum absorbed decode, TFLOP/s
      against the measured FMA peak
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
   5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
@@ -273,6 +275,20 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                 record("mla_decode", timer.time(run_gemm, reps=5, warmup=1),
                        "(method gemm: register-tiled GEMMs)")
                 del ws
+                try:  # the same launches prepared once and replayed as a CUDA graph
+                    from mla.decode_graph import MLADecodeGraph
+
+                    g = MLADecodeGraph(q_nope, q_pe, cache, lengths, w_uk, w_uv)
+                    if g.graph is None:
+                        raise RuntimeError(f"no graph ({g.graph_error})")
+                    g.run(sync=True)
+                    record("mla_decode_graph",
+                           timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1),
+                           "(MLADecodeGraph: the GEMM path's launches replayed)")
+                    del g
+                except Exception as exc:
+                    log(f"  mla_decode_graph {dname}: skipped ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})")
                 record("mla_decode_flash", timer.time(run_flash, reps=3, warmup=1),
                        "(method flash: tiled online softmax)")
             except Exception as exc:
@@ -462,13 +478,15 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
                          f"({'met' if s['host_us_per_step'] <= 10 and s['graph'] else 'MISSED'}"
                          ", target 10 us)")
     for dname in ("float32", "float16"):
-        m = [r for r in mla_rows if r["kernel"] == "mla_decode" and r["dtype"] == dname]
         t = [r for r in mla_rows if r["kernel"] == "torch_einsum" and r["dtype"] == dname]
-        if m:
+        for kern in ("mla_decode", "mla_decode_graph"):
+            m = [r for r in mla_rows if r["kernel"] == kern and r["dtype"] == dname]
+            if not m:
+                continue
             ok = m[0]["frac_of_fma_peak"] >= 0.5 and (not t or m[0]["ms"] < t[0]["ms"])
-            lines.append(f"- MLA decode {dname} cache: {m[0]['frac_of_fma_peak']:.3f} of fp32 FMA "
-                         f"peak" + (f", {t[0]['ms'] / m[0]['ms']:.2f}x torch einsum speed"
-                                    if t else "") +
+            lines.append(f"- MLA decode ({kern}) {dname} cache: {m[0]['frac_of_fma_peak']:.3f} "
+                         f"of fp32 FMA peak" +
+                         (f", {t[0]['ms'] / m[0]['ms']:.2f}x torch einsum speed" if t else "") +
                          f" ({'met' if ok else 'MISSED'}, target 0.5 and faster than einsum)")
     if mla_rows:
         lines += ["", "## MLA decode (B 64, 128 heads, latent 512 + 64, L 4096)", "",

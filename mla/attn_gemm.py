@@ -140,65 +140,95 @@ def visible_rows(lens, tails, defect=None):
     return np.minimum(lens, lens - np.asarray(tails, np.int64) + leak).astype(np.int32)
 
 
-def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None):
-    """Enqueue the five launches on device arrays (validated by the caller).
+def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
+            w_uk_layout, stream, defect=None, workspace=None, d_vis=None):
+    """Allocate and fill everything the five launches read (validated by the caller).
 
     d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
     d_w_uk [nh, d_nope, r] ("mla") or [nh, r, d_nope] ("checkpoint"),
     d_w_uv [nh, d_v, r], d_latent [S, max_seq, r + d_rope] float32/float16,
     slots / vis: host int32 [Q]; workspace: a ``Workspace`` (default: fresh
-    scratch for this call). Returns (out [Q, nh, d_v], o_lat [Q, nh, r],
-    lse [Q, nh]) device float32.
+    scratch). ``d_vis`` (device int32 [Q], optional): read by the kernels in
+    place of ``vis``, which then only sizes the launches (its entries must be
+    upper bounds of ``d_vis``'s). Returns a dict for ``launch_prepared``; its
+    ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] (device
+    float32) are written by each launch of it.
     """
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
     width = int(d_latent.shape[2])
     rank = width - d_rope
     d_v = int(d_w_uv.shape[1])
-    st = launch_stream(stream)
-    d_out = device_empty((n_q, nh, d_v), np.float32, stream)
-    d_o_lat = device_empty((n_q, nh, rank), np.float32, stream)
-    d_lse = device_empty((n_q, nh), np.float32, stream)
+    p = {"n_q": n_q, "nh": nh, "rank": rank, "d_rope": d_rope, "d_v": d_v, "scale": scale,
+         "out": device_empty((n_q, nh, d_v), np.float32, stream),
+         "o_lat": device_empty((n_q, nh, rank), np.float32, stream),
+         "lse": device_empty((n_q, nh), np.float32, stream)}
     if n_q == 0:
-        return d_out, d_o_lat, d_lse
+        return p
     # -- every index table of the five launches, in one host-to-device copy --
     max_vis = int(vis.max()) if vis.size else 0
     k_score = rank if defect == "k_pe_ignored" else width
     per_head = (np.arange(nh), np.full(nh, rank), np.full(nh, d_nope), np.full(nh, d_v))
     per_query = (np.asarray(slots), np.asarray(vis), np.full(n_q, k_score), np.full(n_q, rank))
     table = to_device(np.concatenate(per_head + per_query).astype(np.int32), stream)
-    heads, h_rank, h_nope, h_dv = (table[i * nh:(i + 1) * nh] for i in range(4))
+    p["heads"], p["h_rank"], p["h_nope"], p["h_dv"] = (table[i * nh:(i + 1) * nh]
+                                                       for i in range(4))
     q0 = 4 * nh
-    d_slots, d_vis, q_score, q_rank = (table[q0 + i * n_q:q0 + (i + 1) * n_q]
-                                       for i in range(4))
-
-    d_qc, d_s = (workspace or Workspace()).views((n_q, nh, width), (n_q, nh, max(max_vis, 1)),
-                                                 stream)
-
-    # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
+    p["slots"], p["vis"], p["q_score"], p["q_rank"] = (table[q0 + i * n_q:q0 + (i + 1) * n_q]
+                                                       for i in range(4))
+    if d_vis is not None:
+        p["vis"] = d_vis
+    p["table"] = table  # keeps the slices' memory alive with the dict
+    p["max_vis"] = max_vis
+    p["qc"], p["s"] = (workspace or Workspace()).views((n_q, nh, width),
+                                                       (n_q, nh, max(max_vis, 1)), stream)
     w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
     if defect == "w_uk_transposed":  # the same words, read as the other layout
         flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
         w_uk, b_order = d_w_uk.reshape(flipped), ("znk" if w_uk_layout == "mla" else "zkn")
-    sgemm.launch(d_q_nope, w_uk, d_qc, heads, h_rank, h_nope, 1.0, a_order="mzk",
-                 b_order=b_order, c_order="mzn", max_n=rank, n_batch=nh, stream=st)
+    p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uk=w_uk, uk_order=b_order, w_uv=d_w_uv,
+             latent=d_latent)
+    return p
+
+
+def launch_prepared(p, stream):
+    """Enqueue the five launches of a ``prepare`` dict on ``stream`` (a numba
+    stream, 0, or a cuda.core graph builder)."""
+    n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
+    if n_q == 0:
+        return
+    # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
+    sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
+                 a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
+                 n_batch=nh, stream=stream)
     if d_rope:
         total = n_q * nh * d_rope
-        pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, st](d_q_pe, d_qc, rank)
+        pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
 
     # -- 2. scores over each query's visible rows --
-    sgemm.launch(d_qc, d_latent, d_s, d_slots, d_vis, q_score, scale, a_order="zmk",
-                 b_order="znk", c_order="zmn", max_n=max_vis, n_batch=n_q, stream=st)
+    sgemm.launch(p["qc"], p["latent"], p["s"], p["slots"], p["vis"], p["q_score"], p["scale"],
+                 a_order="zmk", b_order="znk", c_order="zmn", max_n=p["max_vis"],
+                 n_batch=n_q, stream=stream)
 
     # -- 3. softmax rows in place, LSE --
     softmax_rows_kernel()[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
-                          ROWS_PER_BLOCK * WARP, st](d_s, d_vis, d_lse)
+                          ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
 
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
-    sgemm.launch(d_s, d_latent, d_o_lat, d_slots, q_rank, d_vis, 1.0, a_order="zmk",
-                 b_order="zkn", c_order="zmn", max_n=rank, n_batch=n_q, stream=st)
+    sgemm.launch(p["s"], p["latent"], p["o_lat"], p["slots"], p["q_rank"], p["vis"], 1.0,
+                 a_order="zmk", b_order="zkn", c_order="zmn", max_n=rank, n_batch=n_q,
+                 stream=stream)
 
     # -- 5. decompress through W_UV (batch over heads) --
-    sgemm.launch(d_o_lat, d_w_uv, d_out, heads, h_dv, h_rank, 1.0, a_order="mzk",
-                 b_order="znk", c_order="mzn", max_n=d_v, n_batch=nh, stream=st)
-    return d_out, d_o_lat, d_lse
+    sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
+                 a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=nh,
+                 stream=stream)
+
+
+def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
+            w_uk_layout, stream, defect=None, workspace=None):
+    """``prepare`` then ``launch_prepared`` on ``stream`` (arguments as ``prepare``).
+    Returns (out [Q, nh, d_v], o_lat [Q, nh, r], lse [Q, nh]) device float32."""
+    p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
+                w_uk_layout=w_uk_layout, stream=stream, defect=defect, workspace=workspace)
+    launch_prepared(p, launch_stream(stream))
+    return p["out"], p["o_lat"], p["lse"]

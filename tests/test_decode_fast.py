@@ -100,7 +100,9 @@ SMALL_CASES = [
     (2, 3, 4, 2, 40, 13, np.float32, 2),      # D not a multiple of 32, split-KV
     (3, 2, 2, 2, 64, 19, np.float16, 3),      # fp16 vector path (VEC=2), MHA, 3 splits
     (4, 3, 6, 2, 128, 9, np.float32, None),   # group of 3, 16-byte loads
-    (5, 1, 2, 1, 32, 140, np.float32, 9),     # 9 splits: the combine's second batch of 8
+    (5, 1, 2, 1, 32, 140, np.float32, 9),     # 9 splits: two combine warps (runs of 5, 4)
+    (6, 1, 2, 1, 40, 150, np.float32, 70),    # 70 splits: 8 combine warps, runs of 9 (a
+                                              # second batch of 1), most splits empty, D=40
 ]
 
 
@@ -109,6 +111,31 @@ SMALL_CASES = [
 def test_small_matches_oracle(case):
     seed, m, h, kv, d, s, dt, ns = case
     q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
+    check_against_oracle(q, k, v, lens, slots, n_split=ns)
+
+
+LANE_CASES = [
+    # (seed, M, H, H_kv, D, max_seq, dtype, n_split): lengths 1..max_seq leave
+    # lane groups whose positions all lie past the end of a tile
+    (11, 3, 4, 2, 64, 23, np.float32, None),
+    (12, 3, 4, 2, 64, 23, np.float16, 3),
+    (13, 2, 6, 2, 40, 17, np.float16, 2),  # scalar layout with 16 / 8 lanes a row
+]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("case", LANE_CASES, ids=lambda c: f"s{c[0]}")
+def test_rows_of_fewer_lanes_match_oracle(case, lanes, monkeypatch):
+    """Several rows a warp (lanes per row 16 / 8), the layout of the 16-bit
+    caches, for every dtype: group sums, the merge of a warp's lane groups,
+    groups with nothing to attend (lengths 1 and 0)."""
+    from attention import decode_fast as F
+
+    seed, m, h, kv, d, s, dt, ns = case
+    monkeypatch.setattr(F, "LANES", {kind: lanes for kind in F.LANES})
+    q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
+    lens[-1] = 1
     check_against_oracle(q, k, v, lens, slots, n_split=ns)
 
 
@@ -166,19 +193,21 @@ def test_bf16_not_on_simulator():
 @pytest.mark.compile
 @pytest.mark.parametrize("kind,head_dim,want", [
     ("f32", 128, "ld.global.v4.f32"),
-    ("f16", 128, "ld.global.v2.u32"),
-    ("bf16", 128, "ld.global.v2.u32"),
+    ("f16", 128, "ld.global.v4.u32"),
+    ("bf16", 128, "ld.global.v4.u32"),
     ("f32", 40, "ld.global.f32"),
 ])
 def test_compile_ptx(kind, head_dim, want):
-    """Each dtype's kernel compiles for sm_90, with the vector loads it was built for."""
+    """Each dtype's kernel (its default lanes per row) compiles for sm_90, with
+    the vector loads it was built for: 16-byte loads for every dtype at D 128."""
     from numba import cuda, types
 
     from attention import decode_fast as F
 
     elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
-    vec, ch = F.row_layout(head_dim, kind)
-    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch))
+    lanes = F.LANES[kind]
+    vec, ch = F.row_layout(head_dim, kind, lanes)
+    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch), lanes=lanes)
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
@@ -187,6 +216,24 @@ def test_compile_ptx(kind, head_dim, want):
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert want in ptx
     assert "ld.local" not in ptx, "per-lane state spilled to local memory"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [128, 40])
+def test_compile_combine_ptx(head_dim):
+    """The split-KV combine compiles for sm_90 with its batch of partials in
+    registers (no local memory), so a warp's loads of a batch are all in flight."""
+    from numba import cuda, types
+
+    from attention import decode_fast as F
+
+    kern = F.combine_kernel(-(-head_dim // F.WARP))
+    f32 = types.float32
+    sig = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.Array(f32, 3, "C"),
+           types.Array(f32, 2, "C"))
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
+    assert ".local" not in ptx, "the combine's batch of partials spilled to local memory"
+    assert "bar.sync" in ptx
 
 
 # ---- bad input: named errors before any launch --------------------------------

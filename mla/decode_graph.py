@@ -1,0 +1,163 @@
+"""Batched MLA decode prepared once and replayed as a CUDA graph.
+
+``mla.pipeline.mla_decode`` validates, builds its index tables and launches
+its kernels from Python on every call: at B 64, 128 heads, L 4096 that host
+work takes about 1.2 ms before the first GEMM reaches the GPU
+(bench/NOTES.md, run 7). ``MLADecodeGraph`` does all of it once, for the
+cache's full capacity, and captures the launches of the GEMM path
+(``mla.attn_gemm``) as a CUDA graph through cuda.core, as
+``attention.decode_graph.DecodeStep`` does for decode attention. ``run()``
+replays it: one driver call, whatever the lengths.
+
+Buffers (device arrays, used in place: fill them between runs):
+    q_nope        [B, nh, d_nope]        float32
+    q_pe          [B, nh, d_rope]        float32 (rotated)
+    latent_cache  [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe]
+    lengths       [B] int32: rows 0..lengths[b]-1 of sequence b are attended
+    out           [B, nh, d_v] float32, lse [B, nh] float32 (written by a run)
+w_uk [nh, d_nope, r] (or the checkpoint layout) and w_uv [nh, d_v, r] float32
+are read in place too.
+
+``lengths`` is read on the device at each run. A first kernel copies it into
+the launches' own table after checking ``0 <= lengths[b] <= max_seq``; an
+entry out of range attends nothing (its output row is zeros, its LSE -inf)
+and raises a flag that ``check()`` (and ``run(sync=True)``) turns into a
+``RangeError`` naming ``lengths``: nothing is clamped, and no kernel reads past
+the cache. The score GEMM is planned for ``max_seq`` columns; its blocks past
+a sequence's length exit at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from attention import checks
+from attention.device import (
+    device_empty,
+    host_ints,
+    is_host_array,
+    jit,
+    to_device,
+    to_host,
+)
+from attention.graph import CapturedLaunches
+
+from . import attn_gemm as G
+from . import kernels as K
+from .pipeline import _check_q
+
+
+@functools.lru_cache(maxsize=None)
+def lengths_check_kernel():
+    """``vis[b] = lengths[b]`` when ``0 <= lengths[b] <= max_seq``, else
+    ``vis[b] = 0`` and ``flag[0] = 1``. Grid ceil(B / 128), block 128.
+
+    lengths [B] int32, vis [B] int32 (out), max_seq int32, flag [1] int32.
+    """
+
+    def kernel(lengths, vis, max_seq, flag):
+        b = cuda.grid(1)
+        if b < lengths.shape[0]:
+            n = lengths[b]
+            if n < 0 or n > max_seq:
+                vis[b] = 0
+                flag[0] = 1
+            else:
+                vis[b] = n
+
+    kernel.__name__ = kernel.__qualname__ = "mla_lengths_check"
+    return jit(kernel)
+
+
+class MLADecodeGraph:
+    """Batched absorbed MLA decode over a pooled latent cache, captured once.
+
+    q_nope [B, nh, d_nope] float32, q_pe [B, nh, d_rope] float32,
+    latent_cache [B, max_seq, r + d_rope] float32 / float16, lengths [B] ints
+    (a device int32 array is read in place at every run; numpy is copied once),
+    w_uk [nh, d_nope, r] (``w_uk_layout="checkpoint"``: [nh, r, d_nope]),
+    w_uv [nh, d_v, r] float32; scale default 1/sqrt(d_nope + d_rope).
+    Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32).
+    ``graph=False`` never builds a graph (``run`` then launches plainly);
+    ``graph_error`` says why a graph could not be built.
+    """
+
+    def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
+                 w_uk_layout="mla", graph=True):
+        n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
+                                                      "B")
+        if n_b == 0:
+            raise checks.ShapeError("q_nope: expected at least one sequence [B>=1, nh, d_nope]")
+        _, max_seq, _ = checks.check_array(
+            "latent_cache", latent_cache,
+            (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)),
+            dtypes=K.CACHE_DTYPES)
+        lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
+        host_lengths = is_host_array(lengths) or isinstance(lengths, (list, tuple))
+        if not host_lengths:
+            checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
+        self.scale = checks.check_scale(scale, d_nope + d_rope)
+        self.shape = (n_b, nh, d_nope, d_rope, rank, d_v, max_seq)
+        self.d_q_nope, self.d_q_pe = to_device(q_nope), to_device(q_pe)
+        self.d_latent = to_device(latent_cache)
+        self.d_w_uk, self.d_w_uv = to_device(w_uk), to_device(w_uv)
+        self.lengths = to_device(lens) if host_lengths else to_device(lengths)
+        self._vis = device_empty((n_b,), np.int32)
+        self._flag = to_device(np.zeros(1, np.int32))
+        self.workspace = G.Workspace()
+        # planned for the full capacity: every query may see max_seq rows
+        self._p = G.prepare(self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None),
+                            self.d_w_uk, self.d_w_uv, self.d_latent,
+                            np.arange(n_b, dtype=np.int32), np.full(n_b, max_seq, np.int32),
+                            self.scale, d_rope=d_rope, w_uk_layout=w_uk_layout, stream=None,
+                            workspace=self.workspace, d_vis=self._vis)
+        self.out, self.lse = self._p["out"], self._p["lse"]
+        self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph)
+        self.graph, self.graph_error = self._graph.graph, self._graph.error
+
+    def enqueue(self, stream):
+        """The launches of one run on ``stream`` (numba stream, 0, or a graph builder)."""
+        n_b, max_seq = self.shape[0], self.shape[6]
+        lengths_check_kernel()[(n_b + 127) // 128, 128, stream](
+            self.lengths, self._vis, np.int32(max_seq), self._flag)
+        G.launch_prepared(self._p, stream)
+
+    @property
+    def stream_handle(self):
+        """The graph's stream as an int handle (None without a graph), e.g. for
+        ``numba.cuda.external_stream`` to record timing events on it."""
+        return self._graph.stream_handle
+
+    def run(self, sync=False):
+        """One decode (graph replay when built). ``sync`` waits and then
+        ``check()``s the lengths."""
+        if self.graph is None:
+            self.run_plain(sync=sync)
+            return
+        self._graph.launch(sync)
+        if sync:
+            self.check()
+
+    def run_plain(self, stream=0, sync=False):
+        """The same launches through numba's ordinary launch path (no graph)."""
+        self.enqueue(stream)
+        if sync:
+            cuda.synchronize()
+            self.check()
+
+    def check(self):
+        """Raise ``RangeError`` if a run since the last check saw a length
+        outside [0, max_seq] (that sequence attended nothing); clears the flag.
+        Reads one int from the device after the work queued so far."""
+        self.synchronize()
+        if int(to_host(self._flag)[0]):
+            self._flag.copy_to_device(np.zeros(1, np.int32))
+            raise checks.RangeError(
+                f"lengths: expected lengths in [0, max_seq={self.shape[6]}] at a run; "
+                f"got {host_ints(self.lengths).tolist()}")
+
+    def synchronize(self):
+        self._graph.synchronize()
