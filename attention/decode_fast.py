@@ -25,8 +25,8 @@ docstring), built for bandwidth:
 * **fp16 / bf16 caches, fp32 accumulation.** Rows are converted to float32
   as they are loaded (bf16 by a 16-bit shift, fp16 by ``cvt.f32.f16``).
 * **Split-KV.** Each sequence's positions are cut into ``n_split`` chunks so
-  that ``M * H_kv * n_split`` blocks fill the 132 SMs even when ``M * H_kv``
-  is small; each block writes an unnormalised partial (acc, m, l) and a
+  that ``M * H_kv * n_split`` blocks fill whole waves of the 132 SMs even when
+  ``M * H_kv`` is small (``split_count``); each block writes an unnormalised partial (acc, m, l) and a
   combine kernel merges the partials with ``online_softmax_merge``. With one
   chunk the block writes the final output directly (one launch).
 
@@ -83,7 +83,11 @@ UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
 LONG_CHUNK = 384
 LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
-TARGET_BLOCKS = 16 * N_SMS  # one full wave at 16 blocks of 128 threads per SM
+# blocks of 128 threads an SM holds at once (H200: 130-168 registers a thread, so
+# 3; reports/bench/ncu): the split heuristic counts blocks in waves of this many
+RESIDENT_BLOCKS = 3
+WAVE = RESIDENT_BLOCKS * N_SMS
+WAVE_FILL = 0.9  # the last wave of blocks must be at least this full
 
 
 def dtype_kind(dt):
@@ -510,15 +514,40 @@ def combine_kernel(chunks):
 # launch planning and launcher
 # ---------------------------------------------------------------------------
 
+def split_count(pairs, max_len):
+    """Default ``n_split`` for ``pairs = M * head_blocks`` blocks per split.
+
+    Blocks run in waves of ``WAVE`` (``RESIDENT_BLOCKS`` a SM). For the fewest
+    waves ``k`` that can be filled to at least ``WAVE_FILL``, the most splits
+    that fit in them: ``n_split = floor(k * WAVE / pairs)``. Fewer waves of
+    longer blocks cost less (per-block set-up, partials, the combine), and a
+    last wave of a few blocks costs as much as a full one. No split is shorter
+    than ``MIN_CHUNK`` positions (that many splits are taken when no count up
+    to it fills a wave that well). H200 sweep (bench/NOTES.md, run 7), fp16:
+    B 1, L 32768: 1024 blocks (the earlier rule, ~16 blocks a SM) 74.3 us,
+    792 blocks 66.9 us, 392 blocks 59.4 us; B 32, L 1024: 1024 -> 768 blocks,
+    72.1 -> 65.0 us.
+    """
+    pairs = max(1, int(pairs))
+    most = max(1, -(-max(int(max_len), 1) // MIN_CHUNK))
+    waves = 1
+    while True:
+        n_split = (waves * WAVE) // pairs
+        if n_split >= most:
+            return most
+        if n_split >= 1 and pairs * n_split >= WAVE_FILL * waves * WAVE:
+            return n_split
+        waves += 1
+
+
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
          warps=WARPS, unroll=UNROLL, lanes=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``).
 
-    ``n_split`` (default: heuristic) cuts each sequence into chunks so that
-    ``blocks = M * head_blocks * n_split`` reaches about ``TARGET_BLOCKS``,
-    never giving a block fewer than ``MIN_CHUNK`` positions.
+    ``n_split`` (default: ``split_count``) cuts each sequence into that many
+    chunks of whole warp steps.
     """
     lanes = LANES[kind] if lanes is None else int(lanes)
     vec, chunks = row_layout(head_dim, kind, lanes)
@@ -526,10 +555,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     gb = heads_per_block(group, vec * chunks)
     head_blocks = n_kv * (group // gb)
     if n_split is None:
-        pairs = max(1, m_count * head_blocks)
-        want = max(1, -(-TARGET_BLOCKS // pairs))
-        most = max(1, -(-max(max_len, 1) // MIN_CHUNK))
-        n_split = int(min(want, most))
+        n_split = split_count(m_count * head_blocks, max_len)
     n_split = max(1, int(n_split))
     chunk = -(-max(max_len, 1) // n_split)
     if unroll is None:

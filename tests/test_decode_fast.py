@@ -236,6 +236,24 @@ def test_compile_combine_ptx(head_dim):
     assert "bar.sync" in ptx
 
 
+def test_split_count_fills_waves():
+    """The default split count: the fewest waves filled to WAVE_FILL, the most
+    splits in them; never chunks under MIN_CHUNK; a zero-length batch still
+    gets one split."""
+    from attention import decode_fast as F
+
+    wave = F.WAVE
+    assert F.split_count(8, 32768) == wave // 8  # B 1, H_kv 8: one wave
+    assert F.split_count(256, 4096) == (2 * wave) // 256  # B 32: 0.65 of a wave at 1
+    assert F.split_count(8, 1000) == -(-1000 // F.MIN_CHUNK)  # too short to fill a wave
+    assert F.split_count(256, 100) == 1 and F.split_count(3, 0) == 1
+    for pairs, max_len in [(8, 32768), (256, 1024), (512, 4096), (400, 1 << 20), (4000, 4096)]:
+        n = F.split_count(pairs, max_len)
+        blocks = pairs * n
+        assert 1 <= n <= -(-max_len // F.MIN_CHUNK)
+        assert blocks >= F.WAVE_FILL * (-(-blocks // wave) * wave) or n == -(-max_len // F.MIN_CHUNK)
+
+
 # ---- bad input: named errors before any launch --------------------------------
 
 def test_bad_input_raises_named_errors():
