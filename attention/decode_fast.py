@@ -22,6 +22,12 @@ docstring), built for bandwidth:
   (max over its ``U`` scores, ``U`` exponentials) and folds the tile into its
   running state with ``attention.warp.online_softmax_merge``: two
   exponentials per tile and head instead of two per position.
+* **16-bit rows pipelined** (``PIPELINE``): fp16/bf16 rows stay packed in
+  registers, two elements a word, and each warp loads its next step's rows
+  into a second buffer before it computes on the current one, so its loads
+  overlap its own arithmetic (H200, fp16 B 32 L 4096: 176 -> 157 us; this
+  kernel's 210-220 registers leave 2 blocks a SM, which the split count
+  knows: ``RESIDENT_BLOCKS``).
 * **fp16 / bf16 caches, fp32 accumulation.** Rows are converted to float32
   as they are loaded (bf16 by a 16-bit shift, fp16 by ``cvt.f32.f16``).
 * **Split-KV.** Each sequence's positions are cut into ``n_split`` chunks so
@@ -49,13 +55,14 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint32
 
 from . import checks
 from .device import (
     BFLOAT16,
     SIMULATOR,
     device_empty,
+    device_fn,
     finish,
     host_ints,
     is_host_array,
@@ -82,11 +89,12 @@ WARPS = 4
 UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
 LONG_CHUNK = 384
 LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
+PIPELINE = True  # 16-bit rows: packed, double-buffered (fast_decode_kernel)
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
-# blocks of 128 threads an SM holds at once (H200: 130-168 registers a thread, so
-# 3; reports/bench/ncu): the split heuristic counts blocks in waves of this many
-RESIDENT_BLOCKS = 3
-WAVE = RESIDENT_BLOCKS * N_SMS
+# blocks of 128 threads an SM holds at once, by kernel form (sm_90 at D 128: the
+# one-buffer kernel takes 161-168 registers a thread, so 3; the pipelined 16-bit
+# kernel 210, so 2): the split heuristic counts blocks in waves of this many
+RESIDENT_BLOCKS = {False: 3, True: 2}  # keyed by ``pipeline``
 WAVE_FILL = 0.9  # the last wave of blocks must be at least this full
 
 
@@ -105,6 +113,21 @@ def dtype_kind(dt):
 # ---------------------------------------------------------------------------
 # vector row loads
 # ---------------------------------------------------------------------------
+
+def _halves_to_f32(builder, word, kind):
+    """llvmlite: the two 16-bit elements of an i32 ``word`` as float32
+    ``[lo, hi]`` (bf16: a 16-bit shift or mask; fp16: ``cvt.f32.f16``)."""
+    from llvmlite import ir
+
+    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    if kind == "bf16":
+        return [builder.bitcast(builder.shl(word, ir.Constant(i32, 16)), f32),
+                builder.bitcast(builder.and_(word, ir.Constant(i32, 0xFFFF0000)), f32)]
+    lo16 = builder.trunc(word, i16)
+    hi16 = builder.trunc(builder.lshr(word, ir.Constant(i32, 16)), i16)
+    return [builder.fpext(builder.bitcast(lo16, ir.HalfType()), f32),
+            builder.fpext(builder.bitcast(hi16, ir.HalfType()), f32)]
+
 
 def _vector_loader(kind, n):
     """``load(arr, flat) -> UniTuple(float32, n)``: elements ``flat .. flat+n-1``
@@ -130,7 +153,7 @@ def _vector_loader(kind, n):
                 idx = builder.sext(idx, ir.IntType(64))
             itemsize = 4 if kind == "f32" else 2
             ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), itemsize))])
-            f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+            f32, i32 = ir.FloatType(), ir.IntType(32)
             elems = []
             if kind == "f32":
                 vt = ir.VectorType(f32, n)
@@ -141,16 +164,7 @@ def _vector_loader(kind, n):
                 vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=2 * n)
                 for i in range(n // 2):
                     word = builder.extract_element(vec, ir.Constant(i32, i))
-                    if kind == "bf16":
-                        lo = builder.bitcast(builder.shl(word, ir.Constant(i32, 16)), f32)
-                        hi = builder.bitcast(
-                            builder.and_(word, ir.Constant(i32, 0xFFFF0000)), f32)
-                    else:
-                        lo16 = builder.trunc(word, i16)
-                        hi16 = builder.trunc(builder.lshr(word, ir.Constant(i32, 16)), i16)
-                        lo = builder.fpext(builder.bitcast(lo16, ir.HalfType()), f32)
-                        hi = builder.fpext(builder.bitcast(hi16, ir.HalfType()), f32)
-                    elems += [lo, hi]
+                    elems += _halves_to_f32(builder, word, kind)
             return context.make_tuple(builder, sig.return_type, elems)
 
         return sig, codegen
@@ -172,6 +186,78 @@ def _sim_loader(n):
         return tuple(float32(arr[slot, g, pos, d + i]) for i in range(n))
 
     return load
+
+
+def _raw_loader(n_words):
+    """``load(arr, flat) -> UniTuple(uint32, n_words)``: the ``4 * n_words``
+    bytes at element ``flat`` of a C-contiguous 16-bit array, one vector load
+    (aligned to its size), left packed: two elements a word."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load(typingctx, arr, flat):
+        sig = types.UniTuple(types.uint32, n_words)(arr, flat)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+            idx = args[1]
+            if idx.type.width < 64:
+                idx = builder.sext(idx, ir.IntType(64))
+            ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), 2))])
+            i32 = ir.IntType(32)
+            vt = ir.VectorType(i32, n_words)
+            vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4 * n_words)
+            elems = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(n_words)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    return load
+
+
+def _unpacker(kind):
+    """``unpack(word) -> (lo, hi)``: the two 16-bit elements of a packed word
+    as float32 (``_halves_to_f32``)."""
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def unpack(typingctx, word):
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, sig.return_type,
+                                      _halves_to_f32(builder, args[0], kind))
+
+        return sig, codegen
+
+    return unpack
+
+
+@functools.lru_cache(maxsize=None)
+def packed_row_io(kind, vec):
+    """``(load, elem, word_type, words)`` for rows kept packed in registers.
+
+    ``load(arr, flat)`` reads ``vec`` 16-bit elements as ``words`` values of
+    ``word_type``; ``elem(buf, i)`` is element ``i`` of a buffer of such words,
+    as float32. On a GPU a word is a uint32 holding two elements (a row takes
+    half the registers of its float32 form and is converted where it is used);
+    the simulator keeps one float32 an element.
+    """
+    if SIMULATOR:
+        def elem(buf, i):
+            return buf[i]
+
+        return _sim_loader(vec), device_fn(elem), float32, vec
+    unpack = _unpacker(kind)
+
+    def elem_gpu(buf, i):
+        return unpack(buf[i // 2])[i % 2]
+
+    return _raw_loader(vec // 2), device_fn(elem_gpu), uint32, vec // 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,17 +298,25 @@ def heads_per_block(group, per_lane):
 
 
 @functools.lru_cache(maxsize=None)
-def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP):
+def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP,
+                       pipeline=False):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
     heads: query heads per block (GB), warps: warps per block (NW),
     unroll: positions per lane group and warp step (U), lanes: lanes per row
-    (LPR, a power of two <= 32). A warp holds ``R = 32 / LPR`` rows at once:
+    (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below). A warp holds ``R = 32 / LPR`` rows at once:
     lane group ``g`` takes positions ``tile + R u + g``, so one butterfly of
     ``log2 LPR`` shuffles reduces ``R`` scores together; each group keeps its
     own softmax state, and the groups of a warp are merged by shuffles at the
     end, before the warps are merged through shared memory.
+
+    ``pipeline``: rows stay packed (two 16-bit elements a 32-bit register)
+    and a warp loads its next step's rows before it computes on the current
+    ones (two register buffers, used in turn), so a warp's loads overlap its
+    own arithmetic instead of waiting at the top of every step. Rows are
+    converted to float32 where they are used, one row at a time, and the P.V
+    update is ``acc * alpha + sum_u (p_u * beta) v_u``.
 
     Grid ``(n_split, H_kv * (H // H_kv) // GB, M)``, block ``32*NW`` threads.
     Arguments: q [M, H, D], k_cache / v_cache [KV_SLOTS, H_kv, max_seq, D],
@@ -246,6 +340,74 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     N_SH_ACC = NW * GB * ROW
     N_SH_ML = NW * GB * 2
     load = load_row_vec(kind, VEC) if VECTOR else None
+    PIPE = bool(pipeline)
+    if PIPE and not (VECTOR and kind != "f32"):
+        raise ValueError("pipeline: needs a 16-bit cache with vector rows")
+    if PIPE:
+        load_packed, elem, WORD, W = packed_row_io(kind, VEC)
+        N_BUF = U * CH * W  # packed words of U rows a lane
+        STEP = NW * R * U  # positions a block's warps cover in one step
+
+        def load_rows(kbuf, vbuf, k_cache, v_cache, row0, tile, end, grp, sub, head_dim):
+            # U rows of K and V per lane group, packed, positions clamped to end - 1
+            for u in range(U):
+                pos = min(tile + u * R + grp, end - 1)
+                base = (row0 + pos) * head_dim + sub * VEC
+                for c in range(CH):
+                    kt = load_packed(k_cache, base + c * STRIDE)
+                    vt = load_packed(v_cache, base + c * STRIDE)
+                    for w in range(W):
+                        kbuf[(u * CH + c) * W + w] = kt[w]
+                        vbuf[(u * CH + c) * W + w] = vt[w]
+
+        def tile_step(kbuf, vbuf, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+                      alpha_h):
+            # scores: one K row converted at a time, GB heads against it
+            for u in range(U):
+                for e in range(E):
+                    row[e] = elem(kbuf, u * E + e)
+                for h in range(GB):
+                    part = float32(0.0)
+                    for e in range(E):
+                        part += q_reg[h * E + e] * row[e]
+                    s = group_sum(part, LPR)
+                    score[h * U + u] = s if tile + u * R + grp < end else float32(-math.inf)
+            # tile softmax merged into the running state; score <- p * beta
+            for h in range(GB):
+                m_tile = score[h * U]
+                for u in range(1, U):
+                    m_tile = max(m_tile, score[h * U + u])
+                # a lane group with no valid position (m_tile = -inf) exponentiates
+                # against 0, as in the one-buffer loop below
+                m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
+                l_tile = float32(0.0)
+                for u in range(U):
+                    p = math.exp(score[h * U + u] - m_ref)
+                    score[h * U + u] = p
+                    l_tile += p
+                m_new, l_new, alpha, beta = online_softmax_merge(
+                    m_run[h], l_run[h], m_tile, l_tile)
+                m_run[h] = m_new
+                l_run[h] = l_new
+                alpha_h[h] = alpha
+                for u in range(U):
+                    score[h * U + u] *= beta
+            # P.V: one V row converted at a time
+            for h in range(GB):
+                for e in range(E):
+                    acc[h * E + e] *= alpha_h[h]
+            for u in range(U):
+                for e in range(E):
+                    row[e] = elem(vbuf, u * E + e)
+                for h in range(GB):
+                    for e in range(E):
+                        acc[h * E + e] += score[h * U + u] * row[e]
+
+        load_rows = device_fn(load_rows)
+        tile_step = device_fn(tile_step)
+    else:
+        load_rows = tile_step = None
+        N_BUF, WORD, STEP = 1, float32, 1
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
                out, lse, part_acc, part_ml):
@@ -289,13 +451,39 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
             m_run[h] = float32(-math.inf)
             l_run[h] = float32(0.0)
 
-        k_reg = cuda.local.array(N_ROW_REG, float32)
-        v_reg = cuda.local.array(N_ROW_REG, float32)
         score = cuda.local.array(N_SCORE, float32)
         row0 = (int64(slot) * n_kv + kv_head) * max_seq
 
         tile = start + warp * R * U
-        while tile < end:
+        if PIPE:
+            # -- two packed buffers in turn: load step t+1, then compute step t --
+            ka = cuda.local.array(N_BUF, WORD)
+            va = cuda.local.array(N_BUF, WORD)
+            kb = cuda.local.array(N_BUF, WORD)
+            vb = cuda.local.array(N_BUF, WORD)
+            row = cuda.local.array(E, float32)
+            alpha_h = cuda.local.array(GB, float32)
+            if tile < end:
+                load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub, head_dim)
+            while tile < end:
+                nxt = tile + STEP
+                if nxt < end:
+                    load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
+                tile_step(ka, va, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+                          alpha_h)
+                tile = nxt
+                if tile >= end:
+                    break
+                nxt = tile + STEP
+                if nxt < end:
+                    load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
+                tile_step(kb, vb, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+                          alpha_h)
+                tile = nxt
+
+        k_reg = cuda.local.array(N_ROW_REG, float32)
+        v_reg = cuda.local.array(N_ROW_REG, float32)
+        while not PIPE and tile < end:
             # -- load U rows of K and V per lane group (all issued before any use) --
             for u in range(U):
                 pos = min(tile + u * R + grp, end - 1)  # past the end: re-read the last row
@@ -404,7 +592,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                         part_ml[seq, head, split, 1] = l_all
 
     kernel.__name__ = kernel.__qualname__ = (
-        f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}"))
+        f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}")
+        + ("p" if PIPE else ""))
     return jit(kernel, fastmath=True)
 
 
@@ -514,12 +703,13 @@ def combine_kernel(chunks):
 # launch planning and launcher
 # ---------------------------------------------------------------------------
 
-def split_count(pairs, max_len):
+def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
     """Default ``n_split`` for ``pairs = M * head_blocks`` blocks per split.
 
-    Blocks run in waves of ``WAVE`` (``RESIDENT_BLOCKS`` a SM). For the fewest
+    Blocks run in waves of ``resident * N_SMS`` (``resident`` blocks a SM,
+    ``RESIDENT_BLOCKS``). For the fewest
     waves ``k`` that can be filled to at least ``WAVE_FILL``, the most splits
-    that fit in them: ``n_split = floor(k * WAVE / pairs)``. Fewer waves of
+    that fit in them: ``n_split = floor(k * wave / pairs)``. Fewer waves of
     longer blocks cost less (per-block set-up, partials, the combine), and a
     last wave of a few blocks costs as much as a full one. No split is shorter
     than ``MIN_CHUNK`` positions (that many splits are taken when no count up
@@ -529,22 +719,25 @@ def split_count(pairs, max_len):
     72.1 -> 65.0 us.
     """
     pairs = max(1, int(pairs))
+    wave = int(resident) * N_SMS
     most = max(1, -(-max(int(max_len), 1) // MIN_CHUNK))
     waves = 1
     while True:
-        n_split = (waves * WAVE) // pairs
+        n_split = (waves * wave) // pairs
         if n_split >= most:
             return most
-        if n_split >= 1 and pairs * n_split >= WAVE_FILL * waves * WAVE:
+        if n_split >= 1 and pairs * n_split >= WAVE_FILL * waves * wave:
             return n_split
         waves += 1
 
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
-         warps=WARPS, unroll=UNROLL, lanes=None):
+         warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
-    ``lanes``: lanes per row (default ``LANES[kind]``).
+    ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
+    double-buffered rows (``fast_decode_kernel``); default ``PIPELINE`` for
+    16-bit caches with vector rows, never for fp32.
 
     ``n_split`` (default: ``split_count``) cuts each sequence into that many
     chunks of whole warp steps.
@@ -554,8 +747,10 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     group = n_heads // n_kv
     gb = heads_per_block(group, vec * chunks)
     head_blocks = n_kv * (group // gb)
+    packed = kind != "f32" and vec > 1
+    pipeline = (PIPELINE and packed) if pipeline is None else bool(pipeline)
     if n_split is None:
-        n_split = split_count(m_count * head_blocks, max_len)
+        n_split = split_count(m_count * head_blocks, max_len, RESIDENT_BLOCKS[pipeline])
     n_split = max(1, int(n_split))
     chunk = -(-max(max_len, 1) // n_split)
     if unroll is None:
@@ -563,7 +758,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     step = warps * unroll * (WARP // lanes)
     chunk = -(-chunk // step) * step  # whole warp steps
     return {
-        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes),
+        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes, pipeline),
         "grid": (n_split, head_blocks, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),
@@ -572,6 +767,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         "vec": vec,
         "unroll": unroll,
         "lanes": lanes,
+        "pipeline": pipeline,
     }
 
 

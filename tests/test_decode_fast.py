@@ -140,6 +140,20 @@ def test_rows_of_fewer_lanes_match_oracle(case, lanes, monkeypatch):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES + LANE_CASES if c[6] == np.float16],
+                         ids=lambda c: f"s{c[0]}")
+def test_one_buffer_16bit_rows_match_oracle(case, monkeypatch):
+    """16-bit vector rows without the pipeline (``plan(pipeline=False)``, the
+    form fp32 always uses): the same check."""
+    from attention import decode_fast as F
+
+    seed, m, h, kv, d, s, dt, ns = case
+    monkeypatch.setattr(F, "PIPELINE", False)
+    q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
+    check_against_oracle(q, k, v, lens, slots, n_split=ns)
+
+
+@pytest.mark.device
 def test_positive_control_wrong_scale_fails():
     """The comparison can fail: a wrong scale is caught by the same check."""
     q, k, v, lens, slots = make_case(7, 2, 2, 1, 32, 11, np.float32, lens=[11, 5])
@@ -198,16 +212,17 @@ def test_bf16_not_on_simulator():
     ("f32", 40, "ld.global.f32"),
 ])
 def test_compile_ptx(kind, head_dim, want):
-    """Each dtype's kernel (its default lanes per row) compiles for sm_90, with
-    the vector loads it was built for: 16-byte loads for every dtype at D 128."""
+    """Each dtype's default kernel (lanes per row, the 16-bit pipeline)
+    compiles for sm_90 with the vector loads it was built for (16-byte loads
+    for every dtype at D 128) and its state in registers."""
     from numba import cuda, types
 
     from attention import decode_fast as F
 
     elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
-    lanes = F.LANES[kind]
-    vec, ch = F.row_layout(head_dim, kind, lanes)
-    kern = F.fast_decode_kernel(kind, vec, ch, F.heads_per_block(4, vec * ch), lanes=lanes)
+    pl = F.plan(2, 8, 2, head_dim, 1024, kind)  # the default kernel for this dtype
+    assert pl["pipeline"] == (kind != "f32" and head_dim == 128)
+    kern = pl["kernel"]
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
@@ -242,16 +257,23 @@ def test_split_count_fills_waves():
     gets one split."""
     from attention import decode_fast as F
 
-    wave = F.WAVE
+    wave = F.RESIDENT_BLOCKS[False] * F.N_SMS
     assert F.split_count(8, 32768) == wave // 8  # B 1, H_kv 8: one wave
     assert F.split_count(256, 4096) == (2 * wave) // 256  # B 32: 0.65 of a wave at 1
     assert F.split_count(8, 1000) == -(-1000 // F.MIN_CHUNK)  # too short to fill a wave
     assert F.split_count(256, 100) == 1 and F.split_count(3, 0) == 1
-    for pairs, max_len in [(8, 32768), (256, 1024), (512, 4096), (400, 1 << 20), (4000, 4096)]:
-        n = F.split_count(pairs, max_len)
-        blocks = pairs * n
-        assert 1 <= n <= -(-max_len // F.MIN_CHUNK)
-        assert blocks >= F.WAVE_FILL * (-(-blocks // wave) * wave) or n == -(-max_len // F.MIN_CHUNK)
+    # two blocks a SM (the pipelined 16-bit kernel): B 32 fills one wave unsplit
+    assert F.split_count(256, 4096, resident=2) == 1
+    assert F.split_count(8, 32768, resident=2) == 2 * F.N_SMS // 8
+    for resident in (2, 3):
+        wave = resident * F.N_SMS
+        for pairs, max_len in [(8, 32768), (256, 1024), (512, 4096), (400, 1 << 20),
+                               (4000, 4096)]:
+            n = F.split_count(pairs, max_len, resident)
+            blocks = pairs * n
+            most = -(-max_len // F.MIN_CHUNK)
+            assert 1 <= n <= most
+            assert blocks >= F.WAVE_FILL * (-(-blocks // wave) * wave) or n == most
 
 
 # ---- bad input: named errors before any launch --------------------------------
