@@ -90,6 +90,7 @@ UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
 LONG_CHUNK = 384
 LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
 PIPELINE = True  # 16-bit rows: packed, double-buffered (fast_decode_kernel)
+SCATTERED = True  # pipelined kernels with GB * U == LPR: one score a lane (ditto)
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
 # blocks of 128 threads an SM holds at once, by kernel form (sm_90 at D 128: the
 # one-buffer kernel takes 161-168 registers a thread, so 3; the pipelined 16-bit
@@ -299,13 +300,14 @@ def heads_per_block(group, per_lane):
 
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP,
-                       pipeline=False):
+                       pipeline=False, scatter=True):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
     heads: query heads per block (GB), warps: warps per block (NW),
     unroll: positions per lane group and warp step (U), lanes: lanes per row
-    (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below). A warp holds ``R = 32 / LPR`` rows at once:
+    (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below),
+    scatter: with the pipeline, one score a lane where ``GB * U == LPR``. A warp holds ``R = 32 / LPR`` rows at once:
     lane group ``g`` takes positions ``tile + R u + g``, so one butterfly of
     ``log2 LPR`` shuffles reduces ``R`` scores together; each group keeps its
     own softmax state, and the groups of a warp are merged by shuffles at the
@@ -317,6 +319,18 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     own arithmetic instead of waiting at the top of every step. Rows are
     converted to float32 where they are used, one row at a time, and the P.V
     update is ``acc * alpha + sum_u (p_u * beta) v_u``.
+
+    ``scatter`` (where ``GB * U == LPR``, e.g. GQA 4 with 16 lanes and U 4):
+    the ``GB * U`` partial dot products of a lane group are reduce-scattered
+    (the butterfly's pairs, so each score is the same sum as ``group_sum``'s)
+    so that lane ``j`` of a group holds the score of (head, position)
+    ``divmod(j, U)``; the tile softmax and the running state of a head live in
+    its ``U`` lanes (one exponential a lane instead of ``GB * U``), and the
+    P.V step takes each head's ``alpha`` and ``p * beta`` by shuffles:
+    fewer instructions a position than ``GB * U`` butterflies and softmaxes
+    repeated in every lane. A step where no head's running max moved (every
+    ``alpha`` is exactly 1, the usual case once a few steps are in) skips the
+    rescale of ``acc`` (one vote instead of ``GB * E`` multiplies by 1).
 
     Grid ``(n_split, H_kv * (H // H_kv) // GB, M)``, block ``32*NW`` threads.
     Arguments: q [M, H, D], k_cache / v_cache [KV_SLOTS, H_kv, max_seq, D],
@@ -341,6 +355,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     N_SH_ML = NW * GB * 2
     load = load_row_vec(kind, VEC) if VECTOR else None
     PIPE = bool(pipeline)
+    # scores reduce-scattered: one (head, position) a lane (GB * U == LPR)
+    SCATTER = PIPE and bool(scatter) and GB * U == LPR and (U & (U - 1)) == 0
     if PIPE and not (VECTOR and kind != "f32"):
         raise ValueError("pipeline: needs a 16-bit cache with vector rows")
     if PIPE:
@@ -360,7 +376,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                         kbuf[(u * CH + c) * W + w] = kt[w]
                         vbuf[(u * CH + c) * W + w] = vt[w]
 
-        def tile_step(kbuf, vbuf, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+        def tile_step(kbuf, vbuf, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                       alpha_h):
             # scores: one K row converted at a time, GB heads against it
             for u in range(U):
@@ -403,8 +419,66 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     for e in range(E):
                         acc[h * E + e] += score[h * U + u] * row[e]
 
+        def tile_step_scattered(kbuf, vbuf, tile, end, grp, sub, q_reg, acc, m_run, l_run,
+                                score, row, alpha_h):
+            # the lane's share of each of the GB*U = LPR dot products
+            for u in range(U):
+                for e in range(E):
+                    row[e] = elem(kbuf, u * E + e)
+                for h in range(GB):
+                    part = float32(0.0)
+                    for e in range(E):
+                        part += q_reg[h * E + e] * row[e]
+                    score[h * U + u] = part
+            # reduce-scatter over the lane group (group_sum's pairs, in its
+            # order): at each level a lane keeps half of its values, adds its
+            # partner's copy of them, and sends the other half; lane ``sub``
+            # ends with the score of (h, u) = divmod(sub, U)
+            half = LPR // 2
+            while half > 0:
+                upper = (sub & half) != 0
+                for i in range(half):
+                    send = score[i] if upper else score[i + half]
+                    keep = score[i + half] if upper else score[i]
+                    score[i] = keep + cuda.shfl_xor_sync(FULL, send, half)
+                half //= 2
+            u_mine = sub % U
+            s = score[0] if tile + u_mine * R + grp < end else float32(-math.inf)
+            # tile softmax over the U lanes of a head, merged into the lane's
+            # running state (m_run[0], l_run[0]: the state of head sub // U)
+            m_tile = s
+            off = 1
+            while off < U:
+                m_tile = max(m_tile, cuda.shfl_xor_sync(FULL, m_tile, off))
+                off *= 2
+            m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
+            p = math.exp(s - m_ref)
+            l_tile = p
+            off = 1
+            while off < U:
+                l_tile += cuda.shfl_xor_sync(FULL, l_tile, off)
+                off *= 2
+            m_new, l_new, alpha, beta = online_softmax_merge(m_run[0], l_run[0], m_tile, l_tile)
+            m_run[0] = m_new
+            l_run[0] = l_new
+            pb = p * beta
+            # P.V: each head's alpha and p * beta from the lanes that hold them
+            base = grp * LPR
+            if not cuda.all_sync(FULL, alpha == float32(1.0)):  # no max moved: skip
+                for h in range(GB):
+                    a = cuda.shfl_sync(FULL, alpha, base + h * U)
+                    for e in range(E):
+                        acc[h * E + e] *= a
+            for u in range(U):
+                for e in range(E):
+                    row[e] = elem(vbuf, u * E + e)
+                for h in range(GB):
+                    w = cuda.shfl_sync(FULL, pb, base + h * U + u)
+                    for e in range(E):
+                        acc[h * E + e] += w * row[e]
+
         load_rows = device_fn(load_rows)
-        tile_step = device_fn(tile_step)
+        tile_step = device_fn(tile_step_scattered if SCATTER else tile_step)
     else:
         load_rows = tile_step = None
         N_BUF, WORD, STEP = 1, float32, 1
@@ -469,7 +543,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                 nxt = tile + STEP
                 if nxt < end:
                     load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
-                tile_step(ka, va, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+                tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                           alpha_h)
                 tile = nxt
                 if tile >= end:
@@ -477,9 +551,16 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                 nxt = tile + STEP
                 if nxt < end:
                     load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
-                tile_step(kb, vb, tile, end, grp, q_reg, acc, m_run, l_run, score, row,
+                tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                           alpha_h)
                 tile = nxt
+            if SCATTER:
+                # every lane takes every head's state from the lane that kept it
+                m_mine = m_run[0]
+                l_mine = l_run[0]
+                for h in range(GB):
+                    m_run[h] = cuda.shfl_sync(FULL, m_mine, grp * LPR + h * U)
+                    l_run[h] = cuda.shfl_sync(FULL, l_mine, grp * LPR + h * U)
 
         k_reg = cuda.local.array(N_ROW_REG, float32)
         v_reg = cuda.local.array(N_ROW_REG, float32)
@@ -593,7 +674,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
 
     kernel.__name__ = kernel.__qualname__ = (
         f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}")
-        + ("p" if PIPE else ""))
+        + ("p" if PIPE else "") + ("s" if SCATTER else ""))
     return jit(kernel, fastmath=True)
 
 
@@ -758,7 +839,8 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     step = warps * unroll * (WARP // lanes)
     chunk = -(-chunk // step) * step  # whole warp steps
     return {
-        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes, pipeline),
+        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes, pipeline,
+                                     SCATTERED),
         "grid": (n_split, head_blocks, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),

@@ -103,6 +103,8 @@ SMALL_CASES = [
     (5, 1, 2, 1, 32, 140, np.float32, 9),     # 9 splits: two combine warps (runs of 5, 4)
     (6, 1, 2, 1, 40, 150, np.float32, 70),    # 70 splits: 8 combine warps, runs of 9 (a
                                               # second batch of 1), most splits empty, D=40
+    (9, 3, 8, 2, 64, 45, np.float16, 2),      # GQA 4 at 16 lanes: 4 heads x 4 positions,
+                                              # one score a lane (reduce-scatter)
 ]
 
 
@@ -110,6 +112,10 @@ SMALL_CASES = [
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"s{c[0]}")
 def test_small_matches_oracle(case):
     seed, m, h, kv, d, s, dt, ns = case
+    if seed == 9:  # the case is there for the reduce-scatter form
+        from attention import decode_fast as F
+
+        assert F.plan(m, h, kv, d, s, "f16")["kernel"].py_func.__name__.endswith("ps")
     q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
     check_against_oracle(q, k, v, lens, slots, n_split=ns)
 
@@ -223,6 +229,8 @@ def test_compile_ptx(kind, head_dim, want):
     pl = F.plan(2, 8, 2, head_dim, 1024, kind)  # the default kernel for this dtype
     assert pl["pipeline"] == (kind != "f32" and head_dim == 128)
     kern = pl["kernel"]
+    # GQA 4, 16 lanes a row, 4 positions a step: one score a lane
+    assert kern.py_func.__name__.endswith("ps") == pl["pipeline"]
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
