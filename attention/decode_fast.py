@@ -307,8 +307,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     heads: query heads per block (GB), warps: warps per block (NW),
     unroll: positions per lane group and warp step (U), lanes: lanes per row
     (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below),
-    scatter: with the pipeline, one score a lane where ``GB * U == LPR``. A warp holds ``R = 32 / LPR`` rows at once:
-    lane group ``g`` takes positions ``tile + R u + g``, so one butterfly of
+    scatter: with the pipeline, one score a lane where ``GB * U == LPR``.
+
+    A warp holds ``R = 32 / LPR`` rows at once: lane group ``g`` takes
+    positions ``tile + R u + g``, so one butterfly of
     ``log2 LPR`` shuffles reduces ``R`` scores together; each group keeps its
     own softmax state, and the groups of a warp are merged by shuffles at the
     end, before the warps are merged through shared memory.
@@ -349,7 +351,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     VECTOR = VEC > 1
     # local / shared array sizes must be plain closure constants
     N_HEAD_REG = GB * E
-    N_ROW_REG = U * E
+    N_ROW_REG = 1 if pipeline else U * E  # the one-buffer loop's rows
     N_SCORE = GB * U
     N_SH_ACC = NW * GB * ROW
     N_SH_ML = NW * GB * 2
@@ -359,22 +361,55 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     SCATTER = PIPE and bool(scatter) and GB * U == LPR and (U & (U - 1)) == 0
     if PIPE and not (VECTOR and kind != "f32"):
         raise ValueError("pipeline: needs a 16-bit cache with vector rows")
+
+    def tile_softmax(score, h, m_run, l_run):
+        # head h's U scores score[h*U : h*U+U] -> exp(s - m_ref), merged into
+        # m_run[h], l_run[h]; returns the merge's (alpha, beta)
+        m_tile = score[h * U]
+        for u in range(1, U):
+            m_tile = max(m_tile, score[h * U + u])
+        # with R > 1 rows a step, a lane group's U positions can all lie past
+        # the end (m_tile = -inf): exponentiate against 0 then, so its weights
+        # are exp(-inf) = 0, not exp(-inf + inf) = NaN
+        m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
+        l_tile = float32(0.0)
+        for u in range(U):
+            p = math.exp(score[h * U + u] - m_ref)
+            score[h * U + u] = p
+            l_tile += p
+        m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m_tile, l_tile)
+        m_run[h] = m_new
+        l_run[h] = l_new
+        return alpha, beta
+
+    tile_softmax = device_fn(tile_softmax)
     if PIPE:
         load_packed, elem, WORD, W = packed_row_io(kind, VEC)
         N_BUF = U * CH * W  # packed words of U rows a lane
         STEP = NW * R * U  # positions a block's warps cover in one step
 
-        def load_rows(kbuf, vbuf, k_cache, v_cache, row0, tile, end, grp, sub, head_dim):
-            # U rows of K and V per lane group, packed, positions clamped to end - 1
-            for u in range(U):
-                pos = min(tile + u * R + grp, end - 1)
-                base = (row0 + pos) * head_dim + sub * VEC
-                for c in range(CH):
-                    kt = load_packed(k_cache, base + c * STRIDE)
-                    vt = load_packed(v_cache, base + c * STRIDE)
-                    for w in range(W):
-                        kbuf[(u * CH + c) * W + w] = kt[w]
-                        vbuf[(u * CH + c) * W + w] = vt[w]
+        def load_row(kbuf, vbuf, k_cache, v_cache, flat, u):
+            # row u of the step: CH vector loads of K and of V from element flat
+            for c in range(CH):
+                kt = load_packed(k_cache, flat + c * STRIDE)
+                vt = load_packed(v_cache, flat + c * STRIDE)
+                for w in range(W):
+                    kbuf[(u * CH + c) * W + w] = kt[w]
+                    vbuf[(u * CH + c) * W + w] = vt[w]
+
+        def load_rows(kbuf, vbuf, k_cache, v_cache, row0, tile, end, grp, sub):
+            # U rows of K and V per lane group, packed (a row is ROW == D elements)
+            if tile + U * R <= end:
+                # every row of the step is in the chunk: one address, and each
+                # row's a constant offset from it (loads with immediate offsets)
+                base = (row0 + tile + grp) * ROW + sub * VEC
+                for u in range(U):
+                    load_row(kbuf, vbuf, k_cache, v_cache, base + u * R * ROW, u)
+            else:
+                # the chunk's last step: positions past the end re-read row end - 1
+                for u in range(U):
+                    pos = min(tile + u * R + grp, end - 1)
+                    load_row(kbuf, vbuf, k_cache, v_cache, (row0 + pos) * ROW + sub * VEC, u)
 
         def tile_step(kbuf, vbuf, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                       alpha_h):
@@ -390,21 +425,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     score[h * U + u] = s if tile + u * R + grp < end else float32(-math.inf)
             # tile softmax merged into the running state; score <- p * beta
             for h in range(GB):
-                m_tile = score[h * U]
-                for u in range(1, U):
-                    m_tile = max(m_tile, score[h * U + u])
-                # a lane group with no valid position (m_tile = -inf) exponentiates
-                # against 0, as in the one-buffer loop below
-                m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
-                l_tile = float32(0.0)
-                for u in range(U):
-                    p = math.exp(score[h * U + u] - m_ref)
-                    score[h * U + u] = p
-                    l_tile += p
-                m_new, l_new, alpha, beta = online_softmax_merge(
-                    m_run[h], l_run[h], m_tile, l_tile)
-                m_run[h] = m_new
-                l_run[h] = l_new
+                alpha, beta = tile_softmax(score, h, m_run, l_run)
                 alpha_h[h] = alpha
                 for u in range(U):
                     score[h * U + u] *= beta
@@ -477,6 +498,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     for e in range(E):
                         acc[h * E + e] += w * row[e]
 
+        load_row = device_fn(load_row)
         load_rows = device_fn(load_rows)
         tile_step = device_fn(tile_step_scattered if SCATTER else tile_step)
     else:
@@ -538,11 +560,11 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
             row = cuda.local.array(E, float32)
             alpha_h = cuda.local.array(GB, float32)
             if tile < end:
-                load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub, head_dim)
+                load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub)
             while tile < end:
                 nxt = tile + STEP
                 if nxt < end:
-                    load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
+                    load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub)
                 tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                           alpha_h)
                 tile = nxt
@@ -550,7 +572,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     break
                 nxt = tile + STEP
                 if nxt < end:
-                    load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub, head_dim)
+                    load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub)
                 tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                           alpha_h)
                 tile = nxt
@@ -596,22 +618,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
 
             # -- tile softmax, merged into the running state; P.V --
             for h in range(GB):
-                m_tile = score[h * U]
-                for u in range(1, U):
-                    m_tile = max(m_tile, score[h * U + u])
-                # with R > 1 rows a step, a lane group's U positions can all lie
-                # past the end (m_tile = -inf): exponentiate against 0 then, so
-                # its weights are exp(-inf) = 0, not exp(-inf + inf) = NaN
-                m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
-                l_tile = float32(0.0)
-                for u in range(U):
-                    p = math.exp(score[h * U + u] - m_ref)
-                    score[h * U + u] = p
-                    l_tile += p
-                m_new, l_new, alpha, beta = online_softmax_merge(
-                    m_run[h], l_run[h], m_tile, l_tile)
-                m_run[h] = m_new
-                l_run[h] = l_new
+                alpha, beta = tile_softmax(score, h, m_run, l_run)
                 for e in range(E):
                     pv = float32(0.0)
                     for u in range(U):

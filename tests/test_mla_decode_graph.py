@@ -74,7 +74,8 @@ def test_runs_match_mla_decode_and_follow_buffers(dtype):
     q2 = (q_nope * 0.5 + 0.25).astype(np.float32)
     d_lens.copy_to_device(lens2)
     g.d_q_nope.copy_to_device(q2)
-    cuda.synchronize()  # see test_length_out_of_range_is_reported_not_clamped
+    # no synchronize: the replay stream is ordered after these default-stream
+    # writes (attention.graph)
     g.run(sync=True)
     got2 = g.out.copy_to_host()
     rows = cache.astype(np.float32)
@@ -101,18 +102,17 @@ def test_length_out_of_range_is_reported_not_clamped():
     g = MLADecodeGraph(q_nope, q_pe, cache, d_lens, w_uk, w_uv)
     g.run(sync=True)
     good = g.out.copy_to_host()
+    # written on the default stream and replayed at once, with no synchronize:
+    # the replay must wait for the copy (the H200 run of 11fe247, when the
+    # replay stream was non-blocking, replayed before it had landed and saw
+    # the old lengths)
     d_lens.copy_to_device(np.array([5, 9, 7], np.int32))
-    # the replay runs on the graph's own non-blocking stream, which is not
-    # ordered after numba's default stream: a write there must be finished
-    # first (the H200 run of 11fe247 replayed before this copy had landed)
-    cuda.synchronize()
     with pytest.raises(checks.RangeError, match="lengths"):
         g.run(sync=True)
     bad = g.out.copy_to_host()
     assert np.array_equal(bad[1], np.zeros_like(bad[1]))
     np.testing.assert_array_equal(bad[[0, 2]], good[[0, 2]])
     d_lens.copy_to_device(np.array([5, 6, 7], np.int32))
-    cuda.synchronize()
     g.run(sync=True)  # the flag was cleared by the raise
     np.testing.assert_array_equal(g.out.copy_to_host(), good)
 
