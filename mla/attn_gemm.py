@@ -8,7 +8,8 @@ four of them ``attention.sgemm`` (register-tiled, two-level fp32 sums):
 1. absorb   ``qc[q, h, :r] = q_nope[q, h, :] @ W_UK[h]``   (batch over heads)
    pack     ``qc[q, h, r:] = q_pe[q, h, :]``
 2. scores   ``S[q, h, t] = scale * qc[q, h, :] . row_t``    (M = heads, N = vis[q], K = W)
-3. softmax  ``S[q, h, t] <- exp(S - max) / sum``, ``lse[q, h]`` (one warp a row)
+3. softmax  ``S[q, h, t] <- exp(S - max) / sum``, ``lse[q, h]`` (a block a row,
+            held in registers; one warp a row past 8192 positions)
 4. P.V      ``o_lat[q, h, :] = S[q, h, :vis] @ c_kv rows``  (M = heads, N = r, K = vis[q])
 5. decompress ``out[q, h, :] = W_UV[h] o_lat[q, h, :]``     (batch over heads)
 
@@ -38,7 +39,7 @@ import numpy as np
 from numba import cuda, float32
 
 from attention import sgemm
-from attention.device import device_empty, jit, launch_stream, to_device
+from attention.device import SIMULATOR, device_empty, jit, launch_stream, to_device
 from attention.warp import warp_max, warp_sum
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
@@ -133,6 +134,90 @@ def softmax_rows_kernel():
     return jit(kernel, fastmath=False)
 
 
+# a row of up to RESIDENT_VALS * RESIDENT_THREADS scores is held in registers by
+# one block (read once, written once); longer rows take the warp-a-row kernel
+RESIDENT_THREADS = 64 if SIMULATOR else 256
+RESIDENT_VALS = (1, 2, 4, 8, 16, 32)  # scores a thread, compiled per row width
+
+
+def resident_vals(width):
+    """Scores a thread holds for rows of ``width`` (None: too long to hold)."""
+    for vals in RESIDENT_VALS:
+        if vals * RESIDENT_THREADS >= width:
+            return vals
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def softmax_resident_kernel(vals):
+    """In-place softmax of each score row, the row held in registers.
+
+    Same arguments and results as ``softmax_rows_kernel`` (s [Q, nh, Lw],
+    vis [Q], lse [Q, nh]) for ``Lw <= vals * RESIDENT_THREADS``. Grid
+    ``(nh, Q)``, block ``RESIDENT_THREADS``: thread ``j`` of block ``(h, q)``
+    holds positions ``j + RESIDENT_THREADS i`` (``i < vals``, coalesced). The
+    row is read once and written once (the warp-a-row kernel reads it three
+    times). The row's max and sum are warp butterflies, then the warps' values
+    in warp order through shared memory. Each thread's sum of its ``vals``
+    exponentials is Kahan-compensated.
+    """
+    VALS, THREADS = vals, RESIDENT_THREADS
+    NW = THREADS // WARP
+
+    def kernel(s, vis, lse):
+        head = cuda.blockIdx.x
+        q = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        n = vis[q]
+        x = cuda.local.array(VALS, float32)
+        red = cuda.shared.array(NW, float32)
+        m = float32(-math.inf)
+        for i in range(VALS):
+            t = tid + i * THREADS
+            x[i] = float32(-math.inf)
+            if t < n:
+                x[i] = s[q, head, t]
+            m = max(m, x[i])
+        m = warp_max(m)
+        if lane == 0:
+            red[warp] = m
+        cuda.syncthreads()
+        m = red[0]
+        for w in range(1, NW):
+            m = max(m, red[w])
+        cuda.syncthreads()  # every thread has read red before it is reused
+        total = float32(0.0)
+        comp = float32(0.0)
+        for i in range(VALS):
+            if tid + i * THREADS < n:  # (an empty row has m = -inf: no exp of NaN)
+                p = math.exp(x[i] - m)
+                x[i] = p
+                y = p - comp
+                nxt = total + y
+                comp = (nxt - total) - y
+                total = nxt
+        total = warp_sum(total)
+        if lane == 0:
+            red[warp] = total
+        cuda.syncthreads()
+        total = red[0]
+        for w in range(1, NW):
+            total += red[w]
+        inv = float32(1.0) / total if n > 0 else float32(0.0)
+        for i in range(VALS):
+            t = tid + i * THREADS
+            if t < n:
+                s[q, head, t] = x[i] * inv
+        if tid == 0:
+            lse[q, head] = m + math.log(total) if n > 0 else float32(-math.inf)
+
+    kernel.__name__ = kernel.__qualname__ = f"mla_softmax_resident_{VALS}"
+    # no fastmath: it would fold the Kahan compensation away and assume no -inf
+    return jit(kernel, fastmath=False)
+
+
 def visible_rows(lens, tails, defect=None):
     """vis[q] = len - tail (one more with the off-by-one defect, never past len)."""
     leak = 1 if defect == "causal_offset_off_by_one" else 0
@@ -190,6 +275,20 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     return p
 
 
+def launch_softmax(p, stream):
+    """Softmax of ``p["s"]`` [Q, nh, Lw] in place over ``p["vis"]``, ``p["lse"]``
+    written: a block a row held in registers when ``Lw`` fits
+    (``resident_vals``), else a warp a row."""
+    n_q, nh = p["n_q"], p["nh"]
+    vals = resident_vals(int(p["s"].shape[2]))
+    if vals is not None:
+        softmax_resident_kernel(vals)[(nh, n_q), RESIDENT_THREADS, stream](
+            p["s"], p["vis"], p["lse"])
+    else:
+        softmax_rows_kernel()[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
+                              ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
+
+
 def launch_prepared(p, stream):
     """Enqueue the five launches of a ``prepare`` dict on ``stream`` (a numba
     stream, 0, or a cuda.core graph builder)."""
@@ -210,8 +309,7 @@ def launch_prepared(p, stream):
                  n_batch=n_q, stream=stream)
 
     # -- 3. softmax rows in place, LSE --
-    softmax_rows_kernel()[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
-                          ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
+    launch_softmax(p, stream)
 
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
     sgemm.launch(p["s"], p["latent"], p["o_lat"], p["slots"], p["q_rank"], p["vis"], 1.0,

@@ -74,6 +74,12 @@ def test_compile_softmax_and_pack():
                               (f3, types.Array(types.int32, 1, "C"),
                                types.Array(types.float32, 2, "C")), cc=(9, 0))
     assert "shfl.sync.bfly" in ptx
+    for vals in (1, 16, 32):  # the row stays in registers: no local memory
+        ptx, _ = cuda.compile_ptx(G.softmax_resident_kernel(vals).py_func,
+                                  (f3, types.Array(types.int32, 1, "C"),
+                                   types.Array(types.float32, 2, "C")), cc=(9, 0))
+        assert ".local" not in ptx and "shfl.sync.bfly" in ptx
+        assert ptx.count("ld.global.f32") == vals and ptx.count("st.global.f32") == vals + 1
     ptx, _ = cuda.compile_ptx(G._pack_q_pe, (f3, f3, types.int64), cc=(9, 0))
     assert "st.global" in ptx
 
@@ -156,6 +162,43 @@ def test_gemm_path_parity_small(dims, t_q, t_kv):
     flash = mla_attend(*args, method="flash")
     p = parity(got, args)
     np.testing.assert_allclose(got, flash, rtol=0, atol=2 * p["tol"])
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("form", ["resident", "warp"])
+def test_softmax_rows_forms(form, monkeypatch):
+    """Both softmax kernels against a float64 softmax: visible lengths 0, 1, a
+    block's width, one past it, and the full row (several values a thread);
+    entries past a length untouched, LSE -inf for an empty row. Tolerance:
+    4x the float32 numpy softmax's error against the same float64 softmax
+    (exp, a sum and a division, each within a few ulp) plus 1e-7."""
+    from attention.device import to_device, to_host
+
+    if form == "warp":
+        monkeypatch.setattr(G, "RESIDENT_VALS", ())
+    width = 2 * G.RESIDENT_THREADS + 3
+    vis = np.array([0, 1, G.RESIDENT_THREADS, G.RESIDENT_THREADS + 1, width], np.int32)
+    assert (G.resident_vals(width) is None) == (form == "warp")
+    rng = np.random.default_rng(6)
+    s = (rng.standard_normal((len(vis), 3, width)) * 4).astype(np.float32)
+    p = {"n_q": len(vis), "nh": 3, "s": to_device(s.copy()), "vis": to_device(vis),
+         "lse": to_device(np.full((len(vis), 3), np.nan, np.float32))}
+    G.launch_softmax(p, 0)
+    got, lse = to_host(p["s"]), to_host(p["lse"])
+    for q, n in enumerate(vis):
+        np.testing.assert_array_equal(got[q, :, n:], s[q, :, n:])  # past the length
+        if n == 0:
+            assert np.isneginf(lse[q]).all()
+            continue
+        x = s[q, :, :n].astype(np.float64)
+        ref = np.exp(x - x.max(-1, keepdims=True))
+        ref_lse = x.max(-1) + np.log(ref.sum(-1))
+        ref /= ref.sum(-1, keepdims=True)
+        x32 = s[q, :, :n]
+        e32 = np.exp(x32 - x32.max(-1, keepdims=True))
+        base = np.abs(e32 / e32.sum(-1, keepdims=True) - ref).max()
+        assert np.abs(got[q, :, :n] - ref).max() <= 4 * base + 1e-7, f"row {q} (length {n})"
+        assert np.abs(lse[q] - ref_lse).max() <= 1e-5 * max(1.0, np.abs(ref_lse).max())
 
 
 @pytest.mark.device
