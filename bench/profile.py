@@ -5,12 +5,17 @@
     ncu --clock-control none -k "regex:sgemm|mla_softmax" --launch-skip 5 \
         --launch-count 4 python3 -m bench.profile mla float32
 
+    ncu --clock-control none -k "regex:flash|fmha|attention" --launch-count 3 \
+        python3 -m bench.profile sdpa float16 4096 [batch]
+
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
 twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
 by its GEMM path. The regex matches five launches a call (absorb, scores,
 softmax, P.V, decompress); skip 5, count 4 profiles the second call's
-absorb, scores, softmax and P.V.
+absorb, scores, softmax and P.V. The third runs torch's
+``scaled_dot_product_attention`` (GQA) at the decode shape, for the kernel the
+fp16/bf16 targets are measured against (skipped, with a message, without torch).
 """
 
 import math
@@ -49,9 +54,31 @@ def mla(dname):
     print("mla_decode", {k_: v_ for k_, v_ in c.items()}, dname)
 
 
+def sdpa(dname, seq, b):
+    try:
+        import torch
+    except Exception as exc:  # optional: the comparison only
+        print(f"torch not importable ({type(exc).__name__}): sdpa profile skipped")
+        return
+    h, kv, d = 32, 8, 128
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dname]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=tdt, generator=gen)
+    k = torch.randn(b, kv, seq, d, device="cuda", dtype=tdt, generator=gen)
+    v = torch.randn(b, kv, seq, d, device="cuda", dtype=tdt, generator=gen)
+    for _ in range(3):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.cuda.synchronize()
+    print("torch sdpa", tuple(o.shape), dname, "L", seq)
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "mla":
         return mla(sys.argv[2] if len(sys.argv) > 2 else "float32")
+    if len(sys.argv) > 1 and sys.argv[1] == "sdpa":
+        return sdpa(sys.argv[2] if len(sys.argv) > 2 else "float16",
+                    int(sys.argv[3]) if len(sys.argv) > 3 else 4096,
+                    int(sys.argv[4]) if len(sys.argv) > 4 else 32)
     dname = sys.argv[1] if len(sys.argv) > 1 else "float16"
     seq = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     b = int(sys.argv[3]) if len(sys.argv) > 3 else 32
