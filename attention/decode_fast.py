@@ -28,6 +28,13 @@ docstring), built for bandwidth:
   overlap its own arithmetic (H200, fp16 B 32 L 4096: 176 -> 157 us; this
   kernel's 210-220 registers leave 2 blocks a SM, which the split count
   knows: ``RESIDENT_BLOCKS``).
+* **16-bit rows through shared memory** (``ASYNC_STAGES``, sm_80 and later):
+  instead of the second register buffer, each warp has a ring of 4 stages in
+  dynamic shared memory that its lanes fill with ``cp.async`` (inline PTX) 3
+  steps ahead and read back themselves, so 12 KB a warp are in flight
+  without registers (161 a thread). H200, fp16 B 32: L 4096 150.9 -> 142.6
+  us, L 16384 546.0 -> 502.7 us (bench/NOTES.md run 10; torch SDPA 134.8 /
+  486.4 us).
 * **fp16 / bf16 caches, fp32 accumulation.** Rows are converted to float32
   as they are loaded (bf16 by a 16-bit shift, fp16 by ``cvt.f32.f16``).
 * **Split-KV.** Each sequence's positions are cut into ``n_split`` chunks so
@@ -64,6 +71,7 @@ from .device import (
     device_empty,
     device_fn,
     finish,
+    gpu_available,
     host_ints,
     is_host_array,
     jit,
@@ -91,10 +99,18 @@ LONG_CHUNK = 384
 LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
 PIPELINE = True  # 16-bit rows: packed, double-buffered (fast_decode_kernel)
 SCATTERED = True  # pipelined kernels with GB * U == LPR: one score a lane (ditto)
+# pipelined kernels: stages of the shared-memory ring a warp's rows arrive in by
+# cp.async (sm_80 and later; 0: two register buffers). H200, fp16 B 32: L 4096
+# 150.9 -> 142.6 us at 4 stages (3: 144.5, 6: 148.0); bench/NOTES.md run 10
+ASYNC_STAGES = 4
+SMEM_STATIC_LIMIT = 48 * 1024  # dynamic shared memory past this needs an opt-in
+RING_LIMIT = 96 * 1024  # most ring bytes a block (fewer stages where a stage is larger)
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
 # blocks of 128 threads an SM holds at once, by kernel form (sm_90 at D 128: the
 # one-buffer kernel takes 161-168 registers a thread, so 3; the pipelined 16-bit
-# kernel 210, so 2): the split heuristic counts blocks in waves of this many
+# kernel 210, so 2; with the ring, 161 registers and 73 KB of shared memory
+# allow 3, but counting 2 keeps B 32 at one split, which measured faster than 3
+# splits: run 10): the split heuristic counts blocks in waves of this many
 RESIDENT_BLOCKS = {False: 3, True: 2}  # keyed by ``pipeline``
 WAVE_FILL = 0.9  # the last wave of blocks must be at least this full
 
@@ -238,6 +254,123 @@ def _unpacker(kind):
     return unpack
 
 
+def _gpu_async_ops(stages, words):
+    """llvmlite intrinsics (inline PTX) for the shared-memory ring:
+    ``copy(ring, word, arr, flat)``: ``cp.async`` of the ``4 * words`` bytes
+    (16: ``.cg``, past L1; 8 or 4: ``.ca``) at element ``flat`` of a 16-bit
+    array into uint32 word ``word`` of a shared array; ``commit()``:
+    ``cp.async.commit_group``; ``wait()``: ``cp.async.wait_group stages - 2``
+    (at most that many of the thread's groups still in flight); ``read(ring,
+    word)``: its ``words`` words with one shared load. A thread's own copies are
+    visible to it after the wait; nothing is shared between lanes.
+    """
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i8p = ir.IntType(8).as_pointer()
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    to_shared = "{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $%d; " \
+                "cvt.u32.u64 sa32, sa64; %s }"
+
+    def pointer(context, builder, aty, aval, idx, itemsize):
+        ary = context.make_array(aty)(context, builder, aval)
+        if idx.type.width < 64:
+            idx = builder.sext(idx, i64)
+        return builder.gep(builder.bitcast(ary.data, i8p),
+                           [builder.mul(idx, ir.Constant(i64, itemsize))])
+
+    def statement(builder, text):
+        fnty = ir.FunctionType(ir.VoidType(), [])
+        builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+
+    nbytes = 4 * words
+    level = "cg" if nbytes == 16 else "ca"
+    outs = ", ".join(f"${i}" for i in range(words))
+    vec = f".v{words}" if words > 1 else ""
+    dst = f"{{{outs}}}" if words > 1 else outs
+
+    @intrinsic
+    def copy(typingctx, ring, word, arr, flat):
+        sig = types.void(ring, word, arr, flat)
+
+        def codegen(context, builder, sig, args):
+            sp = pointer(context, builder, sig.args[0], args[0], args[1], 4)
+            gp = pointer(context, builder, sig.args[2], args[2], args[3], 2)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
+            text = to_shared % (0, f"cp.async.{level}.shared.global [sa32], [$1], {nbytes};")
+            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def commit(typingctx):
+        def codegen(context, builder, sig, args):
+            statement(builder, "cp.async.commit_group;")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def wait(typingctx):
+        def codegen(context, builder, sig, args):
+            statement(builder, f"cp.async.wait_group {stages - 2};")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def read(typingctx, ring, word):
+        sig = types.UniTuple(types.uint32, words)(ring, word)
+
+        def codegen(context, builder, sig, args):
+            sp = pointer(context, builder, sig.args[0], args[0], args[1], 4)
+            ret = ir.LiteralStructType([i32] * words) if words > 1 else i32
+            fnty = ir.FunctionType(ret, [i8p])
+            text = to_shared % (words, f"ld.shared{vec}.u32 {dst}, [sa32];")
+            cons = ",".join(["=r"] * words) + ",l,~{memory}"
+            r = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), [sp])
+            vals = [builder.extract_value(r, i) for i in range(words)] if words > 1 else [r]
+            return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
+
+    return copy, commit, wait, read
+
+
+@functools.lru_cache(maxsize=None)
+def async_ring_ops(kind, vec, stages):
+    """``(copy, commit, wait, read, word_type, words)`` for a warp's ring of rows.
+
+    ``copy(ring, word, arr, flat)`` starts copying the ``vec`` elements at
+    ``flat`` of a 16-bit array to ``ring[word:word + words]``; ``commit()``
+    closes a group of copies; ``wait()`` waits until at most ``stages - 2``
+    groups are in flight; ``read(ring, word)`` returns the ``words`` values.
+    On a GPU a word is a uint32 holding two elements (``cp.async``, 16 bytes);
+    the simulator copies at once, one float32 an element. ``vec``: 2, 4 or 8.
+    """
+    if SIMULATOR:
+        load = _sim_loader(vec)
+
+        def copy(ring, word, arr, flat):
+            vals = load(arr, flat)
+            for i in range(vec):
+                ring[word + i] = vals[i]
+
+        def nothing():
+            return None
+
+        def read(ring, word):
+            return tuple(ring[word + i] for i in range(vec))
+
+        return copy, nothing, nothing, read, float32, vec
+    if vec not in (2, 4, 8):
+        raise ValueError(f"async rows: expected pieces of 2, 4 or 8 elements, got {vec}")
+    copy, commit, wait, read = _gpu_async_ops(stages, vec // 2)
+    return copy, commit, wait, read, uint32, vec // 2
+
+
 @functools.lru_cache(maxsize=None)
 def packed_row_io(kind, vec):
     """``(load, elem, word_type, words)`` for rows kept packed in registers.
@@ -300,14 +433,16 @@ def heads_per_block(group, per_lane):
 
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP,
-                       pipeline=False, scatter=True):
+                       pipeline=False, scatter=True, stages=0):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
     heads: query heads per block (GB), warps: warps per block (NW),
     unroll: positions per lane group and warp step (U), lanes: lanes per row
     (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below),
-    scatter: with the pipeline, one score a lane where ``GB * U == LPR``.
+    scatter: with the pipeline, one score a lane where ``GB * U == LPR``,
+    stages: with the pipeline, the stages of a warp's shared-memory ring (0:
+    two register buffers; see below).
 
     A warp holds ``R = 32 / LPR`` rows at once: lane group ``g`` takes
     positions ``tile + R u + g``, so one butterfly of
@@ -320,7 +455,13 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     ones (two register buffers, used in turn), so a warp's loads overlap its
     own arithmetic instead of waiting at the top of every step. Rows are
     converted to float32 where they are used, one row at a time, and the P.V
-    update is ``acc * alpha + sum_u (p_u * beta) v_u``.
+    update is ``acc * alpha + sum_u (p_u * beta) v_u``. With ``stages = S > 0``
+    the rows arrive instead through a ring of ``S`` stages a warp in dynamic
+    shared memory (``ring_bytes``): each lane starts copying its own 16-byte
+    pieces of step ``t + S - 1`` (``cp.async``) before it computes step ``t``
+    and reads them back itself after ``cp.async.wait_group S - 2`` (no barrier:
+    nothing is shared between lanes), so ``S - 1`` steps are in flight a warp
+    without holding registers (one register buffer, ~160 registers).
 
     ``scatter`` (where ``GB * U == LPR``, e.g. GQA 4 with 16 lanes and U 4):
     the ``GB * U`` partial dot products of a lane group are reduce-scattered
@@ -498,12 +639,55 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                     for e in range(E):
                         acc[h * E + e] += w * row[e]
 
+        STG = int(stages)
+        if STG == 1 or STG < 0:
+            raise ValueError(f"stages: expected 0 or at least 2, got {stages}")
+        if STG:
+            copy, commit, wait, read_piece, _, _ = async_ring_ops(kind, VEC, STG)
+        else:
+            copy = commit = wait = read_piece = None
+        PIECES = U * CH * WARP  # ring pieces (VEC elements) of K in one stage of a warp
+        RING_STAGE = 2 * PIECES * W  # words of a stage: K pieces, then V pieces
+
+        def issue_row(ring, at, k_cache, v_cache, flat, u, lane):
+            # row u's pieces of this lane: ring word at + ((u CH + c) 32 + lane) W
+            for c in range(CH):
+                word = at + ((u * CH + c) * WARP + lane) * W
+                copy(ring, word, k_cache, flat + c * STRIDE)
+                copy(ring, word + PIECES * W, v_cache, flat + c * STRIDE)
+
+        def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane):
+            # as load_rows, into the ring stage at word ``at``
+            if tile + U * R <= end:
+                base = (row0 + tile + grp) * ROW + sub * VEC
+                for u in range(U):
+                    issue_row(ring, at, k_cache, v_cache, base + u * R * ROW, u, lane)
+            else:
+                for u in range(U):
+                    pos = min(tile + u * R + grp, end - 1)
+                    issue_row(ring, at, k_cache, v_cache, (row0 + pos) * ROW + sub * VEC, u,
+                              lane)
+
+        def read_rows(ring, at, kbuf, vbuf, lane):
+            # this lane's pieces of the stage at word ``at`` into the register buffer
+            for u in range(U):
+                for c in range(CH):
+                    word = at + ((u * CH + c) * WARP + lane) * W
+                    kt = read_piece(ring, word)
+                    vt = read_piece(ring, word + PIECES * W)
+                    for w in range(W):
+                        kbuf[(u * CH + c) * W + w] = kt[w]
+                        vbuf[(u * CH + c) * W + w] = vt[w]
+
+        issue_row = device_fn(issue_row)
+        issue_rows = device_fn(issue_rows)
+        read_rows = device_fn(read_rows)
         load_row = device_fn(load_row)
         load_rows = device_fn(load_rows)
         tile_step = device_fn(tile_step_scattered if SCATTER else tile_step)
     else:
-        load_rows = tile_step = None
-        N_BUF, WORD, STEP = 1, float32, 1
+        load_rows = tile_step = issue_rows = read_rows = commit = wait = None
+        N_BUF, WORD, STEP, STG, RING_STAGE = 1, float32, 1, 0, 0
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
                out, lse, part_acc, part_ml):
@@ -552,30 +736,53 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
 
         tile = start + warp * R * U
         if PIPE:
-            # -- two packed buffers in turn: load step t+1, then compute step t --
             ka = cuda.local.array(N_BUF, WORD)
             va = cuda.local.array(N_BUF, WORD)
-            kb = cuda.local.array(N_BUF, WORD)
-            vb = cuda.local.array(N_BUF, WORD)
             row = cuda.local.array(E, float32)
             alpha_h = cuda.local.array(GB, float32)
-            if tile < end:
-                load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub)
-            while tile < end:
-                nxt = tile + STEP
-                if nxt < end:
-                    load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub)
-                tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
-                          alpha_h)
-                tile = nxt
-                if tile >= end:
-                    break
-                nxt = tile + STEP
-                if nxt < end:
-                    load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub)
-                tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
-                          alpha_h)
-                tile = nxt
+            if STG:
+                # -- the warp's ring: steps t+1 .. t+S-1 in flight while t is computed --
+                ring = cuda.shared.array(0, WORD)
+                at0 = warp * STG * RING_STAGE
+                for i in range(STG - 1):
+                    if tile + i * STEP < end:
+                        issue_rows(ring, at0 + i * RING_STAGE, k_cache, v_cache, row0,
+                                   tile + i * STEP, end, grp, sub, lane)
+                    commit()  # one group a step, empty past the end: the wait counts steps
+                i = 0
+                while tile < end:
+                    ahead = tile + (STG - 1) * STEP
+                    if ahead < end:
+                        issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
+                                   v_cache, row0, ahead, end, grp, sub, lane)
+                    commit()
+                    wait()  # step i's group has landed
+                    read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)
+                    tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
+                              alpha_h)
+                    tile += STEP
+                    i += 1
+            else:
+                # -- two packed buffers in turn: load step t+1, then compute step t --
+                kb = cuda.local.array(N_BUF, WORD)
+                vb = cuda.local.array(N_BUF, WORD)
+                if tile < end:
+                    load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub)
+                while tile < end:
+                    nxt = tile + STEP
+                    if nxt < end:
+                        load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub)
+                    tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
+                              alpha_h)
+                    tile = nxt
+                    if tile >= end:
+                        break
+                    nxt = tile + STEP
+                    if nxt < end:
+                        load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub)
+                    tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
+                              alpha_h)
+                    tile = nxt
             if SCATTER:
                 # every lane takes every head's state from the lane that kept it
                 m_mine = m_run[0]
@@ -681,7 +888,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
 
     kernel.__name__ = kernel.__qualname__ = (
         f"decode_fast_{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}" + ("" if LPR == WARP else f"l{LPR}")
-        + ("p" if PIPE else "") + ("s" if SCATTER else ""))
+        + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else ""))
     return jit(kernel, fastmath=True)
 
 
@@ -791,6 +998,51 @@ def combine_kernel(chunks):
 # launch planning and launcher
 # ---------------------------------------------------------------------------
 
+def async_capable():
+    """True where the pipelined kernel may use ``cp.async`` (sm_80 and later; the
+    simulator emulates it; with no GPU, compile-only, True)."""
+    if SIMULATOR or not gpu_available():
+        return True
+    return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+
+
+def ring_bytes(warps, stages, unroll, chunks, kind, vec):
+    """Dynamic shared memory of a block's rings: ``warps * stages`` stages of
+    ``2 * unroll * chunks * 32`` pieces of ``vec`` elements (16 bytes at vec 8;
+    the simulator stores a float32 an element). 0 without a ring."""
+    if not stages:
+        return 0
+    piece = 4 * vec if SIMULATOR else 2 * vec
+    return warps * stages * 2 * unroll * chunks * WARP * piece
+
+
+_SMEM_OPT_IN = set()
+
+
+def _allow_shared(kernel, args, dyn, static):
+    """Let ``kernel`` (for ``args``' types) take ``dyn`` bytes of dynamic shared
+    memory: past ``SMEM_STATIC_LIMIT`` (static included) the driver needs
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, set once a kernel,
+    q dtype and device (it compiles the kernel for the call first)."""
+    if SIMULATOR or dyn + static <= SMEM_STATIC_LIMIT:
+        return
+    dev = cuda.get_current_device().id
+    key = (kernel, str(args[0].dtype), dev)
+    if key in _SMEM_OPT_IN:
+        return
+    import numba
+    from cuda.bindings import driver as binding
+    from numba.cuda.cudadrv import driver
+
+    overload = kernel.compile(tuple(numba.typeof(a) for a in args))
+    del overload
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for compiled in kernel.overloads.values():
+        fn = compiled._codelibrary.get_cufunc()
+        driver.driver.cuKernelSetAttribute(attr, int(dyn), fn.handle, fn.device.id)
+    _SMEM_OPT_IN.add(key)
+
+
 def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
     """Default ``n_split`` for ``pairs = M * head_blocks`` blocks per split.
 
@@ -820,12 +1072,15 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
 
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
-         warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None):
+         warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
     double-buffered rows (``fast_decode_kernel``); default ``PIPELINE`` for
-    16-bit caches with vector rows, never for fp32.
+    16-bit caches with vector rows, never for fp32. ``stages``: the pipelined
+    kernel's shared-memory ring (default ``ASYNC_STAGES`` where ``cp.async``
+    exists, ``async_capable``; 0: two register buffers). ``dyn_smem``: the
+    ring's bytes, passed with the launch.
 
     ``n_split`` (default: ``split_count``) cuts each sequence into that many
     chunks of whole warp steps.
@@ -837,6 +1092,12 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     head_blocks = n_kv * (group // gb)
     packed = kind != "f32" and vec > 1
     pipeline = (PIPELINE and packed) if pipeline is None else bool(pipeline)
+    if stages is None:
+        stages = ASYNC_STAGES if async_capable() else 0
+        per_stage = ring_bytes(warps, 1, 4 if unroll is None else unroll, chunks, kind, vec)
+        stages = min(stages, RING_LIMIT // max(per_stage, 1))
+        stages = stages if stages >= 2 else 0
+    stages = int(stages) if pipeline else 0
     if n_split is None:
         n_split = split_count(m_count * head_blocks, max_len, RESIDENT_BLOCKS[pipeline])
     n_split = max(1, int(n_split))
@@ -847,7 +1108,10 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     chunk = -(-chunk // step) * step  # whole warp steps
     return {
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes, pipeline,
-                                     SCATTERED),
+                                     SCATTERED, stages),
+        "stages": stages,
+        "dyn_smem": ring_bytes(warps, stages, unroll, chunks, kind, vec),
+        "static_smem": 4 * warps * gb * (2 + lanes * vec * chunks),
         "grid": (n_split, head_blocks, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),
@@ -898,9 +1162,10 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
            stream):
     """Enqueue a planned decode (one or two launches) on ``stream`` (a numba
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device arrays."""
-    pl["kernel"][pl["grid"], pl["block"], stream](
-        d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
-        d_out, d_lse, d_part_acc, d_part_ml)
+    args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
+            d_out, d_lse, d_part_acc, d_part_ml)
+    _allow_shared(pl["kernel"], args, pl["dyn_smem"], pl["static_smem"])
+    pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
         m_count, n_heads = d_out.shape[0], d_out.shape[1]
         kern = combine_kernel(-(-int(d_out.shape[2]) // WARP))

@@ -112,10 +112,11 @@ SMALL_CASES = [
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"s{c[0]}")
 def test_small_matches_oracle(case):
     seed, m, h, kv, d, s, dt, ns = case
-    if seed == 9:  # the case is there for the reduce-scatter form
+    if seed == 9:  # the case is there for the reduce-scatter form (rows by the ring)
         from attention import decode_fast as F
 
-        assert F.plan(m, h, kv, d, s, "f16")["kernel"].py_func.__name__.endswith("ps")
+        name = F.plan(m, h, kv, d, s, "f16")["kernel"].py_func.__name__
+        assert name.endswith(f"psa{F.ASYNC_STAGES}"), name
     q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
     check_against_oracle(q, k, v, lens, slots, n_split=ns)
 
@@ -156,6 +157,27 @@ def test_one_buffer_16bit_rows_match_oracle(case, monkeypatch):
     seed, m, h, kv, d, s, dt, ns = case
     monkeypatch.setattr(F, "PIPELINE", False)
     q, k, v, lens, slots = make_case(seed, m, h, kv, d, s, dt)
+    check_against_oracle(q, k, v, lens, slots, n_split=ns)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("stages", [0, 2, 3])
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES + LANE_CASES
+                                  if c[6] == np.float16 and c[4] % 32 == 0],  # vector rows
+                         ids=lambda c: f"s{c[0]}")
+def test_pipeline_stages_match_oracle(case, stages, monkeypatch):
+    """The pipelined 16-bit kernel with two register buffers (``stages`` 0, the
+    form for GPUs without ``cp.async``) and with rings of 2 and 3 stages (the
+    default is ``ASYNC_STAGES``): the same check. Lengths up to 150 give a warp
+    more steps than stages, so the ring wraps. (The simulator copies at once:
+    that a wait covers its copies is checked on a GPU, by these tests and the
+    validation runner.)"""
+    from attention import decode_fast as F
+
+    seed, m, h, kv, d, s, dt, ns = case
+    monkeypatch.setattr(F, "ASYNC_STAGES", stages)
+    q, k, v, lens, slots = make_case(seed, m, h, kv, d, max(s, 150), dt)
+    assert F.plan(m, h, kv, d, max(s, 150), "f16")["stages"] == stages
     check_against_oracle(q, k, v, lens, slots, n_split=ns)
 
 
@@ -213,8 +235,8 @@ def test_bf16_not_on_simulator():
 @pytest.mark.compile
 @pytest.mark.parametrize("kind,head_dim,want", [
     ("f32", 128, "ld.global.v4.f32"),
-    ("f16", 128, "ld.global.v4.u32"),
-    ("bf16", 128, "ld.global.v4.u32"),
+    ("f16", 128, "cp.async.cg.shared.global"),  # 16-byte pieces into the ring
+    ("bf16", 128, "cp.async.cg.shared.global"),
     ("f32", 40, "ld.global.f32"),
 ])
 def test_compile_ptx(kind, head_dim, want):
@@ -229,8 +251,8 @@ def test_compile_ptx(kind, head_dim, want):
     pl = F.plan(2, 8, 2, head_dim, 1024, kind)  # the default kernel for this dtype
     assert pl["pipeline"] == (kind != "f32" and head_dim == 128)
     kern = pl["kernel"]
-    # GQA 4, 16 lanes a row, 4 positions a step: one score a lane
-    assert kern.py_func.__name__.endswith("ps") == pl["pipeline"]
+    # GQA 4, 16 lanes a row, 4 positions a step: one score a lane; rows by the ring
+    assert kern.py_func.__name__.endswith(f"psa{F.ASYNC_STAGES}") == pl["pipeline"]
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
@@ -239,6 +261,9 @@ def test_compile_ptx(kind, head_dim, want):
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert want in ptx
     assert "ld.local" not in ptx, "per-lane state spilled to local memory"
+    if pl["pipeline"]:  # a lane waits for its own copies, then reads them back
+        assert f"cp.async.wait_group {F.ASYNC_STAGES - 2};" in ptx
+        assert "ld.shared.v4.u32" in ptx and "bar.sync" not in ptx.split("wait_group")[0]
 
 
 @pytest.mark.compile
