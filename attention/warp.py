@@ -12,6 +12,10 @@ predicate loads and stores, never the collective itself.
 * ``group_sum(v, lanes)``: the butterfly over aligned groups of ``lanes``
   lanes (a power of two <= 32; a compile-time constant in the caller): every
   lane gets its group's total. ``group_sum(v, 32) == warp_sum(v)``.
+* ``block_max(v, red)`` / ``block_sum(v, red)``: the whole block's max / sum
+  in every thread: ``warp_max`` / ``warp_sum``, then the warps' values in warp
+  order through ``red`` (a shared float32 array, one entry a warp; every warp
+  of the block calls it). ``red`` may be reused as soon as it returns.
 * ``warp_sum_down(v)``: shuffle-down tree into lane 0, then a broadcast from
   lane 0 (``shfl_sync(.., 0)``), so every lane holds lane 0's total. This is the
   reference design's order of additions.
@@ -73,6 +77,35 @@ def group_sum(v, lanes):
     while off > 0:
         v += cuda.shfl_xor_sync(FULL_MASK, v, off)
         off //= 2
+    return v
+
+
+@cuda.jit(device=True, inline="always")
+def block_max(v, red):
+    """Maximum of ``v`` over the block, in every thread. red: shared float32 [warps]."""
+    v = warp_max(v)
+    if cuda.threadIdx.x % 32 == 0:
+        red[cuda.threadIdx.x // 32] = v
+    cuda.syncthreads()
+    v = red[0]
+    for w in range(1, red.shape[0]):
+        v = max(v, red[w])
+    cuda.syncthreads()  # every thread has read red before it is reused
+    return v
+
+
+@cuda.jit(device=True, inline="always")
+def block_sum(v, red):
+    """Sum of ``v`` over the block (warp by warp, in warp order), in every thread.
+    red: shared float32 [warps]."""
+    v = warp_sum(v)
+    if cuda.threadIdx.x % 32 == 0:
+        red[cuda.threadIdx.x // 32] = v
+    cuda.syncthreads()
+    v = red[0]
+    for w in range(1, red.shape[0]):
+        v += red[w]
+    cuda.syncthreads()  # every thread has read red before it is reused
     return v
 
 

@@ -40,7 +40,7 @@ from numba import cuda, float32
 
 from attention import sgemm
 from attention.device import SIMULATOR, device_empty, jit, launch_stream, to_device
-from attention.warp import warp_max, warp_sum
+from attention.warp import block_max, block_sum, warp_max, warp_sum
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
 ROWS_PER_BLOCK = 4  # softmax: one warp per (query, head) row
@@ -157,8 +157,8 @@ def softmax_resident_kernel(vals):
     ``(nh, Q)``, block ``RESIDENT_THREADS``: thread ``j`` of block ``(h, q)``
     holds positions ``j + RESIDENT_THREADS i`` (``i < vals``, coalesced). The
     row is read once and written once (the warp-a-row kernel reads it three
-    times). The row's max and sum are warp butterflies, then the warps' values
-    in warp order through shared memory. Each thread's sum of its ``vals``
+    times). The row's max and sum are ``attention.warp.block_max`` /
+    ``block_sum`` (warp butterflies, then the warps' values in warp order). Each thread's sum of its ``vals``
     exponentials is Kahan-compensated.
     """
     VALS, THREADS = vals, RESIDENT_THREADS
@@ -168,8 +168,6 @@ def softmax_resident_kernel(vals):
         head = cuda.blockIdx.x
         q = cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        lane = tid % WARP
-        warp = tid // WARP
         n = vis[q]
         x = cuda.local.array(VALS, float32)
         red = cuda.shared.array(NW, float32)
@@ -180,14 +178,7 @@ def softmax_resident_kernel(vals):
             if t < n:
                 x[i] = s[q, head, t]
             m = max(m, x[i])
-        m = warp_max(m)
-        if lane == 0:
-            red[warp] = m
-        cuda.syncthreads()
-        m = red[0]
-        for w in range(1, NW):
-            m = max(m, red[w])
-        cuda.syncthreads()  # every thread has read red before it is reused
+        m = block_max(m, red)
         total = float32(0.0)
         comp = float32(0.0)
         for i in range(VALS):
@@ -198,13 +189,7 @@ def softmax_resident_kernel(vals):
                 nxt = total + y
                 comp = (nxt - total) - y
                 total = nxt
-        total = warp_sum(total)
-        if lane == 0:
-            red[warp] = total
-        cuda.syncthreads()
-        total = red[0]
-        for w in range(1, NW):
-            total += red[w]
+        total = block_sum(total, red)
         inv = float32(1.0) / total if n > 0 else float32(0.0)
         for i in range(VALS):
             t = tid + i * THREADS

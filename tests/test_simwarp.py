@@ -203,6 +203,34 @@ def test_warp_helpers_reduce_every_lane():
     np.testing.assert_allclose(sd, np.repeat(w.sum(1), 32), rtol=1e-12)
 
 
+def test_block_helpers_reduce_every_thread_and_reuse_their_scratch():
+    """attention.warp.block_max / block_sum over a block of 4 warps: the block's
+    max and sum in every thread, three reductions in a row through the same
+    shared array. (The simulator's threads rarely interleave enough to expose a
+    missing barrier before a reuse; racecheck on the GPU covers that, through
+    the MLA softmax tests.)"""
+    from numba import float64
+
+    from attention.warp import block_max, block_sum
+
+    @cuda.jit
+    def reduce(vals, m, s, m2):
+        red = cuda.shared.array(4, float64)
+        t = cuda.threadIdx.x
+        m[t] = block_max(vals[t], red)
+        s[t] = block_sum(vals[t], red)
+        m2[t] = block_max(-vals[t], red)
+
+    rng = np.random.default_rng(2)
+    vals = rng.standard_normal(128)
+    m, s, m2 = (np.zeros(128) for _ in range(3))
+    reduce[1, 128](vals, m, s, m2)
+    np.testing.assert_array_equal(m, np.full(128, vals.max()))
+    want = vals.reshape(4, 32).sum(1)  # warp by warp, then in warp order
+    np.testing.assert_allclose(s, np.full(128, want.sum()), rtol=1e-12)
+    np.testing.assert_array_equal(m2, np.full(128, (-vals).max()))
+
+
 @cuda.jit
 def divergent_activemask(out):
     t = cuda.threadIdx.x
