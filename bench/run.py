@@ -59,6 +59,13 @@ def log(*a):
     print(*a, flush=True)
 
 
+def cover_note(timer, seen):
+    """Text for a log line when ``timer``'s host cover was raised since ``seen``
+    entries of ``timer.raised`` (bench.gpu.HOLD_US); '' otherwise."""
+    new = timer.raised[seen:]
+    return f" [host cover raised: {new}]" if new else ""
+
+
 def np_dtype(name):
     if name == "bfloat16":
         import ml_dtypes
@@ -92,6 +99,8 @@ def oracle_check(out_dev, q_dev, k_dev, v_dev, seq, n_check=1):
 
 
 def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
+    """Decode rows (``DECODE_SHAPES`` x ``DTYPES``) into ``rows``; spot checks into ``checks_log``."""
+    seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
     from attention import decode_fast as F
@@ -129,6 +138,8 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
             nbytes = decode_bytes(b, h, kv, d, seq, dt.itemsize)
 
             def record(name, ms, note=""):
+                note += cover_note(timer, seen[0])
+                seen[0] = len(timer.raised)
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
                              "kv_heads": kv, "head_dim": d, "seq_len": seq,
@@ -233,6 +244,7 @@ def mla_flops(batch, heads, latent, rope, nope, v_dim, seq):
 
 
 def bench_mla(timer, fma_tflops, torch, mla_rows):
+    seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
     from .gpu import random_array
@@ -250,6 +262,8 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
         dt = np.dtype(dname)
 
         def record(name, ms, note=""):
+            note += cover_note(timer, seen[0])
+            seen[0] = len(timer.raised)
             tf = flops / (ms * 1e-3) / 1e12
             mla_rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
                              "latent": lat, "rope": rope, "seq_len": seq, "ms": round(ms, 4),
