@@ -38,12 +38,12 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
         k = random_array((t_len, kv * d), np.float32, 32)
         v = random_array((t_len, kv * d), np.float32, 33)
 
-        def record(name, ms):
+        def record(name, ms, note=""):
             tf = flops / (ms * 1e-3) / 1e12
             rows.append({"kernel": name, "dtype": "float32", "seq_len": t_len, "heads": h,
                          "kv_heads": kv, "head_dim": d, "causal": True, "ms": round(ms, 4),
                          "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3)})
-            log(f"  prefill {name:<10} T={t_len:<5} {ms:9.3f} ms {tf:7.2f} TFLOP/s")
+            log(f"  prefill {name:<10} T={t_len:<5} {ms:9.3f} ms {tf:7.2f} TFLOP/s {note}")
 
         st = cuda.default_stream()
         for method in METHODS:
@@ -55,7 +55,8 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
                 # a public launcher (host work included): it may allocate and free
                 # scratch, and a free waits for the device, which the timer's
                 # cover check would take for a late start
-                record(method, timer.time(run, reps=5, warmup=1, host=True))
+                record(method, timer.time(run, reps=5, warmup=1, host=True),
+                       "(public launcher: host work included)")
             except Exception as exc:  # an optional part: recorded, never fatal
                 log(f"  prefill {method} T={t_len}: skipped ({type(exc).__name__}: "
                     f"{str(exc)[:160]})")
