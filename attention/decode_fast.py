@@ -1019,28 +1019,36 @@ def ring_bytes(warps, stages, unroll, chunks, kind, vec):
 _SMEM_OPT_IN = set()
 
 
-def _allow_shared(kernel, args, dyn, static):
-    """Let ``kernel`` (for ``args``' types) take ``dyn`` bytes of dynamic shared
+def _allow_shared(pl, args):
+    """Let plan ``pl``'s kernel (for ``args``' types) take its dynamic shared
     memory: past ``SMEM_STATIC_LIMIT`` (static included) the driver needs
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, set once a kernel,
-    q dtype and device (it compiles the kernel for the call first)."""
-    if SIMULATOR or dyn + static <= SMEM_STATIC_LIMIT:
+    q dtype and device (it compiles the kernel for the call first). The plan
+    keeps the q dtypes it has been set up for, so a launch through a kept plan
+    does no device lookup: a plan belongs to the device it was first launched
+    on (make one a device)."""
+    if SIMULATOR or pl["dyn_smem"] + pl["static_smem"] <= SMEM_STATIC_LIMIT:
         return
-    dev = cuda.get_current_device().id
-    key = (kernel, str(args[0].dtype), dev)
-    if key in _SMEM_OPT_IN:
+    ready = pl.setdefault("smem_ready", set())
+    dt = args[0].dtype
+    if dt in ready:
         return
-    import numba
-    from cuda.bindings import driver as binding
-    from numba.cuda.cudadrv import driver
+    kernel = pl["kernel"]
+    key = (kernel, str(dt), cuda.get_current_device().id)
+    if key not in _SMEM_OPT_IN:
+        import numba
+        from cuda.bindings import driver as binding
+        from numba.cuda.cudadrv import driver
 
-    overload = kernel.compile(tuple(numba.typeof(a) for a in args))
-    del overload
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    for compiled in kernel.overloads.values():
-        fn = compiled._codelibrary.get_cufunc()
-        driver.driver.cuKernelSetAttribute(attr, int(dyn), fn.handle, fn.device.id)
-    _SMEM_OPT_IN.add(key)
+        overload = kernel.compile(tuple(numba.typeof(a) for a in args))
+        del overload
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for compiled in kernel.overloads.values():
+            fn = compiled._codelibrary.get_cufunc()
+            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
+                                               fn.device.id)
+        _SMEM_OPT_IN.add(key)
+    ready.add(dt)
 
 
 def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
@@ -1164,7 +1172,7 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device arrays."""
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
             d_out, d_lse, d_part_acc, d_part_ml)
-    _allow_shared(pl["kernel"], args, pl["dyn_smem"], pl["static_smem"])
+    _allow_shared(pl, args)
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
         m_count, n_heads = d_out.shape[0], d_out.shape[1]

@@ -82,7 +82,8 @@ def group_sum(v, lanes):
 
 @cuda.jit(device=True, inline="always")
 def block_max(v, red):
-    """Maximum of ``v`` over the block, in every thread. red: shared float32 [warps]."""
+    """Maximum of ``v`` over the block, in every thread. red: shared [warps]
+    of ``v``'s type (float32 in the kernels; the simulator test uses float64)."""
     v = warp_max(v)
     if cuda.threadIdx.x % 32 == 0:
         red[cuda.threadIdx.x // 32] = v
@@ -97,7 +98,8 @@ def block_max(v, red):
 @cuda.jit(device=True, inline="always")
 def block_sum(v, red):
     """Sum of ``v`` over the block (warp by warp, in warp order), in every thread.
-    red: shared float32 [warps]."""
+    red: shared [warps] of ``v``'s type (float32 in the kernels; the simulator
+    test uses float64, so its sums are exact)."""
     v = warp_sum(v)
     if cuda.threadIdx.x % 32 == 0:
         red[cuda.threadIdx.x // 32] = v

@@ -5,10 +5,16 @@ from __future__ import annotations
 import statistics
 
 import numpy as np
-from numba import cuda, float32, int64
+from numba import cuda, float32, int32, int64
 
-# L2 flush: the H200 has 60 MB of L2. Writing 512 MB (> 2x L2) between
-# repeats evicts whatever the timed kernel read last time (~240 us).
+# L2 flush: the H200 has 60 MB of L2. Reading 512 MB (> 8x L2) between
+# repeats evicts whatever the timed kernel read last time (~235 us) and leaves
+# only clean lines behind. A flush that writes leaves the L2 full of dirty
+# lines, which the timed kernel then writes back to memory as it evicts them:
+# 8-10 us added to every measurement (H200, bench/NOTES.md run 12: fp16 B 32
+# L 1024 51.5 -> 41.5 us, torch SDPA 45.3 -> 36.7 us; fp16 B 32 L 4096 144.0
+# -> 132.7 us, where ncu, which invalidates the L2 before a profiled launch,
+# gives 129.3 us).
 FLUSH_BYTES = 512 << 20
 # Host cover ("hold"): the start event must be reached by the GPU only after
 # the host has finished enqueuing the timed work, or the bracket measures host
@@ -30,12 +36,26 @@ def _hold_kernel(micros):
 
 
 @cuda.jit
-def _flush_kernel(buf, value):
-    """buf [N] int32: every element written (evicts L2)."""
+def _fill_kernel(buf, value):
+    """buf [N] int32: every element set to ``value``."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     for j in range(i, buf.shape[0], stride):
         buf[j] = value
+
+
+@cuda.jit
+def _flush_kernel(buf, sink):
+    """buf [N] int32 read in full (evicts L2, leaves clean lines); sink [1]
+    int32 is written only if the XOR of buf is 0x7FFFFFF1 (never, for the
+    zeros it holds: the store keeps the loads from being dropped)."""
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    acc = int32(0)
+    for j in range(i, buf.shape[0], stride):
+        acc ^= buf[j]
+    if acc == int32(0x7FFFFFF1):
+        sink[0] = acc
 
 
 @cuda.jit(device=True, inline="always")
@@ -141,13 +161,13 @@ class Timer(_Cover):
 
     def __init__(self):
         self.flush_buf = cuda.device_array(FLUSH_BYTES // 4, np.int32)
+        self.sink = cuda.device_array(1, np.int32)
+        _fill_kernel[GRID, 256](self.flush_buf, np.int32(0))  # read by every flush
         self.e0, self.e1 = cuda.event(), cuda.event()
-        self._n = 0
         super().__init__()
 
     def flush(self, stream=0):
-        self._n += 1
-        _flush_kernel[GRID, 256, stream](self.flush_buf, np.int32(self._n))
+        _flush_kernel[GRID, 256, stream](self.flush_buf, self.sink)
 
     def hold(self, stream=0):
         _hold_kernel[1, 1, stream](np.int32(self.hold_us))
@@ -200,13 +220,14 @@ class Timer(_Cover):
 
 
 class TorchTimer(_Cover):
-    """The same protocol for torch work (torch events, torch flush buffer; the
-    hold is ``torch.cuda._sleep`` of ``2000 * hold_us`` cycles, about
-    ``hold_us`` at the H200's ~2 GHz, with the same lateness check)."""
+    """The same protocol for torch work (torch events; the flush reads a
+    torch buffer of ``FLUSH_BYTES`` through a sum; the hold is
+    ``torch.cuda._sleep`` of ``2000 * hold_us`` cycles, about ``hold_us`` at
+    the H200's ~2 GHz, with the same lateness check)."""
 
     def __init__(self, torch):
         self.torch = torch
-        self.buf = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self.buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self.e0 = torch.cuda.Event(enable_timing=True)
         self.e1 = torch.cuda.Event(enable_timing=True)
         super().__init__()
@@ -215,11 +236,8 @@ class TorchTimer(_Cover):
         for _ in range(warmup):
             fn()
         self.torch.cuda.synchronize()
-        count = [0]
-
         def bracket():
-            count[0] += 1
-            self.buf.fill_(count[0])
+            self.buf.sum()  # reads the buffer: the L2 is left with clean lines only
             self.torch.cuda._sleep(2000 * self.hold_us)
             self.e0.record()
             fn()

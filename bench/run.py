@@ -21,7 +21,7 @@ Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, prefill.csv, 
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
 median of the repeats after warm-up; before each repeat the L2 is flushed
-(512 MB written) and the GPU sleeps (``HOLD_US``, doubled whenever the start
+(512 MB read) and the GPU sleeps (``HOLD_US``, doubled whenever the start
 event had completed before the work was enqueued), so a launch's host cost is
 not measured as device time. Rows marked "host work included" (public
 launchers) are timed without the sleep.
@@ -468,7 +468,12 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
              "Produced by `scripts/bench`. Provenance:", "", "```",
              json.dumps(prov, indent=1), "```", "",
              f"- copy ceiling (device-to-device, read + write): **{copy_gbps:.0f} GB/s**",
-             f"- fp32 FMA peak (numba, 8 chains per thread): **{fma_tf:.1f} TFLOP/s**", "",
+             f"- fp32 FMA peak (numba, 8 chains per thread): **{fma_tf:.1f} TFLOP/s**",
+             "- timing: CUDA events, median of the repeats (3 to 20) after warm-up; "
+             "before each repeat the L2 is flushed by reading 512 MB (clean lines only, "
+             "nothing for the timed "
+             "kernel to write back) and the GPU sleeps so that no launch's host work is "
+             "timed, except in rows that say they include it", "",
              "## Decode (GB/s counts K and V once per kv group, plus q, out, lse)", "",
              "| kernel | dtype | B | L | ms | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows:
