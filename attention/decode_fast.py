@@ -893,7 +893,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
 
 
 COMBINE_BATCH = 8  # partials a warp loads together before it merges them
-COMBINE_WARPS = 8  # most warps a combine block has, each over its own run of splits
+COMBINE_WARPS = 8  # most warps a combine block has (<= COMBINE_BATCH), each over a run
 
 
 def combine_warps(n_split):
@@ -911,19 +911,49 @@ def combine_kernel(chunks):
     out [M, H, D] f32, lse [M, H] f32. Empty partials (m=-inf, l=0) drop out;
     all empty gives zeros and -inf.
 
-    Warp ``w`` of ``W`` merges the ``w``-th run of ``ceil(n_split / W)``
-    consecutive splits, loading ``COMBINE_BATCH`` of them (all of their
-    ``D`` values) before it merges them in split order; with ``W > 1`` the
-    warps' states are then merged in warp order through shared memory. One
-    thread per ``d`` walking all splits was load-latency bound (19 us for 128
-    splits at B 1, L 32768 on the H200, reports/bench/ncu of run 5); a warp
-    now waits for ``ceil(n_split / (W * COMBINE_BATCH))`` rounds of loads.
+    Warp ``w`` of ``W`` takes the ``w``-th run of ``ceil(n_split / W)``
+    consecutive splits, ``COMBINE_BATCH`` at a time: it loads a batch (all of
+    its ``D`` values), takes the batch's softmax (its max, one weight a
+    partial, weighted sums: the exponentials are independent of each other)
+    and folds it into its running state with ``online_softmax_merge``
+    (``fold``). With ``W > 1`` warp 0 then folds the warps' states, read back
+    from shared memory, as one more batch. One thread per ``d`` walking all
+    splits was load-latency bound (19 us for 128 splits at B 1, L 32768 on the
+    H200, reports/bench/ncu of run 5); a warp now waits for
+    ``ceil(n_split / (W * COMBINE_BATCH))`` rounds of loads, and a batch costs
+    one exponential of latency where merging its partials one by one cost
+    ``COMBINE_BATCH`` dependent merges.
     """
     NB, CW, CHD = COMBINE_BATCH, COMBINE_WARPS, chunks
+    if CW > NB:
+        raise ValueError("COMBINE_WARPS: the warps' states are folded as one batch")
     N_BUF = NB * CHD
     ROW = CHD * WARP
     N_SH = CW * ROW
     N_SH_ML = 2 * CW  # array sizes must be plain closure constants
+
+    def fold(m_buf, l_buf, a_buf, m_all, l_all, acc):
+        # the batch's softmax, folded into (m_all, l_all, acc); returns (m_all, l_all)
+        m_b = m_buf[0]
+        for j in range(1, NB):
+            m_b = max(m_b, m_buf[j])
+        # an all-empty batch (m_b = -inf) weighs its partials exp(-inf - 0) = 0, not NaN
+        m_ref = m_b if m_b > float32(-3.0e38) else float32(0.0)
+        l_b = float32(0.0)
+        b_acc = cuda.local.array(CHD, float32)
+        for c in range(CHD):
+            b_acc[c] = float32(0.0)
+        for j in range(NB):
+            wt = math.exp(m_buf[j] - m_ref)
+            l_b += wt * l_buf[j]
+            for c in range(CHD):
+                b_acc[c] += wt * a_buf[j * CHD + c]
+        m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, m_b, l_b)
+        for c in range(CHD):
+            acc[c] = acc[c] * alpha + b_acc[c] * beta
+        return m_all, l_all
+
+    fold = device_fn(fold)
 
     def kernel(part_acc, part_ml, out, lse):
         head = cuda.blockIdx.x
@@ -958,14 +988,9 @@ def combine_kernel(chunks):
                         d = c * WARP + lane
                         if d < head_dim:
                             a_buf[j * CHD + c] = part_acc[seq, head, s0 + j, d]
-            # -- merge them in split order --
-            for j in range(NB):
-                m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, m_buf[j],
-                                                                 l_buf[j])
-                for c in range(CHD):
-                    acc[c] = acc[c] * alpha + a_buf[j * CHD + c] * beta
+            m_all, l_all = fold(m_buf, l_buf, a_buf, m_all, l_all, acc)
 
-        # -- the warps' states, merged in warp order (block-uniform branch) --
+        # -- the warps' states, folded by warp 0 as one batch (block-uniform branch) --
         sh_acc = cuda.shared.array(N_SH, float32)
         sh_ml = cuda.shared.array(N_SH_ML, float32)
         if n_warps > 1:
@@ -975,12 +1000,22 @@ def combine_kernel(chunks):
                 sh_ml[2 * warp] = m_all
                 sh_ml[2 * warp + 1] = l_all
             cuda.syncthreads()
-        if warp == 0:
-            for w in range(1, n_warps):
-                m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, sh_ml[2 * w],
-                                                                 sh_ml[2 * w + 1])
+            if warp == 0:
+                for j in range(NB):
+                    m_buf[j] = float32(-math.inf)
+                    l_buf[j] = float32(0.0)
+                    for c in range(CHD):
+                        a_buf[j * CHD + c] = float32(0.0)
+                    if j < n_warps:
+                        m_buf[j] = sh_ml[2 * j]
+                        l_buf[j] = sh_ml[2 * j + 1]
+                        for c in range(CHD):
+                            a_buf[j * CHD + c] = sh_acc[j * ROW + c * WARP + lane]
                 for c in range(CHD):
-                    acc[c] = acc[c] * alpha + sh_acc[w * ROW + c * WARP + lane] * beta
+                    acc[c] = float32(0.0)
+                m_all, l_all = fold(m_buf, l_buf, a_buf, float32(-math.inf), float32(0.0),
+                                    acc)
+        if warp == 0:
             inv = float32(1.0) / l_all if l_all > float32(0.0) else float32(0.0)
             for c in range(CHD):
                 d = c * WARP + lane
