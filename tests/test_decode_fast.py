@@ -105,6 +105,8 @@ SMALL_CASES = [
                                               # second batch of 1), most splits empty, D=40
     (9, 3, 8, 2, 64, 45, np.float16, 2),      # GQA 4 at 16 lanes: 4 heads x 4 positions,
                                               # one score a lane (reduce-scatter)
+    (10, 2, 8, 1, 32, 50, np.float32, 3),     # GQA 8: 8 heads a block (more than its
+                                              # warps), 3 splits
 ]
 
 
