@@ -236,6 +236,7 @@ class TorchTimer(_Cover):
         for _ in range(warmup):
             fn()
         self.torch.cuda.synchronize()
+
         def bracket():
             self.buf.sum()  # reads the buffer: the L2 is left with clean lines only
             self.torch.cuda._sleep(2000 * self.hold_us)

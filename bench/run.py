@@ -471,9 +471,8 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
              f"- fp32 FMA peak (numba, 8 chains per thread): **{fma_tf:.1f} TFLOP/s**",
              "- timing: CUDA events, median of the repeats (3 to 20) after warm-up; "
              "before each repeat the L2 is flushed by reading 512 MB (clean lines only, "
-             "nothing for the timed "
-             "kernel to write back) and the GPU sleeps so that no launch's host work is "
-             "timed, except in rows that say they include it", "",
+             "nothing for the timed kernel to write back) and the GPU sleeps so that no "
+             "launch's host work is timed, except in rows that say they include it", "",
              "## Decode (GB/s counts K and V once per kv group, plus q, out, lse)", "",
              "| kernel | dtype | B | L | ms | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows:
