@@ -30,6 +30,9 @@ predicate loads and stores, never the collective itself.
   (used by the split-KV combine and by lane-parallel decode); returns
   ``(m_new, l_new, alpha, beta)`` with ``alpha``/``beta`` the factors for the
   first and second state's accumulators.
+* ``batch_reference(m_max)``: the reference max for merging a batch of
+  states at once (weights ``exp(m_j - ref)``, independent of each other): the
+  batch's max, or 0 when every state is empty.
 * ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
   with Kahan compensation, for accumulators summed over many positions in
   sequence (the warp-per-head decode). The true sum is ``total - comp``. A
@@ -148,6 +151,15 @@ def online_softmax_merge(m, l, m2, l2):
     alpha = math.exp(m - m_new)
     beta = math.exp(m2 - m_new)
     return m_new, l * alpha + l2 * beta, alpha, beta
+
+
+@cuda.jit(device=True, inline="always")
+def batch_reference(m_max):
+    """The reference max of a batch of softmax states merged at once, given
+    their largest running max: the states' weights are ``exp(m_j - ref)``. An
+    all-empty batch (``m_max = -inf``) takes 0, so every weight is
+    ``exp(-inf) = 0``, not NaN."""
+    return m_max if m_max > float32(-3.0e38) else float32(0.0)
 
 
 @cuda.jit(device=True, inline="always")

@@ -194,7 +194,8 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
                     ms = timer.time(run_fast, reps=20)
                     err = oracle_check(out, q, k, v, seq)
                     checks_log.append((vname, dname, b, seq, err))
-                    record(vname, ms, f"(splits {pl['n_split']}, err {err:.1e})")
+                    dep = ", dependent combine" if pl["n_split"] > 1 and pl["pdl"] else ""
+                    record(vname, ms, f"(splits {pl['n_split']}{dep}, err {err:.1e})")
                 except Exception as exc:
                     log(f"  {vname} {dname} failed: {type(exc).__name__}: {exc}")
                     traceback.print_exc()
@@ -472,7 +473,10 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
              "- timing: CUDA events, median of the repeats (3 to 20) after warm-up; "
              "before each repeat the L2 is flushed by reading 512 MB (clean lines only, "
              "nothing for the timed kernel to write back) and the GPU sleeps so that no "
-             "launch's host work is timed, except in rows that say they include it", "",
+             "launch's host work is timed, except in rows that say they include it",
+             "- `fast` rows with more than one split launch the combine as a programmatic "
+             "dependent of the main kernel where the GPU has it (sm_90 and later: "
+             "`attention.pdl`)", "",
              "## Decode (GB/s counts K and V once per kv group, plus q, out, lse)", "",
              "| kernel | dtype | B | L | ms | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows:

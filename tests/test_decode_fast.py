@@ -20,6 +20,7 @@ import pytest
 from attention import checks
 from attention.oracle import decode_attention_ref, kv_head_of
 from attention.device import SIMULATOR
+from tests.conftest import MODE
 
 try:
     import ml_dtypes
@@ -217,6 +218,61 @@ def test_gpu_full_shape(dtype, max_seq):
 
 
 @pytest.mark.gpu
+def test_gpu_pdl_combine():
+    """sm_90 and later: the default plan launches the combine as a programmatic
+    dependent of the main kernel. Its output has the same bits as the plain
+    launch's and matches the oracle. Positive control: a combine built
+    without ``griddepcontrol.wait``, launched the same way after a main kernel
+    that releases it, reads partials (filled with NaN before each try) before
+    they are written: the comparison must catch it, which also shows that the
+    dependent launch really overlaps the main kernel."""
+    from numba import cuda
+
+    from attention import decode_fast as F
+    from attention import pdl as P
+
+    if not P.capable():
+        pytest.skip("needs compute capability >= 9.0 and a cuda.core LaunchConfig with "
+                    "programmatic_stream_serialization")
+    m, h, kv, d, s = 1, 32, 8, 128, 16384
+    q, k, v, lens, slots = make_case(21, m, h, kv, d, s, np.float16, lens=[s])
+    check_against_oracle(q, k, v, lens, slots)  # the public launcher, PDL by default
+    d_q, d_k, d_v = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
+    d_lens, d_slots = cuda.to_device(lens), cuda.to_device(slots)
+    scale = 1.0 / np.sqrt(d)
+    outs = {}
+    for pdl in (True, False):
+        pl = F.plan(m, h, kv, d, s, "f16", pdl=pdl)
+        assert pl["pdl"] == pdl and pl["n_split"] > 1
+        out, lse = cuda.device_array((m, h, d), np.float32), cuda.device_array((m, h), np.float32)
+        pa, pm = F.scratch(m, h, d, pl["n_split"])
+        F.launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, out, lse, pa, pm, 0)
+        outs[pdl] = (out.copy_to_host(), lse.copy_to_host())
+    assert np.array_equal(outs[True][0], outs[False][0])
+    assert np.array_equal(outs[True][1], outs[False][1])
+
+    pl = F.plan(m, h, kv, d, s, "f16", pdl=True)
+    no_wait = F.combine_kernel(-(-d // F.WARP), False)
+    out, lse = cuda.device_array((m, h, d), np.float32), cuda.device_array((m, h), np.float32)
+    pa, pm = F.scratch(m, h, d, pl["n_split"])
+    fired = 0
+    for _ in range(3):
+        pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))
+        pm.copy_to_device(np.full(pm.shape, np.nan, np.float32))
+        cuda.synchronize()
+        args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
+                out, lse, pa, pm)
+        F._allow_shared(pl, args)
+        pl["kernel"][pl["grid"], pl["block"], 0, pl["dyn_smem"]](*args)
+        P.launch_dependent(no_wait, (h, m), F.combine_warps(pl["n_split"]) * F.WARP, 0,
+                           (pa, pm, out, lse))
+        got = out.copy_to_host()
+        fired += not np.array_equal(got, outs[True][0])
+    assert fired, ("the control did not fire: a combine without the wait read complete "
+                   "partials, so the dependent launch did not overlap the main kernel")
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_small():
     """bf16 has no simulator: the small awkward shapes run on the GPU only."""
     if BF16 is None:
@@ -286,6 +342,39 @@ def test_compile_combine_ptx(head_dim):
     assert "bar.sync" in ptx
 
 
+@pytest.mark.compile
+def test_compile_pdl_ptx():
+    """With ``pdl`` the main kernel releases its dependents
+    (``griddepcontrol.launch_dependents``) and the combine waits for the main
+    grid (``griddepcontrol.wait``) before its first load; without it neither
+    instruction is emitted (older GPUs)."""
+    import re
+
+    from numba import cuda, types
+
+    from attention import decode_fast as F
+
+    f32 = types.float32
+    cache = types.Array(types.float16, 4, "C")
+    sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
+           types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
+           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
+    csig = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.Array(f32, 3, "C"),
+            types.Array(f32, 2, "C"))
+    for pdl in (False, True):
+        pl = F.plan(1, 32, 8, 128, 32768, "f16", pdl=pdl)
+        ptx, _ = cuda.compile_ptx(pl["kernel"].py_func, sig, cc=(9, 0), fastmath=True)
+        assert ptx.count("griddepcontrol.launch_dependents;") == int(pdl)
+        assert "griddepcontrol.wait" not in ptx
+        cptx, _ = cuda.compile_ptx(F.combine_kernel(4, pdl).py_func, csig, cc=(9, 0),
+                                   fastmath=True)
+        assert cptx.count("griddepcontrol.wait;") == int(pdl)
+        if pdl:  # the wait comes before every global load of the combine
+            body = cptx.split("griddepcontrol.wait;")
+            assert not re.search(r"ld\.global", body[0]), "a partial read before the wait"
+            assert re.search(r"ld\.global", body[1])
+
+
 def test_split_count_fills_waves():
     """The default split count: the fewest waves filled to WAVE_FILL, the most
     splits in them; never chunks under MIN_CHUNK; a zero-length batch still
@@ -309,6 +398,36 @@ def test_split_count_fills_waves():
             most = -(-max_len // F.MIN_CHUNK)
             assert 1 <= n <= most
             assert blocks >= F.WAVE_FILL * (-(-blocks // wave) * wave) or n == most
+
+
+def test_plan_trims_empty_splits():
+    """A default split count is lowered to the chunks that hold a position
+    (chunks are rounded up to whole steps, which can leave the last splits
+    empty); an explicit count is kept as given."""
+    from attention import decode_fast as F
+
+    for m, max_len in [(1, 32768), (1, 1000), (2, 4500), (4, 16384), (32, 1024)]:
+        pl = F.plan(m, 32, 8, 128, max_len, "f16")
+        assert (pl["n_split"] - 1) * pl["chunk"] < max_len <= pl["n_split"] * pl["chunk"]
+    pl = F.plan(1, 32, 8, 128, 32768, "f16")
+    wave = F.RESIDENT_BLOCKS[True] * F.N_SMS
+    assert F.split_count(8, 32768, F.RESIDENT_BLOCKS[True]) == wave // 8 == 33
+    assert pl["n_split"] == 32 and pl["chunk"] == 1024  # 33 chunks of 993 -> 1024
+    assert F.plan(1, 32, 8, 128, 32768, "f16", n_split=40)["n_split"] == 40
+
+
+def test_pdl_off_without_sm90():
+    """Programmatic dependent launch is chosen only on a GPU that has it: the
+    simulator and compile-only runs plan plain launches, and their kernels get
+    empty stand-ins for the ``griddepcontrol`` instructions."""
+    from attention import decode_fast as F
+    from attention import pdl as P
+
+    if MODE in ("sim", "cpu"):
+        assert not P.capable()
+        assert F.plan(1, 32, 8, 128, 32768, "f16")["pdl"] is False
+    release, wait = P.grid_dependency_ops(False)
+    assert release is wait  # one empty device function for both
 
 
 # ---- bad input: named errors before any launch --------------------------------

@@ -1,0 +1,123 @@
+"""Programmatic dependent launch: a kernel that starts before the one ahead of it ends.
+
+A split-KV decode is two launches: the main kernel writes partials, the combine
+merges them. Launched plainly, the combine's blocks are scheduled only after
+the main kernel has finished and its writes are flushed, so the combine's
+launch and ramp (a few microseconds, about as long as its work at B 1) sit on
+the critical path. With a programmatic dependent launch (sm_90 and later):
+
+* the dependent (the combine) is launched with the stream attribute
+  ``programmatic_stream_serialization`` (``launch_dependent``);
+* every block of the primary (the main kernel) executes
+  ``griddepcontrol.launch_dependents`` (``release_dependents()``) as it
+  starts, so the dependent's blocks may be scheduled once every primary block
+  is running, on the room the primary leaves;
+* the dependent executes ``griddepcontrol.wait`` (``wait_for_primary()``)
+  before it reads anything: that returns once the primary grid has completed
+  and its memory operations are visible. Launched plainly, a kernel's
+  ``griddepcontrol.wait`` returns at once (nothing to wait for), so the same
+  compiled kernels serve both launches.
+
+Kernels take the two device functions from ``grid_dependency_ops(enabled)``:
+real instructions where ``enabled`` (compiled for sm_90 or later), empty
+functions elsewhere (older GPUs, the simulator, compile-only runs for other
+targets). ``capable()`` says whether this process can use it (sm_90 or later,
+a ``cuda.core`` whose ``LaunchConfig`` has the attribute, not the simulator).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from .device import SIMULATOR, device_fn, gpu_available
+
+MIN_CC = (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_has_attribute():
+    try:
+        from cuda.core import LaunchConfig
+
+        LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+        return True
+    except Exception:  # an older cuda.core: plain launches only
+        return False
+
+
+def capable():
+    """True where kernels may be launched as programmatic dependents (a GPU
+    of compute capability >= 9.0 and a ``cuda.core`` that can ask for it)."""
+    if SIMULATOR or not gpu_available():
+        return False
+    cc = tuple(cuda.get_current_device().compute_capability)
+    return cc >= MIN_CC and _config_has_attribute()
+
+
+@functools.lru_cache(maxsize=None)
+def grid_dependency_ops(enabled):
+    """``(release_dependents, wait_for_primary)`` device functions: inline
+    ``griddepcontrol`` PTX where ``enabled``, empty functions otherwise."""
+    if not enabled:
+        def nothing():
+            pass
+
+        nothing = device_fn(nothing)
+        return nothing, nothing
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def statement(text):
+        @intrinsic
+        def op(typingctx):
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return op
+
+    return (statement("griddepcontrol.launch_dependents;"),
+            statement("griddepcontrol.wait;"))
+
+
+def is_graph_builder(stream):
+    """True for a ``cuda.core`` graph builder (a launch being captured)."""
+    try:
+        from cuda.core.graph import GraphBuilder
+    except Exception:
+        return False
+    return isinstance(stream, GraphBuilder)
+
+
+def launch_dependent(kernel, grid, block, stream, args, shared=0):
+    """Launch numba kernel ``kernel`` (a dispatcher) like
+    ``kernel[grid, block, stream, shared](*args)``, marked as a programmatic
+    dependent of the kernel launched before it on ``stream`` (a numba stream
+    or 0). ``args`` must be device arrays and scalars (nothing is copied
+    back). The kernel must call ``wait_for_primary()`` before it reads what
+    the primary wrote."""
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv import driver
+
+    for i, a in enumerate(args):
+        if isinstance(a, np.ndarray):
+            raise TypeError(f"launch_dependent: argument {i} is a host array; pass device "
+                            "arrays (a launch that copies back cannot overlap its primary)")
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    compiled = kernel.compile(argtypes)
+    retr, packed = [], []
+    for ty, val in zip(compiled.argument_types, args):
+        compiled._prepare_args(ty, val, stream, retr, packed)
+    config = LaunchConfig(grid=grid, block=block, shmem_size=int(shared),
+                          programmatic_stream_serialization=True)
+    fn = compiled._codelibrary.get_cufunc()
+    core_launch(driver._to_core_stream(stream), config, fn.kernel, *packed)
