@@ -458,6 +458,10 @@ def test_pdl_off_without_sm90():
         assert F.plan(1, 32, 8, 128, 32768, "f16")["pdl"] is False
     release, wait = P.grid_dependency_ops(False)
     assert release is wait  # one empty device function for both
+    # a dependent launch takes device arrays only (nothing can be copied back)
+    with pytest.raises(TypeError, match="argument 1 is a host array"):
+        P.launch_dependent(F.combine_kernel(4, True), (1, 1), 32, 0,
+                           (None, np.zeros((1, 1, 2, 128), np.float32), None, None))
 
 
 # ---- bad input: named errors before any launch --------------------------------
