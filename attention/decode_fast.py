@@ -84,6 +84,7 @@ from .device import (
     is_host_array,
     jit,
     launch_stream,
+    ptx_statement,
     to_device,
     to_host,
 )
@@ -290,10 +291,6 @@ def _gpu_async_ops(stages, words):
         return builder.gep(builder.bitcast(ary.data, i8p),
                            [builder.mul(idx, ir.Constant(i64, itemsize))])
 
-    def statement(builder, text):
-        fnty = ir.FunctionType(ir.VoidType(), [])
-        builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-
     nbytes = 4 * words
     level = "cg" if nbytes == 16 else "ca"
     outs = ", ".join(f"${i}" for i in range(words))
@@ -314,21 +311,8 @@ def _gpu_async_ops(stages, words):
 
         return sig, codegen
 
-    @intrinsic
-    def commit(typingctx):
-        def codegen(context, builder, sig, args):
-            statement(builder, "cp.async.commit_group;")
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @intrinsic
-    def wait(typingctx):
-        def codegen(context, builder, sig, args):
-            statement(builder, f"cp.async.wait_group {stages - 2};")
-            return context.get_dummy_value()
-
-        return types.void(), codegen
+    commit = ptx_statement("cp.async.commit_group;")
+    wait = ptx_statement(f"cp.async.wait_group {stages - 2};")
 
     @intrinsic
     def read(typingctx, ring, word):

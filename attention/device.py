@@ -40,6 +40,31 @@ def device_fn(fn):
     return cuda.jit(device=True, inline="always")(fn)
 
 
+def ptx_statement(text):
+    """A device intrinsic ``op()`` that runs the inline PTX ``text`` (no
+    operands, no result), kept in place (side effects) and ordered against
+    memory accesses around it (a ``memory`` clobber). GPU only: the
+    simulator cannot run it.
+
+    Used for ``cp.async.commit_group`` / ``cp.async.wait_group``
+    (``attention.decode_fast``) and ``griddepcontrol`` (``attention.pdl``).
+    """
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def op(typingctx):
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return op
+
+
 def gpu_available() -> bool:
     """True on a machine with a usable CUDA GPU (never under the simulator)."""
     if SIMULATOR:

@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .device import SIMULATOR, device_fn, gpu_available
+from .device import SIMULATOR, device_fn, gpu_available, ptx_statement
 
 MIN_CC = (9, 0)
 
@@ -68,24 +68,8 @@ def grid_dependency_ops(enabled):
         nothing = device_fn(nothing)
         return nothing, nothing
 
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    def statement(text):
-        @intrinsic
-        def op(typingctx):
-            def codegen(context, builder, sig, args):
-                fnty = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return op
-
-    return (statement("griddepcontrol.launch_dependents;"),
-            statement("griddepcontrol.wait;"))
+    return (ptx_statement("griddepcontrol.launch_dependents;"),
+            ptx_statement("griddepcontrol.wait;"))
 
 
 def is_graph_builder(stream):
