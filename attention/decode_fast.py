@@ -75,6 +75,7 @@ from numba import cuda, float32, int64, uint32
 from . import checks
 from .device import (
     BFLOAT16,
+    allow_dynamic_shared,
     SIMULATOR,
     device_empty,
     device_fn,
@@ -1080,17 +1081,7 @@ def _allow_shared(pl, args):
     kernel = pl["kernel"]
     key = (kernel, str(dt), cuda.get_current_device().id)
     if key not in _SMEM_OPT_IN:
-        import numba
-        from cuda.bindings import driver as binding
-        from numba.cuda.cudadrv import driver
-
-        overload = kernel.compile(tuple(numba.typeof(a) for a in args))
-        del overload
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for compiled in kernel.overloads.values():
-            fn = compiled._codelibrary.get_cufunc()
-            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
-                                               fn.device.id)
+        allow_dynamic_shared(kernel, args, pl["dyn_smem"])
         _SMEM_OPT_IN.add(key)
     ready.add(dt)
 

@@ -65,6 +65,27 @@ def ptx_statement(text):
     return op
 
 
+def allow_dynamic_shared(kernel, args, nbytes):
+    """Let dispatcher ``kernel``, compiled for the types of ``args`` (compiled
+    here if it is not yet), launch with ``nbytes`` of dynamic shared memory:
+    past 48 KB a block (static included) the driver needs
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` set on the function.
+    Sets it on every compiled overload of ``kernel`` (on the current device).
+    Callers keep their own record of what they have set up: this looks the
+    types up and asks the driver every time. Nothing to do on the simulator."""
+    if SIMULATOR:
+        return
+    import numba
+    from cuda.bindings import driver as binding
+    from numba.cuda.cudadrv import driver
+
+    kernel.compile(tuple(numba.typeof(a) for a in args))
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for compiled in kernel.overloads.values():
+        fn = compiled._codelibrary.get_cufunc()
+        driver.driver.cuKernelSetAttribute(attr, int(nbytes), fn.handle, fn.device.id)
+
+
 def gpu_available() -> bool:
     """True on a machine with a usable CUDA GPU (never under the simulator)."""
     if SIMULATOR:

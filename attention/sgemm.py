@@ -40,6 +40,17 @@ sum over ``K = 576`` (scores) or ``K = L`` (the P.V product) has a few times the
 error of numpy's float32 baseline; the two-level sum's error grows as
 ``BK + K / BK`` terms instead of ``K`` (a numpy emulation of this order over
 the MLA validation cases: worst ratio to the baseline 1.35 instead of 2.7).
+
+Where the totals live: in dynamic shared memory (``shared_bytes``: 64 KB a
+block at 8 x 8, past the 48 KB that need the driver's opt-in, which ``launch``
+does once a kernel), each thread's ``TM * TN`` words at stride ``THREADS`` (a
+warp's accesses are 32 consecutive words). Each slice's partial is added
+there once (one load, add and store a word: ~200 instructions against the
+slice's 1,024 FMAs). In registers the totals and the partial took 128 of the
+255 a thread can have, so the ``BK`` k-steps of a slice stayed a loop (written
+out, they spilled). With the registers freed, the k-steps are written out
+(``_unrolled``): no loop counter or branch per ``k``, constant shared-memory
+offsets, and the next ``k``'s fragment loads issued under this one's FMAs.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .device import SIMULATOR, device_fn, jit
+from .device import SIMULATOR, allow_dynamic_shared, device_fn, jit
 
 BK = 16
 EDGE = 16  # threads per block edge on a GPU
@@ -64,9 +75,33 @@ PLAN = (4, 2, 2) if SIMULATOR else (EDGE, 8, 8)  # (edge, tm, tn)
 ALIGN = None if SIMULATOR else 16  # shared-slice alignment (the simulator rejects any)
 
 
+SMEM_STATIC_LIMIT = 48 * 1024  # a block's shared memory past this needs an opt-in
+
+
 def tile_shape(edge, tm, tn):
     """(rows, columns) of ``c`` one block computes."""
     return edge * tm, edge * tn
+
+
+def shared_bytes(edge, tm, tn):
+    """(static, dynamic) shared memory of a block: the two staged slices of
+    both operands (rows padded to ``16 tm + 4`` / ``16 tn + 4`` words), and
+    the running totals, ``tm * tn`` words a thread."""
+    bm, bn = tile_shape(edge, tm, tn)
+    return 4 * 2 * BK * (bm + 4 + bn + 4), 4 * tm * tn * edge * edge
+
+
+def _unrolled(step, n, a_pitch, b_pitch):
+    """A device function ``run(a_s, b_s, ao, bo, a_frag, b_frag, part)`` that
+    calls ``step(a_s, b_s, ao + k a_pitch, bo + k b_pitch, ...)`` for ``k = 1 ..
+    n - 1``, written out as ``n - 1`` calls (generated source, no loop)."""
+    lines = ["def run(a_s, b_s, ao, bo, a_frag, b_frag, part):"]
+    for k in range(1, n):
+        lines.append(f"    step(a_s, b_s, ao + {k * a_pitch}, bo + {k * b_pitch}, a_frag, "
+                     "b_frag, part)")
+    space = {"step": step}
+    exec("\n".join(lines), space)  # noqa: S102 - fixed text built above
+    return device_fn(space["run"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,6 +197,19 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
         for j in range(TN):
             b_frag[j] = b_s[uint64(bo) + uint64((j // G) * GSTEP + j % G)]
 
+    @device_fn
+    def k_step(a_s, b_s, ao, bo, a_frag, b_frag, part):
+        """One k of the staged slice added into the partial."""
+        frags(a_s, b_s, ao, bo, a_frag, b_frag)
+        for i in range(TM):
+            for j in range(TN):
+                part[i, j] += a_frag[i] * b_frag[j]
+
+    # k = 1 .. BK-1 of a slice written out one call a k (no loop): the shared
+    # loads of k + 1 can then be issued while k's FMAs run, with constant
+    # offsets, and no loop counter or branch is paid per k
+    slice_rest = _unrolled(k_step, BK, AP, BP)
+
     def kernel(a, b, c, zb, n_ext, k_ext, alpha, m_len, a_z, a_m, b_z, b_r, c_z, c_m):
         z = cuda.blockIdx.z
         tx = cuda.threadIdx.x
@@ -179,13 +227,15 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
         b_s = cuda.shared.array(B_WORDS, float32, alignment=ALIGN)
         a_pre = cuda.local.array(A_LOADS, float32)
         b_pre = cuda.local.array(B_LOADS, float32)
-        acc = cuda.local.array((TM, TN), float32)
+        # the running total in dynamic shared memory (ACC_WORDS words; element
+        # (i, j) of thread tid at (i TN + j) THREADS + tid: a warp's accesses
+        # are consecutive words, no bank conflict); the slice's partial in registers
+        acc_s = cuda.shared.array(0, float32)
         part = cuda.local.array((TM, TN), float32)
         a_frag = cuda.local.array(TM, float32)
         b_frag = cuda.local.array(TN, float32)
-        for i in range(TM):
-            for j in range(TN):
-                acc[i, j] = float32(0.0)
+        for v in range(TM * TN):
+            acc_s[uint64(v * THREADS + tid)] = float32(0.0)
         a_row = ty * TM  # this thread's rows: a_row + i; columns: b_col + col_of(j)
         b_col = tx * G
 
@@ -217,15 +267,11 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
             for i in range(TM):
                 for j in range(TN):
                     part[i, j] = a_frag[i] * b_frag[j]
-            for kk in range(1, BK):
-                frags(a_s, b_s, a_off + kk * AP + a_row, b_off + kk * BP + b_col, a_frag,
-                      b_frag)
-                for i in range(TM):
-                    for j in range(TN):
-                        part[i, j] += a_frag[i] * b_frag[j]
+            slice_rest(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag, part)
             for i in range(TM):
                 for j in range(TN):
-                    acc[i, j] += part[i, j]
+                    at = uint64((i * TN + j) * THREADS + tid)
+                    acc_s[at] += part[i, j]
             # no second barrier: the next store goes to the other buffer, and
             # the barrier after it orders this slice's reads before the store
             # two slices on
@@ -237,7 +283,8 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
                 for j in range(TN):
                     col = col0 + b_col + (j // G) * GSTEP + j % G
                     if col < n_len:
-                        c[uint64(z * c_z + r * c_m + col)] = alpha * acc[i, j]
+                        total = acc_s[uint64((i * TN + j) * THREADS + tid)]
+                        c[uint64(z * c_z + r * c_m + col)] = alpha * total
 
     kernel.__name__ = kernel.__qualname__ = f"sgemm_{b_order}_{edge}e_{tm}x{tn}"
     # fastmath off: it would let the compiler re-associate the two-level sum
@@ -275,6 +322,16 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
     a_z, a_m = _strides(a, a_order)
     b_z, b_r = _strides(b, b_order)
     c_z, c_m = _strides(c, c_order)
-    sgemm_kernel(b_order, edge, tm, tn)[grid, (edge, edge), stream](
-        _flat(a), _flat(b), _flat(c), zb, n_ext, k_ext, float32(alpha), m_len, a_z, a_m,
-        b_z, b_r, c_z, c_m)
+    kernel = sgemm_kernel(b_order, edge, tm, tn)
+    args = (_flat(a), _flat(b), _flat(c), zb, n_ext, k_ext, float32(alpha), m_len, a_z, a_m,
+            b_z, b_r, c_z, c_m)
+    static, dynamic = shared_bytes(edge, tm, tn)
+    if static + dynamic > SMEM_STATIC_LIMIT and not SIMULATOR:
+        key = (kernel, np.dtype(b.dtype).str, cuda.get_current_device().id)
+        if key not in _SMEM_OPT_IN:
+            allow_dynamic_shared(kernel, args, dynamic)
+            _SMEM_OPT_IN.add(key)
+    kernel[grid, (edge, edge), stream, dynamic](*args)
+
+
+_SMEM_OPT_IN = set()  # (kernel, b dtype, device) set up for its dynamic shared memory

@@ -57,11 +57,14 @@ def test_compile_sgemm(b_order, dtype):
 
     ptx = _gemm_ptx(b_order, getattr(types, dtype))
     assert ".local" not in ptx, "micro-tile spilled to local memory"
-    # 8 x 8 micro-tile: per k, two 16-byte loads of each operand feed 64 FMAs
-    # (the slice's first k is peeled: its products start the partial)
-    assert len(re.findall(r"ld\.shared\.v4\.f32", ptx)) == 8
-    assert len(re.findall(r"ld\.shared\.f32", ptx)) == 0
-    assert len(re.findall(r"fma\.rn\.f32", ptx)) >= 64
+    # 8 x 8 micro-tile: per k, two 16-byte loads of each operand feed 64 FMAs,
+    # and all BK = 16 k of a slice are written out (no loop over k): 16 x 4
+    # fragment loads, 15 x 64 FMAs (the first k's products start the partial)
+    assert len(re.findall(r"ld\.shared\.v4\.f32", ptx)) == 4 * sgemm.BK
+    assert len(re.findall(r"fma\.rn\.f32", ptx)) >= (sgemm.BK - 1) * 64
+    # scalar shared loads only for the running totals (the fold of each slice's
+    # partial and the epilogue): fewer than two a micro-tile element
+    assert len(re.findall(r"ld\.shared\.f32", ptx)) <= 2 * 64
     assert ptx.count("bar.sync") == 1  # one barrier per slice (double buffering)
 
 
