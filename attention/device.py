@@ -24,6 +24,8 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 _GPU_ONLY_OPTIONS = ("lineinfo", "max_registers", "launch_bounds")
 
+SMEM_STATIC_LIMIT = 48 * 1024  # a block's shared memory past this needs an opt-in
+
 
 def jit(fn=None, **options):
     """``cuda.jit`` for kernels, dropping options the simulator rejects."""
@@ -38,6 +40,20 @@ def jit(fn=None, **options):
 def device_fn(fn):
     """An always-inlined device function (compiles with no GPU present)."""
     return cuda.jit(device=True, inline="always")(fn)
+
+
+def _fma_gpu(a, b, c):
+    return cuda.fma(a, b, c)
+
+
+def _fma_sim(a, b, c):
+    return a * b + c  # the simulator has no fused form: two roundings
+
+
+# ``a * b + c`` with one rounding on a GPU, whatever the compiler would pair:
+# straight-line code is free to contract ``x + a b`` as ``fma(a, b, x)`` or to
+# round a product first, and the results differ in the last bits
+fma = device_fn(_fma_sim if SIMULATOR else _fma_gpu)
 
 
 def ptx_statement(text):
@@ -68,11 +84,11 @@ def ptx_statement(text):
 def allow_dynamic_shared(kernel, args, nbytes):
     """Let dispatcher ``kernel``, compiled for the types of ``args`` (compiled
     here if it is not yet), launch with ``nbytes`` of dynamic shared memory:
-    past 48 KB a block (static included) the driver needs
+    past ``SMEM_STATIC_LIMIT`` a block (static included) the driver needs
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` set on the function.
-    Sets it on every compiled overload of ``kernel`` (on the current device).
-    Callers keep their own record of what they have set up: this looks the
-    types up and asks the driver every time. Nothing to do on the simulator."""
+    Sets it on every compiled overload of ``kernel`` (on the current device),
+    every time: ``ensure_dynamic_shared`` is the once-only form. Nothing to do
+    on the simulator."""
     if SIMULATOR:
         return
     import numba
@@ -84,6 +100,27 @@ def allow_dynamic_shared(kernel, args, nbytes):
     for compiled in kernel.overloads.values():
         fn = compiled._codelibrary.get_cufunc()
         driver.driver.cuKernelSetAttribute(attr, int(nbytes), fn.handle, fn.device.id)
+
+
+_SHARED_SET_UP = set()  # (kernel, tag, device id) given their dynamic shared memory
+
+
+def ensure_dynamic_shared(kernel, args, nbytes, static, tag, ready=None):
+    """``allow_dynamic_shared(kernel, args, nbytes)`` once a kernel, ``tag``
+    (what selects the overload: the argument dtype) and device, when ``static
+    + nbytes`` passes ``SMEM_STATIC_LIMIT``. ``ready``: an optional set kept by
+    the caller's plan (a plan belongs to one device), holding the tags already
+    set up: with it, a repeated launch does no device lookup."""
+    if SIMULATOR or static + nbytes <= SMEM_STATIC_LIMIT:
+        return
+    if ready is not None and (kernel, tag) in ready:
+        return
+    key = (kernel, tag, cuda.get_current_device().id)
+    if key not in _SHARED_SET_UP:
+        allow_dynamic_shared(kernel, args, nbytes)
+        _SHARED_SET_UP.add(key)
+    if ready is not None:
+        ready.add((kernel, tag))
 
 
 def gpu_available() -> bool:

@@ -60,7 +60,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .device import SIMULATOR, allow_dynamic_shared, device_fn, jit
+from .device import SIMULATOR, device_fn, ensure_dynamic_shared, fma, jit
 
 BK = 16
 EDGE = 16  # threads per block edge on a GPU
@@ -73,9 +73,6 @@ C_ORDERS = ("zmn", "mzn")
 # with a 4 x 4-thread block and 2 x 2 micro-tiles (8 x 8 tiles of c)
 PLAN = (4, 2, 2) if SIMULATOR else (EDGE, 8, 8)  # (edge, tm, tn)
 ALIGN = None if SIMULATOR else 16  # shared-slice alignment (the simulator rejects any)
-
-
-SMEM_STATIC_LIMIT = 48 * 1024  # a block's shared memory past this needs an opt-in
 
 
 def tile_shape(edge, tm, tn):
@@ -199,11 +196,12 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
 
     @device_fn
     def k_step(a_s, b_s, ao, bo, a_frag, b_frag, part):
-        """One k of the staged slice added into the partial."""
+        """One k of the staged slice added into the partial, each product
+        fused into it (``fma``: one rounding, the same pairing in every k)."""
         frags(a_s, b_s, ao, bo, a_frag, b_frag)
         for i in range(TM):
             for j in range(TN):
-                part[i, j] += a_frag[i] * b_frag[j]
+                part[i, j] = fma(a_frag[i], b_frag[j], part[i, j])
 
     # k = 1 .. BK-1 of a slice written out one call a k (no loop): the shared
     # loads of k + 1 can then be issued while k's FMAs run, with constant
@@ -227,7 +225,7 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
         b_s = cuda.shared.array(B_WORDS, float32, alignment=ALIGN)
         a_pre = cuda.local.array(A_LOADS, float32)
         b_pre = cuda.local.array(B_LOADS, float32)
-        # the running total in dynamic shared memory (ACC_WORDS words; element
+        # the running total in dynamic shared memory (``shared_bytes``; element
         # (i, j) of thread tid at (i TN + j) THREADS + tid: a warp's accesses
         # are consecutive words, no bank conflict); the slice's partial in registers
         acc_s = cuda.shared.array(0, float32)
@@ -303,11 +301,13 @@ def _flat(x):
 
 
 def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n, n_batch,
-           stream, plan=None):
+           stream, plan=None, ready=None):
     """Enqueue the GEMM over ``n_batch`` batches (C-contiguous device arrays, no validation).
 
     ``max_n``: the largest ``n_ext`` (sets the grid); ``plan``: (edge, tm, tn),
-    default ``PLAN``.
+    default ``PLAN``; ``ready``: an optional set the caller keeps for one
+    device, recording the kernels given their dynamic shared memory (then a
+    repeated launch does no device lookup; ``ensure_dynamic_shared``).
     """
     if a_order not in A_ORDERS or c_order not in C_ORDERS:
         raise ValueError(f"sgemm layouts: got a {a_order!r}, c {c_order!r}")
@@ -326,12 +326,5 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
     args = (_flat(a), _flat(b), _flat(c), zb, n_ext, k_ext, float32(alpha), m_len, a_z, a_m,
             b_z, b_r, c_z, c_m)
     static, dynamic = shared_bytes(edge, tm, tn)
-    if static + dynamic > SMEM_STATIC_LIMIT and not SIMULATOR:
-        key = (kernel, np.dtype(b.dtype).str, cuda.get_current_device().id)
-        if key not in _SMEM_OPT_IN:
-            allow_dynamic_shared(kernel, args, dynamic)
-            _SMEM_OPT_IN.add(key)
+    ensure_dynamic_shared(kernel, args, dynamic, static, np.dtype(b.dtype).str, ready)
     kernel[grid, (edge, edge), stream, dynamic](*args)
-
-
-_SMEM_OPT_IN = set()  # (kernel, b dtype, device) set up for its dynamic shared memory

@@ -249,6 +249,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         p["vis"] = d_vis
     p["table"] = table  # keeps the slices' memory alive with the dict
     p["max_vis"] = max_vis
+    p["smem_ready"] = set()  # GEMM kernels given their dynamic shared memory (sgemm)
     p["qc"], p["s"] = (workspace or Workspace()).views((n_q, nh, width),
                                                        (n_q, nh, max(max_vis, 1)), stream)
     w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
@@ -283,7 +284,7 @@ def launch_prepared(p, stream):
     # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
     sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
                  a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
-                 n_batch=nh, stream=stream)
+                 n_batch=nh, stream=stream, ready=p["smem_ready"])
     if d_rope:
         total = n_q * nh * d_rope
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
@@ -291,7 +292,7 @@ def launch_prepared(p, stream):
     # -- 2. scores over each query's visible rows --
     sgemm.launch(p["qc"], p["latent"], p["s"], p["slots"], p["vis"], p["q_score"], p["scale"],
                  a_order="zmk", b_order="znk", c_order="zmn", max_n=p["max_vis"],
-                 n_batch=n_q, stream=stream)
+                 n_batch=n_q, stream=stream, ready=p["smem_ready"])
 
     # -- 3. softmax rows in place, LSE --
     launch_softmax(p, stream)
@@ -299,12 +300,12 @@ def launch_prepared(p, stream):
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
     sgemm.launch(p["s"], p["latent"], p["o_lat"], p["slots"], p["q_rank"], p["vis"], 1.0,
                  a_order="zmk", b_order="zkn", c_order="zmn", max_n=rank, n_batch=n_q,
-                 stream=stream)
+                 stream=stream, ready=p["smem_ready"])
 
     # -- 5. decompress through W_UV (batch over heads) --
     sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
                  a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=nh,
-                 stream=stream)
+                 stream=stream, ready=p["smem_ready"])
 
 
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
