@@ -75,10 +75,10 @@ from numba import cuda, float32, int64, uint32
 from . import checks
 from .device import (
     BFLOAT16,
-    allow_dynamic_shared,
     SIMULATOR,
     device_empty,
     device_fn,
+    ensure_dynamic_shared,
     finish,
     gpu_available,
     host_ints,
@@ -115,7 +115,6 @@ SCATTERED = True  # pipelined kernels with GB * U == LPR: one score a lane (ditt
 # cp.async (sm_80 and later; 0: two register buffers). H200, fp16 B 32: L 4096
 # 150.9 -> 142.6 us at 4 stages (3: 144.5, 6: 148.0); bench/NOTES.md run 10
 ASYNC_STAGES = 4
-SMEM_STATIC_LIMIT = 48 * 1024  # dynamic shared memory past this needs an opt-in
 RING_LIMIT = 96 * 1024  # most ring bytes a block (fewer stages where a stage is larger)
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
 # blocks of 128 threads an SM holds at once, by kernel form (sm_90 at D 128: the
@@ -158,13 +157,28 @@ def _halves_to_f32(builder, word, kind):
             builder.fpext(builder.bitcast(hi16, ir.HalfType()), f32)]
 
 
+def _element_kind(dtype):
+    """'f32' / 'f16' / 'bf16' for a numba array element type."""
+    from numba import types
+
+    if dtype == types.float32:
+        return "f32"
+    if dtype == types.float16:
+        return "f16"
+    if str(dtype) == "bfloat16":
+        return "bf16"
+    raise TypeError(f"vector load: expected float32, float16 or bfloat16 elements, got {dtype}")
+
+
 def _vector_loader(kind, n):
     """``load(arr, flat) -> UniTuple(float32, n)``: elements ``flat .. flat+n-1``
     of a C-contiguous array, read with one vector load (``n * itemsize`` bytes,
     aligned to that size) and converted to float32.
 
-    fp32: ``ld.global.v{n}.f32``; fp16 and bf16: ``n/2`` 32-bit words, each
-    split into two halves (bf16 -> f32 is a 16-bit shift; fp16 uses cvt).
+    fp32: ``ld.global.v{n}.f32`` (two 16-byte loads at n 8); fp16 and bf16:
+    ``n/2`` 32-bit words, each split into two halves (bf16 -> f32 is a 16-bit
+    shift; fp16 uses cvt). ``kind`` None: the element type of the array the
+    load is compiled for (q, whose dtype the kernel's plan does not fix).
     """
     from llvmlite import ir
     from numba import types
@@ -175,16 +189,17 @@ def _vector_loader(kind, n):
         sig = types.UniTuple(types.float32, n)(arr, flat)
 
         def codegen(context, builder, sig, args):
+            ekind = kind or _element_kind(sig.args[0].dtype)
             ary = context.make_array(sig.args[0])(context, builder, args[0])
             i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
             idx = args[1]
             if idx.type.width < 64:
                 idx = builder.sext(idx, ir.IntType(64))
-            itemsize = 4 if kind == "f32" else 2
+            itemsize = 4 if ekind == "f32" else 2
             ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), itemsize))])
             f32, i32 = ir.FloatType(), ir.IntType(32)
             elems = []
-            if kind == "f32":
+            if ekind == "f32":
                 vt = ir.VectorType(f32, n)
                 vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4 * n)
                 elems = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(n)]
@@ -193,7 +208,7 @@ def _vector_loader(kind, n):
                 vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=2 * n)
                 for i in range(n // 2):
                     word = builder.extract_element(vec, ir.Constant(i32, i))
-                    elems += _halves_to_f32(builder, word, kind)
+                    elems += _halves_to_f32(builder, word, ekind)
             return context.make_tuple(builder, sig.return_type, elems)
 
         return sig, codegen
@@ -202,17 +217,18 @@ def _vector_loader(kind, n):
 
 
 def _sim_loader(n):
-    """Simulator stand-in for the vector load: ``n`` scalar reads of a 4-D array."""
+    """Simulator stand-in for the vector load: ``n`` scalar reads along the
+    last axis of an array of any rank, from flat element ``flat``."""
 
     def load(arr, flat):
-        d_len, s_len, k_len = arr.shape[3], arr.shape[2], arr.shape[1]
-        d = flat % d_len
-        rest = flat // d_len
-        pos = rest % s_len
-        rest //= s_len
-        g = rest % k_len
-        slot = rest // k_len
-        return tuple(float32(arr[slot, g, pos, d + i]) for i in range(n))
+        at = []
+        rest = int(flat)
+        for extent in reversed(arr.shape):
+            at.append(rest % extent)
+            rest //= extent
+        at.reverse()
+        head, d = tuple(at[:-1]), at[-1]
+        return tuple(float32(arr[head + (d + i,)]) for i in range(n))
 
     return load
 
@@ -391,7 +407,8 @@ def packed_row_io(kind, vec):
 
 @functools.lru_cache(maxsize=None)
 def load_row_vec(kind, n):
-    """The vector loader for dtype ``kind`` and width ``n`` (see ``_vector_loader``)."""
+    """The vector loader for dtype ``kind`` (None: the array's) and width ``n``
+    (see ``_vector_loader``)."""
     if SIMULATOR:
         return _sim_loader(n)
     return _vector_loader(kind, n)
@@ -427,12 +444,14 @@ def heads_per_block(group, per_lane):
 
 
 @functools.lru_cache(maxsize=None)
-def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WARP,
+def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, lanes=WARP,
                        pipeline=False, scatter=True, stages=0, pdl=False):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
-    heads: query heads per block (GB), warps: warps per block (NW),
+    heads: query heads per block (GB), group: query heads per kv head
+    (``H // H_kv``, a multiple of GB; a constant of the kernel, so a block finds
+    its heads without runtime division), warps: warps per block (NW),
     unroll: positions per lane group and warp step (U), lanes: lanes per row
     (LPR, a power of two <= 32), pipeline: 16-bit vector rows only (see below),
     scatter: with the pipeline, one score a lane where ``GB * U == LPR``,
@@ -493,6 +512,11 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
     N_SH_ACC = NW * GB * ROW
     N_SH_ML = NW * GB * 2
     load = load_row_vec(kind, VEC) if VECTOR else None
+    load_q = load_row_vec(None, VEC) if VECTOR else None  # q: fp32 or the cache's dtype
+    GROUP = group
+    if GROUP % GB:
+        raise ValueError(f"heads: expected a divisor of the group size {GROUP}, got {GB}")
+    BLOCKS_PER_GROUP = GROUP // GB
     PIPE = bool(pipeline)
     # scores reduce-scattered: one (head, position) a lane (GB * U == LPR)
     SCATTER = PIPE and bool(scatter) and GB * U == LPR and (U & (U - 1)) == 0
@@ -703,10 +727,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
         max_seq = k_cache.shape[2]
 
         # -- which kv group, query heads, slot and chunk this block reads --
-        group = n_heads // n_kv
-        blocks_per_group = group // GB
-        kv_head = head_block // blocks_per_group
-        head0 = kv_head * group + (head_block % blocks_per_group) * GB
+        kv_head = head_block // BLOCKS_PER_GROUP
+        head0 = kv_head * GROUP + (head_block % BLOCKS_PER_GROUP) * GB
         slot = slot_table[seq]
         length = seq_lens[seq]
         start = split * chunk
@@ -718,14 +740,20 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
         m_run = cuda.local.array(GB, float32)
         l_run = cuda.local.array(GB, float32)
         for h in range(GB):
-            for c in range(CH):
-                for v in range(VEC):
-                    d = c * STRIDE + sub * VEC + v
-                    i = h * E + c * VEC + v
-                    acc[i] = float32(0.0)
-                    q_reg[i] = float32(0.0)
+            if VECTOR:  # a lane's VEC elements of a chunk in one vector load
+                q_at = (int64(seq) * n_heads + head0 + h) * head_dim + sub * VEC
+                for c in range(CH):
+                    qt = load_q(q, q_at + c * STRIDE)
+                    for v in range(VEC):
+                        acc[h * E + c * VEC + v] = float32(0.0)
+                        q_reg[h * E + c * VEC + v] = qt[v] * scale
+            else:
+                for c in range(CH):
+                    d = c * STRIDE + sub
+                    acc[h * E + c] = float32(0.0)
+                    q_reg[h * E + c] = float32(0.0)
                     if d < head_dim:
-                        q_reg[i] = float32(q[seq, head0 + h, d]) * scale
+                        q_reg[h * E + c] = float32(q[seq, head0 + h, d]) * scale
             m_run[h] = float32(-math.inf)
             l_run[h] = float32(0.0)
 
@@ -890,7 +918,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, warps=WARPS, unroll=4, lanes=WA
                         part_ml[seq, head, split, 1] = l_all
 
     kernel.__name__ = kernel.__qualname__ = (
-        ("decode_fast_pdl_" if pdl else "decode_fast_") + f"{kind}_v{VEC}c{CH}g{GB}w{NW}u{U}"
+        ("decode_fast_pdl_" if pdl else "decode_fast_") + f"{kind}_v{VEC}c{CH}g{GB}of{GROUP}w{NW}u{U}"
         + ("" if LPR == WARP else f"l{LPR}")
         + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else ""))
     return jit(kernel, fastmath=True)
@@ -1061,29 +1089,14 @@ def ring_bytes(warps, stages, unroll, chunks, kind, vec):
     return warps * stages * 2 * unroll * chunks * WARP * piece
 
 
-_SMEM_OPT_IN = set()
-
-
 def _allow_shared(pl, args):
     """Let plan ``pl``'s kernel (for ``args``' types) take its dynamic shared
-    memory: past ``SMEM_STATIC_LIMIT`` (static included) the driver needs
-    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, set once a kernel,
-    q dtype and device (it compiles the kernel for the call first). The plan
-    keeps the q dtypes it has been set up for, so a launch through a kept plan
-    does no device lookup: a plan belongs to the device it was first launched
-    on (make one a device)."""
-    if SIMULATOR or pl["dyn_smem"] + pl["static_smem"] <= SMEM_STATIC_LIMIT:
-        return
-    ready = pl.setdefault("smem_ready", set())
-    dt = args[0].dtype
-    if dt in ready:
-        return
-    kernel = pl["kernel"]
-    key = (kernel, str(dt), cuda.get_current_device().id)
-    if key not in _SMEM_OPT_IN:
-        allow_dynamic_shared(kernel, args, pl["dyn_smem"])
-        _SMEM_OPT_IN.add(key)
-    ready.add(dt)
+    memory (``ensure_dynamic_shared``, once a kernel, q dtype and device). The
+    plan keeps what it has set up, so a launch through a kept plan does no
+    device lookup: a plan belongs to the device it was first launched on
+    (make one a device)."""
+    ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], pl["static_smem"],
+                          str(args[0].dtype), pl.setdefault("smem_ready", set()))
 
 
 def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
@@ -1157,8 +1170,9 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         n_split = -(-max(max_len, 1) // chunk)
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
-        "kernel": fast_decode_kernel(kind, vec, chunks, gb, warps, unroll, lanes, pipeline,
-                                     SCATTERED, stages, pdl),
+        "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
+                                     pipeline, SCATTERED, stages, pdl),
+        "group": group,
         "pdl": pdl,
         "stages": stages,
         "dyn_smem": ring_bytes(warps, stages, unroll, chunks, kind, vec),
@@ -1216,6 +1230,10 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     arrays. With ``pl["pdl"]`` the combine is a programmatic dependent of the
     main kernel (``attention.pdl``), except in a graph capture, where it is
     launched plainly."""
+    if d_q.shape[1] != pl["group"] * d_k.shape[1]:  # the kernel's group is a constant
+        raise checks.ShapeError(
+            f"q: expected H = {pl['group']} * H_kv = {pl['group'] * d_k.shape[1]} heads "
+            f"(the plan's group size), got {d_q.shape[1]}")
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
             d_out, d_lse, d_part_acc, d_part_ml)
     _allow_shared(pl, args)

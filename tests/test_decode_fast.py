@@ -330,7 +330,9 @@ def test_bf16_not_on_simulator():
 def test_compile_ptx(kind, head_dim, want):
     """Each dtype's default kernel (lanes per row, the 16-bit pipeline)
     compiles for sm_90 with the vector loads it was built for (16-byte loads
-    for every dtype at D 128) and its state in registers."""
+    for every dtype at D 128, q's included) and its state in registers."""
+    import re
+
     from numba import cuda, types
 
     from attention import decode_fast as F
@@ -349,6 +351,11 @@ def test_compile_ptx(kind, head_dim, want):
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert want in ptx
     assert "ld.local" not in ptx, "per-lane state spilled to local memory"
+    # the group size is a constant of the kernel: a block finds its heads with
+    # no integer division (each one a ~70-instruction routine on the GPU)
+    assert not re.search(r"\b(div|rem)\.[su]\d+", ptx), "runtime integer division"
+    if head_dim == 128:  # q (fp32 here) in 16-byte vector loads too, none element-wise
+        assert not re.search(r"ld\.global\.f32\b", ptx), "q loaded element by element"
     if pl["pipeline"]:  # a lane waits for its own copies, then reads them back
         assert f"cp.async.wait_group {F.ASYNC_STAGES - 2};" in ptx
         assert "ld.shared.v4.u32" in ptx and "bar.sync" not in ptx.split("wait_group")[0]
@@ -403,6 +410,19 @@ def test_compile_pdl_ptx():
             body = cptx.split("griddepcontrol.wait;")
             assert not re.search(r"ld\.global", body[0]), "a partial read before the wait"
             assert re.search(r"ld\.global", body[1])
+
+
+def test_launch_rejects_a_plan_of_another_group():
+    """A plan's kernel has the group size H // H_kv built in: launching it on
+    arrays of another group is an error naming q, before anything is launched."""
+    from attention import decode_fast as F
+    from attention.checks import ShapeError
+
+    pl = F.plan(2, 8, 2, 128, 64, "f32")  # group 4
+    q = np.zeros((2, 4, 128), np.float32)  # group 2 with the same cache
+    k = np.zeros((2, 2, 64, 128), np.float32)
+    with pytest.raises(ShapeError, match=r"q: expected H = 4 \* H_kv = 8"):
+        F.launch(pl, q, k, k, None, None, 1.0, None, None, None, None, 0)
 
 
 def test_split_count_fills_waves():
