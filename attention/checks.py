@@ -102,6 +102,25 @@ def check_array(name, x, dims, *, dtypes=None, contiguous=True):
     return shape
 
 
+def device_address(x):
+    """The data address of a device array (``__cuda_array_interface__``), or
+    None for anything else (host arrays are copied into fresh, aligned memory)."""
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict) or not cai.get("data"):
+        return None
+    return int(cai["data"][0])
+
+
+def check_aligned(name, x, nbytes):
+    """A device array ``x`` must start at a multiple of ``nbytes``: a kernel
+    reads its rows with vector loads of that size, which fault on any other
+    address (a view that starts mid-row, say)."""
+    addr = device_address(x)
+    if addr is not None and addr % nbytes:
+        raise LayoutError(f"{name}: expected a device address aligned to {nbytes} bytes "
+                          f"(vector loads), got {addr:#x}")
+
+
 def check_same_dtype(names_and_arrays):
     dts = [(n, _dtype(a)) for n, a in names_and_arrays]
     first_name, first = dts[0]

@@ -165,7 +165,7 @@ def _element_kind(dtype):
         return "f32"
     if dtype == types.float16:
         return "f16"
-    if str(dtype) == "bfloat16":
+    if dtype == cuda.types.bfloat16:
         return "bf16"
     raise TypeError(f"vector load: expected float32, float16 or bfloat16 elements, got {dtype}")
 
@@ -196,16 +196,17 @@ def _vector_loader(kind, n):
             if idx.type.width < 64:
                 idx = builder.sext(idx, ir.IntType(64))
             itemsize = 4 if ekind == "f32" else 2
+            align = min(16, itemsize * n)  # what check_fast asks of the arrays
             ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), itemsize))])
             f32, i32 = ir.FloatType(), ir.IntType(32)
             elems = []
             if ekind == "f32":
                 vt = ir.VectorType(f32, n)
-                vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4 * n)
+                vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=align)
                 elems = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(n)]
             else:
                 vt = ir.VectorType(i32, n // 2)
-                vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=2 * n)
+                vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=align)
                 for i in range(n // 2):
                     word = builder.extract_element(vec, ir.Constant(i32, i))
                     elems += _halves_to_f32(builder, word, ekind)
@@ -1209,6 +1210,13 @@ def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
     checks.check_heads(n_heads, n_kv)
     if n_slots < m_count:
         raise checks.ShapeError(f"k_cache: expected KV_SLOTS >= M={m_count} slots, got {n_slots}")
+    # with vector rows (the default layout's, which the entry points plan)
+    # q and the caches are read in loads of up to 16 bytes: device arrays must
+    # start on 16 bytes (any allocation does, and any view from a row start
+    # where rows are vectors)
+    if row_layout(head_dim, kind, LANES[kind])[0] > 1:
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            checks.check_aligned(name, x, 16)
     lens = checks.check_lengths("seq_lens", host_ints(seq_lens), max_seq, count=m_count)
     slots = checks.check_slot_table(
         None if slot_table is None else host_ints(slot_table), m_count, n_slots)

@@ -327,10 +327,12 @@ def test_bf16_not_on_simulator():
     ("bf16", 128, "cp.async.cg.shared.global"),
     ("f32", 40, "ld.global.f32"),
 ])
-def test_compile_ptx(kind, head_dim, want):
+@pytest.mark.parametrize("q_kind", ["f32", "cache"])
+def test_compile_ptx(kind, head_dim, want, q_kind):
     """Each dtype's default kernel (lanes per row, the 16-bit pipeline)
-    compiles for sm_90 with the vector loads it was built for (16-byte loads
-    for every dtype at D 128, q's included) and its state in registers."""
+    compiles for sm_90, for q in fp32 and in the cache's dtype, with the
+    vector loads it was built for (16-byte loads for every dtype at D 128,
+    q's included) and its state in registers."""
     import re
 
     from numba import cuda, types
@@ -338,6 +340,7 @@ def test_compile_ptx(kind, head_dim, want):
     from attention import decode_fast as F
 
     elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
+    q_elem = types.float32 if q_kind == "f32" else elem
     pl = F.plan(2, 8, 2, head_dim, 1024, kind)  # the default kernel for this dtype
     assert pl["pipeline"] == (kind != "f32" and head_dim == 128)
     kern = pl["kernel"]
@@ -345,7 +348,7 @@ def test_compile_ptx(kind, head_dim, want):
     assert kern.py_func.__name__.endswith(f"psa{F.ASYNC_STAGES}") == pl["pipeline"]
     cache = types.Array(elem, 4, "C")
     f32 = types.float32
-    sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
+    sig = (types.Array(q_elem, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
            types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
            types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
@@ -354,8 +357,9 @@ def test_compile_ptx(kind, head_dim, want):
     # the group size is a constant of the kernel: a block finds its heads with
     # no integer division (each one a ~70-instruction routine on the GPU)
     assert not re.search(r"\b(div|rem)\.[su]\d+", ptx), "runtime integer division"
-    if head_dim == 128:  # q (fp32 here) in 16-byte vector loads too, none element-wise
-        assert not re.search(r"ld\.global\.f32\b", ptx), "q loaded element by element"
+    if head_dim == 128:  # q in vector loads too (fp32: 16 bytes), none element-wise
+        assert not re.search(r"ld\.global(\.nc)?\.(f32|[bu]16)\b", ptx), \
+            "q loaded element by element"
     if pl["pipeline"]:  # a lane waits for its own copies, then reads them back
         assert f"cp.async.wait_group {F.ASYNC_STAGES - 2};" in ptx
         assert "ld.shared.v4.u32" in ptx and "bar.sync" not in ptx.split("wait_group")[0]
@@ -423,6 +427,38 @@ def test_launch_rejects_a_plan_of_another_group():
     k = np.zeros((2, 2, 64, 128), np.float32)
     with pytest.raises(ShapeError, match=r"q: expected H = 4 \* H_kv = 8"):
         F.launch(pl, q, k, k, None, None, 1.0, None, None, None, None, 0)
+
+
+class _DeviceStub:
+    """A stand-in device array: shape, dtype and ``__cuda_array_interface__``
+    at a given address (nothing is ever read through it)."""
+
+    def __init__(self, shape, dtype, addr):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": self.dtype.str,
+                                         "data": (addr, False), "strides": None,
+                                         "version": 3}
+
+
+def test_misaligned_device_arrays_are_refused():
+    """q and the caches are read in 16-byte vector loads at D 128: a device
+    view that does not start on 16 bytes is an error naming it (before any
+    launch); an aligned one passes the check, and so does a misaligned one
+    where rows are read element-wise (D 40)."""
+    from attention import decode_fast as F
+    from attention.checks import LayoutError
+
+    k = np.zeros((2, 2, 64, 128), np.float32)
+    lens = np.array([3, 5])
+    q_bad = _DeviceStub((2, 8, 128), np.float32, 0x10004)
+    with pytest.raises(LayoutError, match="q: expected a device address aligned to 16"):
+        F.check_fast(q_bad, k, k, lens, None)
+    with pytest.raises(LayoutError, match="v_cache: expected a device address aligned"):
+        F.check_fast(np.zeros((2, 8, 128), np.float32), k, _DeviceStub(k.shape, k.dtype, 0x208),
+                     lens, None)
+    assert F.check_fast(_DeviceStub((2, 8, 128), np.float32, 0x10010), k, k, lens, None)[0] == 2
+    k40 = np.zeros((2, 2, 64, 40), np.float32)
+    assert F.check_fast(_DeviceStub((2, 8, 40), np.float32, 0x10004), k40, k40, lens, None)
 
 
 def test_split_count_fills_waves():
