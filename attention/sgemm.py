@@ -28,29 +28,37 @@ loads go to registers before the current slice is multiplied and to the other
 buffer after it, one barrier per slice. A slice wholly inside both operands
 (every block of the MLA shapes but the last ``N`` or ``K`` one) is fetched
 without bounds tests, each operand from one base offset and one stride; the
-others test every element. The slice's first ``k`` starts the partial (no
+others test every element. A partial's first ``k`` starts it (no
 zeroing). On the H200 these two took the MLA decode graph from 3.53 to 2.89 ms
 (fp32, B 64, L 4096; bench/NOTES.md run 10), outputs unchanged bit for bit.
 Flat indices are uint64 (numba adds a compare-and-select per access for
 signed ones). The simulator runs the same code with plan (4, 2, 2).
 
-Accumulation (two-level): each slice's ``BK`` products are summed into a fresh
-partial (``part``), which is then added to the running total. A plain running
-sum over ``K = 576`` (scores) or ``K = L`` (the P.V product) has a few times the
-error of numpy's float32 baseline; the two-level sum's error grows as
-``BK + K / BK`` terms instead of ``K`` (a numpy emulation of this order over
-the MLA validation cases: worst ratio to the baseline 1.35 instead of 2.7).
+Accumulation (two-level): the products of ``PART_SLICES = 4`` consecutive
+slices (``PART_K = 64`` k) are summed into a fresh partial (``part``), which
+is then added to the running total. A plain running sum over ``K = 576``
+(scores) or ``K = L`` (the P.V product) has about twice the error of numpy's
+float32 baseline; the two-level sum's error grows as ``PART_K + K / PART_K``
+terms instead of ``K``. A numpy emulation of this order on random operands
+(``K = 576`` signed products; ``K = 4096`` softmax weights times values),
+mean error over numpy's float32 einsum: a plain fused sum 1.75x / 1.85x,
+partials of 16 k 0.59x / 0.50x, of 64 k 0.71x / 0.36x. 64 balances the two
+levels at ``K = 4096``.
 
 Where the totals live: in dynamic shared memory (``shared_bytes``: 64 KB a
 block at 8 x 8, past the 48 KB that need the driver's opt-in, which ``launch``
 does once a kernel), each thread's ``TM * TN`` words at stride ``THREADS`` (a
-warp's accesses are 32 consecutive words). Each slice's partial is added
-there once (one load, add and store a word: ~200 instructions against the
-slice's 1,024 FMAs). In registers the totals and the partial took 128 of the
-255 a thread can have, so the ``BK`` k-steps of a slice stayed a loop (written
-out, they spilled). With the registers freed, the k-steps are written out
-(``_unrolled``): no loop counter or branch per ``k``, constant shared-memory
-offsets, and the next ``k``'s fragment loads issued under this one's FMAs.
+warp's accesses are 32 consecutive words). A partial is added there once
+(one load, add and store a word: ~200 instructions, and 128 shared-memory
+wavefronts a warp, as many as the fragment loads of 1.3 slices). Done after
+every slice, these accesses kept the shared-memory pipe as busy as the FMA
+pipe; after every fourth, the MLA decode graph went from 2.56 to 2.31 ms
+(fp32, B 64, L 4096; bench/NOTES.md run 16). In registers the totals and the
+partial took 128 of the 255 a thread can have, so the ``BK`` k-steps of a
+slice stayed a loop (written out, they spilled). With the registers freed,
+the k-steps are written out (``_unrolled``): no loop counter or branch per
+``k``, constant shared-memory offsets, and the next ``k``'s fragment loads
+issued under this one's FMAs.
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ from numba import cuda, float32, uint64
 from .device import SIMULATOR, device_fn, ensure_dynamic_shared, fma, jit
 
 BK = 16
+PART_SLICES = 4  # slices whose products go into one partial
+PART_K = BK * PART_SLICES
 EDGE = 16  # threads per block edge on a GPU
 A_ORDERS = ("zmk", "mzk")
 B_ORDERS = ("znk", "zkn")
@@ -227,7 +237,7 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
         b_pre = cuda.local.array(B_LOADS, float32)
         # the running total in dynamic shared memory (``shared_bytes``; element
         # (i, j) of thread tid at (i TN + j) THREADS + tid: a warp's accesses
-        # are consecutive words, no bank conflict); the slice's partial in registers
+        # are consecutive words, no bank conflict); the partial in registers
         acc_s = cuda.shared.array(0, float32)
         part = cuda.local.array((TM, TN), float32)
         a_frag = cuda.local.array(TM, float32)
@@ -259,17 +269,24 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
             if s + 1 < n_slices:
                 fetch(a, b, z, bz, (s + 1) * BK, row0, col0, tid, m_len, n_len, k_len, a_z,
                       a_m, b_z, b_r, a_pre, b_pre, inner)
-            # -- multiply: the slice's products into a fresh partial (the first
-            # k's products start it: no zeroing) --
+            # -- multiply: the slice's products into the partial; the first k
+            # of every PART_SLICES-th slice starts a fresh one (no zeroing) --
             frags(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag)
-            for i in range(TM):
-                for j in range(TN):
-                    part[i, j] = a_frag[i] * b_frag[j]
+            if s % PART_SLICES == 0:
+                for i in range(TM):
+                    for j in range(TN):
+                        part[i, j] = a_frag[i] * b_frag[j]
+            else:
+                for i in range(TM):
+                    for j in range(TN):
+                        part[i, j] = fma(a_frag[i], b_frag[j], part[i, j])
             slice_rest(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag, part)
-            for i in range(TM):
-                for j in range(TN):
-                    at = uint64((i * TN + j) * THREADS + tid)
-                    acc_s[at] += part[i, j]
+            # -- the partial into the running total, after its last slice --
+            if s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices:
+                for i in range(TM):
+                    for j in range(TN):
+                        at = uint64((i * TN + j) * THREADS + tid)
+                        acc_s[at] += part[i, j]
             # no second barrier: the next store goes to the other buffer, and
             # the barrier after it orders this slice's reads before the store
             # two slices on

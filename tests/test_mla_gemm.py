@@ -124,15 +124,18 @@ def test_method_and_workspace_bad_input():
 def test_sgemm_matches_numpy(a_order, b_order, c_order):
     """Ragged n/k extents per batch, a batch table, M / N / K not multiples of a tile.
 
-    Batch 0's first two k slices of its full tiles take the fetch without bounds
-    tests; its last slice, and every slice of batches 1 and 2, the bounded one
-    (plan (4, 2, 2) here: 8 x 8 tiles, 16-k slices)."""
+    Batch 0's first nine k slices of its full tiles take the fetch without
+    bounds tests; its last slice, and every slice of batches 1 and 2, the
+    bounded one (plan (4, 2, 2) here: 8 x 8 tiles, 16-k slices). Batch 0's
+    K = 150 spans three partials (``PART_K`` = 64 k each, the last one of 22 k,
+    added at the last slice); batch 1's one slice makes one partial."""
     from attention.device import to_device, to_host
 
     rng = np.random.default_rng(11)
-    z_n, m, n, k = 3, 19, 21, 37
+    z_n, m, n, k = 3, 19, 21, 150
+    assert sgemm.PART_K < k < 3 * sgemm.PART_K and k % sgemm.PART_K
     n_ext = np.array([21, 5, 13], np.int32)
-    k_ext = np.array([37, 16, 1], np.int32)
+    k_ext = np.array([150, 16, 1], np.int32)
     zb = np.array([1, 0, 1], np.int32)
     a_zmk = rng.standard_normal((z_n, m, k)).astype(np.float32)
     b_nk = rng.standard_normal((2, n, k)).astype(np.float32)
