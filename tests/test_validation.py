@@ -414,3 +414,12 @@ def test_growth_run_records_a_series_and_checks_the_cache():
     assert rec["series"]["step"] == [1, 2, 3] and rec["cache_ok"]
     assert all(e is not None and b is not None for e, b in
                zip(rec["series"]["out_err"], rec["series"]["out_base"]))
+
+
+def test_default_jobs(monkeypatch):
+    """Without --jobs: one worker a CPU core on a GPU (at most 8), up to 2 on the simulator."""
+    from validation import cli
+
+    for cores, gpu, sim in ((1, 1, 1), (2, 2, 2), (16, 8, 2), (None, 1, 1)):
+        monkeypatch.setattr(cli.os, "cpu_count", lambda c=cores: c)
+        assert (cli.default_jobs("gpu"), cli.default_jobs("sim")) == (gpu, sim), cores
