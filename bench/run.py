@@ -11,9 +11,12 @@ never fatal):
      cache: mla.pipeline.mla_decode (when present) by its GEMM path (row
      ``mla_decode``, scratch reused across calls: host work included), the
      same launches prepared once and replayed as a CUDA graph
-     (``mla_decode_graph``, mla.decode_graph), the tiled online-softmax path
-     (``mla_decode_flash``), and a torch einsum absorbed decode, TFLOP/s
-     against the measured FMA peak
+     (``mla_decode_graph``, mla.decode_graph; the score and P.V GEMMs on
+     tensor cores, fp32 operands split in two tf32 halves), the same with
+     fp32 FMA GEMMs only (``mla_decode_graph_fma``), the tiled online-softmax
+     path (``mla_decode_flash``), and a torch einsum absorbed decode (TF32
+     off), TFLOP/s of the fp32 work (the tensor-core rows count each product
+     once) against the measured FMA peak
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
   5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
      4096, H 32, H_kv 8, D 128, causal (bench/prefill.py)
@@ -295,22 +298,29 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                                method="flash")
 
                 record("mla_decode", timer.time(run_gemm, reps=5, warmup=1, host=True),
-                       "(method gemm: register-tiled GEMMs; public launcher, host work included)")
+                       "(method gemm: scores and P.V on tensor cores, split tf32; public "
+                       "launcher, host work included)")
                 del ws
-                try:  # the same launches prepared once and replayed as a CUDA graph
-                    from mla.decode_graph import MLADecodeGraph
+                # the same launches prepared once and replayed as a CUDA graph, with
+                # the tensor-core GEMMs and with fp32 FMA GEMMs only (method gemm_fma)
+                for name, tensor, what in (
+                        ("mla_decode_graph", True, "tensor-core score and P.V GEMMs"),
+                        ("mla_decode_graph_fma", False, "fp32 FMA GEMMs only")):
+                    try:
+                        from mla.decode_graph import MLADecodeGraph
 
-                    g = MLADecodeGraph(q_nope, q_pe, cache, lengths, w_uk, w_uv)
-                    if g.graph is None:
-                        raise RuntimeError(f"no graph ({g.graph_error})")
-                    g.run(sync=True)
-                    record("mla_decode_graph",
-                           timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1),
-                           "(MLADecodeGraph: the GEMM path's launches replayed)")
-                    del g
-                except Exception as exc:
-                    log(f"  mla_decode_graph {dname}: skipped ({type(exc).__name__}: "
-                        f"{str(exc)[:200]})")
+                        g = MLADecodeGraph(q_nope, q_pe, cache, lengths, w_uk, w_uv,
+                                           tensor=tensor)
+                        if g.graph is None:
+                            raise RuntimeError(f"no graph ({g.graph_error})")
+                        g.run(sync=True)
+                        record(name,
+                               timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1),
+                               f"(MLADecodeGraph: the GEMM path's launches replayed; {what})")
+                        del g
+                    except Exception as exc:
+                        log(f"  {name} {dname}: skipped ({type(exc).__name__}: "
+                            f"{str(exc)[:200]})")
                 record("mla_decode_flash", timer.time(run_flash, reps=3, warmup=1, host=True),
                        "(method flash: tiled online softmax; public launcher, host work included)")
             except Exception as exc:
@@ -508,7 +518,7 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
                          ", target 10 us)")
     for dname in ("float32", "float16"):
         t = [r for r in mla_rows if r["kernel"] == "torch_einsum" and r["dtype"] == dname]
-        for kern in ("mla_decode", "mla_decode_graph"):
+        for kern in ("mla_decode", "mla_decode_graph", "mla_decode_graph_fma"):
             m = [r for r in mla_rows if r["kernel"] == kern and r["dtype"] == dname]
             if not m:
                 continue

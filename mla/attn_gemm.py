@@ -13,7 +13,8 @@ four of them ``attention.sgemm`` (register-tiled, two-level fp32 sums):
 4. P.V      ``o_lat[q, h, :] = S[q, h, :vis] @ c_kv rows``  (M = heads, N = r, K = vis[q])
 5. decompress ``out[q, h, :] = W_UV[h] o_lat[q, h, :]``     (batch over heads)
 
-Workspace: ``qc [Q, nh, W]`` and ``S [Q, nh, max vis]`` float32
+Workspace: ``qc [Q, nh, W]`` and ``S [Q, nh, max vis]`` float32 (rows of ``S``
+padded to a multiple of 4 words)
 (``workspace_bytes``); at B 64, 128 heads, L 4096 that is 134 MB, written and
 read a few times, against about 73 GFLOP of GEMM work: the path is compute
 bound, and the round trip of ``S`` through memory costs ~0.1 ms.
@@ -38,7 +39,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from attention import sgemm
+from attention import sgemm, tgemm
 from attention.device import SIMULATOR, device_empty, jit, launch_stream, to_device
 from attention.warp import block_max, block_sum, warp_max, warp_sum
 
@@ -48,8 +49,9 @@ WARP = 32
 
 
 def workspace_bytes(n_q, n_head, width, max_visible):
-    """Device scratch of the GEMM path: qc [Q, nh, W] and S [Q, nh, max_visible] float32."""
-    return 4 * n_q * n_head * (width + max(int(max_visible), 1))
+    """Device scratch of the GEMM path: qc [Q, nh, W] and S [Q, nh, max_visible
+    rounded up to 4] float32."""
+    return 4 * n_q * n_head * (width + -(-max(int(max_visible), 1) // 4) * 4)
 
 
 class Workspace:
@@ -211,7 +213,7 @@ def visible_rows(lens, tails, defect=None):
 
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None, d_vis=None):
+            w_uk_layout, stream, defect=None, workspace=None, d_vis=None, tensor=True):
     """Allocate and fill everything the five launches read (validated by the caller).
 
     d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
@@ -220,7 +222,9 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     slots / vis: host int32 [Q]; workspace: a ``Workspace`` (default: fresh
     scratch). ``d_vis`` (device int32 [Q], optional): read by the kernels in
     place of ``vis``, which then only sizes the launches (its entries must be
-    upper bounds of ``d_vis``'s). Returns a dict for ``launch_prepared``; its
+    upper bounds of ``d_vis``'s). ``tensor``: the score and P.V GEMMs on tensor
+    cores (``attention.tgemm``, split tf32) where ``tgemm.usable``; False:
+    ``attention.sgemm`` (fp32 FMAs) throughout. Returns a dict for ``launch_prepared``; its
     ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] (device
     float32) are written by each launch of it.
     """
@@ -249,9 +253,11 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         p["vis"] = d_vis
     p["table"] = table  # keeps the slices' memory alive with the dict
     p["max_vis"] = max_vis
-    p["smem_ready"] = set()  # GEMM kernels given their dynamic shared memory (sgemm)
-    p["qc"], p["s"] = (workspace or Workspace()).views((n_q, nh, width),
-                                                       (n_q, nh, max(max_vis, 1)), stream)
+    p["smem_ready"] = set()  # GEMM kernels given their dynamic shared memory
+    p["tensor"] = bool(tensor)
+    # S rows padded to 4 words: 16-byte aligned rows for tgemm's copies
+    p["qc"], p["s"] = (workspace or Workspace()).views(
+        (n_q, nh, width), (n_q, nh, -(-max(max_vis, 1) // 4) * 4), stream)
     w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
     if defect == "w_uk_transposed":  # the same words, read as the other layout
         flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
@@ -275,6 +281,18 @@ def launch_softmax(p, stream):
                               ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
 
 
+def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream):
+    """c[q] = alpha a[q] @ op(latent[slot[q]]) for every query (a, c "zmk" /
+    "zmn"): ``tgemm`` when the plan asks for it and the call is ``usable``,
+    else ``sgemm``."""
+    gemm = sgemm
+    if p["tensor"] and tgemm.usable(a, b, a_order="zmk", b_order=b_order):
+        gemm = tgemm
+    gemm.launch(a, b, c, p["slots"], n_ext, k_ext, alpha, a_order="zmk", b_order=b_order,
+                c_order="zmn", max_n=max_n, n_batch=p["n_q"], stream=stream,
+                ready=p["smem_ready"])
+
+
 def launch_prepared(p, stream):
     """Enqueue the five launches of a ``prepare`` dict on ``stream`` (a numba
     stream, 0, or a cuda.core graph builder)."""
@@ -290,17 +308,15 @@ def launch_prepared(p, stream):
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
 
     # -- 2. scores over each query's visible rows --
-    sgemm.launch(p["qc"], p["latent"], p["s"], p["slots"], p["vis"], p["q_score"], p["scale"],
-                 a_order="zmk", b_order="znk", c_order="zmn", max_n=p["max_vis"],
-                 n_batch=n_q, stream=stream, ready=p["smem_ready"])
+    _attention_gemm(p, p["qc"], p["latent"], p["s"], p["vis"], p["q_score"], p["scale"],
+                    b_order="znk", max_n=p["max_vis"], stream=stream)
 
     # -- 3. softmax rows in place, LSE --
     launch_softmax(p, stream)
 
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
-    sgemm.launch(p["s"], p["latent"], p["o_lat"], p["slots"], p["q_rank"], p["vis"], 1.0,
-                 a_order="zmk", b_order="zkn", c_order="zmn", max_n=rank, n_batch=n_q,
-                 stream=stream, ready=p["smem_ready"])
+    _attention_gemm(p, p["s"], p["latent"], p["o_lat"], p["q_rank"], p["vis"], 1.0,
+                    b_order="zkn", max_n=rank, stream=stream)
 
     # -- 5. decompress through W_UV (batch over heads) --
     sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
@@ -309,10 +325,11 @@ def launch_prepared(p, stream):
 
 
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None):
+            w_uk_layout, stream, defect=None, workspace=None, tensor=True):
     """``prepare`` then ``launch_prepared`` on ``stream`` (arguments as ``prepare``).
     Returns (out [Q, nh, d_v], o_lat [Q, nh, r], lse [Q, nh]) device float32."""
     p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
-                w_uk_layout=w_uk_layout, stream=stream, defect=defect, workspace=workspace)
+                w_uk_layout=w_uk_layout, stream=stream, defect=defect, workspace=workspace,
+                tensor=tensor)
     launch_prepared(p, launch_stream(stream))
     return p["out"], p["o_lat"], p["lse"]

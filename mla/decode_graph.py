@@ -81,12 +81,13 @@ class MLADecodeGraph:
     w_uk [nh, d_nope, r] (``w_uk_layout="checkpoint"``: [nh, r, d_nope]),
     w_uv [nh, d_v, r] float32; scale default 1/sqrt(d_nope + d_rope).
     Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32).
+    ``tensor=False``: fp32 FMA GEMMs only (``mla.attn_gemm.prepare``).
     ``graph=False`` never builds a graph (``run`` then launches plainly);
     ``graph_error`` says why a graph could not be built.
     """
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
-                 w_uk_layout="mla", graph=True):
+                 w_uk_layout="mla", graph=True, tensor=True):
         n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
                                                       "B")
         if n_b == 0:
@@ -113,7 +114,7 @@ class MLADecodeGraph:
                             self.d_w_uk, self.d_w_uv, self.d_latent,
                             np.arange(n_b, dtype=np.int32), np.full(n_b, max_seq, np.int32),
                             self.scale, d_rope=d_rope, w_uk_layout=w_uk_layout, stream=None,
-                            workspace=self.workspace, d_vis=self._vis)
+                            workspace=self.workspace, d_vis=self._vis, tensor=tensor)
         self.out, self.lse = self._p["out"], self._p["lse"]
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph)
         self.graph, self.graph_error = self._graph.graph, self._graph.error

@@ -1,11 +1,14 @@
 """The MLA pipeline: absorb_q -> latent rows [c_kv | k_pe] -> attention -> decompress_v.
 
 Two implementations of the attention (``method=``): "gemm" (``mla.attn_gemm``:
-absorb, scores, softmax, P.V and decompress as register-tiled GEMMs; the fast
-one) and "flash" (``mla.kernels``: absorb_q, the tiled online-softmax
-attn_absorbed, decompress_v; no scratch). "auto" (the default) picks the GEMM
-path unless its scratch would pass ``GEMM_WORKSPACE_LIMIT`` or a flash-only
-option is given (``choose_method``).
+absorb, scores, softmax, P.V and decompress as GEMMs, the score and P.V ones on
+tensor cores with fp32 operands split in two tf32 halves where they qualify;
+the fast one), "gemm_fma" (the same with fp32 FMA GEMMs only: exact products,
+about half the error, a third slower at B 64 / L 4096) and "flash"
+(``mla.kernels``: absorb_q, the tiled online-softmax attn_absorbed,
+decompress_v; no scratch). "auto" (the default) picks "gemm" unless its scratch
+would pass ``GEMM_WORKSPACE_LIMIT`` or a flash-only option is given
+(``choose_method``).
 
 * ``mla_attend``       one sequence, the oracles' arguments: the ``t_q`` queries
   are the last of ``t_kv`` positions (prefill, chunked prefill, decode).
@@ -40,7 +43,8 @@ from attention.device import (
 from . import attn_gemm as G
 from . import kernels as K
 
-METHODS = ("auto", "gemm", "flash")
+METHODS = ("auto", "gemm", "gemm_fma", "flash")
+GEMM_METHODS = ("gemm", "gemm_fma")
 # "auto" takes the GEMM path while its scratch (scores of every query over its
 # visible rows) stays under this many bytes, else the tiled online-softmax kernel
 GEMM_WORKSPACE_LIMIT = 1 << 30
@@ -76,7 +80,7 @@ def _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, n_q_label="t_q"):
 
 def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
                   defect=None):
-    """"gemm" or "flash" for ``method`` ("auto" | "gemm" | "flash").
+    """"gemm", "gemm_fma" or "flash" for ``method`` ("auto" or one of those).
 
     "auto": the GEMM path (``mla.attn_gemm``) unless a flash-only option is
     given (``tile``, ``heads_per_block``, the ``stuck_rescale`` defect) or its
@@ -86,8 +90,8 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     flash_only = tile is not None or heads_per_block is not None or (
         defect is not None and defect in K.ATTN_DEFECTS and defect not in G.GEMM_DEFECTS)
-    if method == "gemm" and flash_only:
-        raise ValueError("method: 'gemm' takes no tile, heads_per_block or stuck_rescale "
+    if method in GEMM_METHODS and flash_only:
+        raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
                          "(options of the tiled online-softmax kernel)")
     if method != "auto":
         return method
@@ -102,14 +106,14 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
-    if method == "gemm":
+    if method in GEMM_METHODS:
         defect = routes["attn"] or routes["absorb"]
         vis = G.visible_rows(lens, tails, defect)
         d_q_pe = to_device(q_pe, stream) if d_rope else K._placeholder(stream)
         return G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
                          to_device(w_uv, stream), d_latent, slots, vis, scale, d_rope=d_rope,
                          w_uk_layout=w_uk_layout, stream=stream, defect=defect,
-                         workspace=workspace)[0]
+                         workspace=workspace, tensor=method == "gemm")[0]
     st = launch_stream(stream)
     d_out = device_empty((n_q, nh, d_v), np.float32, stream)
     if n_q == 0:
@@ -248,7 +252,7 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     lengths:      [B] ints in [0, max_seq] (0 gives zeros)
     w_uk:         [nh, d_nope, r] float32 (or the checkpoint layout); w_uv [nh, d_v, r]
     scale:        default 1/sqrt(d_nope + d_rope)
-    method:       "auto" | "gemm" | "flash" (``choose_method``)
+    method:       "auto" | "gemm" | "gemm_fma" | "flash" (``choose_method``)
     workspace:    an ``mla.attn_gemm.Workspace`` reused across calls by the GEMM
                   path (default: scratch allocated per call)
     Returns out [B, nh, d_v] float32.

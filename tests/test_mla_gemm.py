@@ -38,14 +38,21 @@ def _assert_parity(got, args, label):
 # compile-only
 # ---------------------------------------------------------------------------
 
-def _gemm_ptx(b_order, b_dtype):
-    from numba import cuda, types
+def gemm_signature(b_dtype):
+    """Argument types of the batched GEMM kernels (``sgemm``, ``tgemm``): a, b,
+    c flat, zb / n_ext / k_ext int32, alpha, m_len and six strides."""
+    from numba import types
 
     f1 = types.Array(types.float32, 1, "C")
-    b1 = types.Array(b_dtype, 1, "C")
     i1 = types.Array(types.int32, 1, "C")
-    sig = (f1, b1, f1, i1, i1, i1, types.float32) + (types.int64,) * 7
-    ptx, _ = cuda.compile_ptx(sgemm.sgemm_kernel(b_order).py_func, sig, cc=(9, 0))
+    return (f1, types.Array(b_dtype, 1, "C"), f1, i1, i1, i1, types.float32) + (types.int64,) * 7
+
+
+def _gemm_ptx(b_order, b_dtype):
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(sgemm.sgemm_kernel(b_order).py_func, gemm_signature(b_dtype),
+                              cc=(9, 0))
     return ptx
 
 
@@ -102,6 +109,8 @@ def test_method_and_workspace_bad_input():
         mla_attend(*args, method="cublas")
     with pytest.raises(ValueError, match="method"):
         mla_attend(*args, method="gemm", tile=8)
+    with pytest.raises(ValueError, match="gemm_fma"):
+        mla_attend(*args, method="gemm_fma", tile=8)
     with pytest.raises(ValueError, match="method"):
         mla_attend(*args, method="gemm", defect="stuck_rescale")
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = args
@@ -233,6 +242,48 @@ def test_gemm_decode_ragged_and_workspace():
         assert np.abs(got[b] - mla_attend_absorbed(*args)[0]).max() < 1e-4
     again = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm", workspace=ws)
     np.testing.assert_array_equal(again, got)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_gemm_path_tensor_cores(cache_dtype, monkeypatch):
+    """More heads than half a ``tgemm`` tile and 16-byte rows: the score and
+    P.V GEMMs of method "gemm" go to tensor cores (both calls seen), those of
+    "gemm_fma" do not; both pass the oracle tolerance, and they differ (the
+    paths really are two)."""
+    from attention import tgemm
+    from mla.dims import MlaDims
+    from mla.pipeline import mla_decode
+
+    nh = tgemm.tile_shape()[0] // 2 + 4
+    dims = MlaDims(n_head=nh, d_nope=8, d_rope=4, d_v=8, kv_rank=28)
+    r, p_ = dims.kv_rank, dims.d_rope
+    rng = np.random.default_rng(9)
+    lens = np.array([9, 5], np.int32)
+    q_nope = rng.standard_normal((2, nh, dims.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((2, nh, p_)).astype(np.float32)
+    cache = rng.standard_normal((2, 12, r + p_)).astype(cache_dtype)
+    w_uk = (rng.standard_normal((nh, dims.d_nope, r)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((nh, dims.d_v, r)) / np.sqrt(r)).astype(np.float32)
+    calls, real = [], tgemm.launch
+
+    def spy(*args, **kw):
+        calls.append(kw["b_order"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tgemm, "launch", spy)
+    got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm")
+    assert sorted(calls) == ["zkn", "znk"], f"tensor-core GEMMs launched: {calls}"
+    calls.clear()
+    fma = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm_fma")
+    assert calls == [], "gemm_fma launched a tensor-core GEMM"
+    rows = cache.astype(np.float32)
+    for b in range(2):
+        args = (q_nope[b:b + 1], q_pe[b:b + 1], rows[b, :lens[b], :r], rows[b, :lens[b], r:],
+                w_uk, w_uv)
+        _assert_parity(got[b:b + 1], args, f"tensor, sequence {b}")
+        _assert_parity(fma[b:b + 1], args, f"fma, sequence {b}")
+    assert not np.array_equal(got, fma)
 
 
 @pytest.mark.device

@@ -287,7 +287,11 @@ KERNELS = (
                "absorb_q -> latent rows -> attn_absorbed (tiled online softmax) -> decompress_v"),
     KernelSpec("mla_gemm", "mla_gemm", "mla", "mla.pipeline", "mla_attend", _run_mla("gemm"),
                ("c_kv", "k_pe"),
-               "the GEMM path: absorb, scores, softmax, P.V, decompress (mla.attn_gemm)"),
+               "the GEMM path: absorb, scores, softmax, P.V, decompress (mla.attn_gemm; "
+               "scores and P.V on tensor cores, split tf32, where they qualify)"),
+    KernelSpec("mla_gemm_fma", "mla_gemm", "mla", "mla.pipeline", "mla_attend",
+               _run_mla("gemm_fma"), ("c_kv", "k_pe"),
+               "the GEMM path with fp32 FMA GEMMs only (method='gemm_fma')"),
 )
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 # modules the oracles and fixtures of each kind need besides the kernel's own
