@@ -310,9 +310,14 @@ def test_gemm_path_parity_presets(dims, t_q, t_kv, seed):
 @pytest.mark.device
 @pytest.mark.gpu
 def test_gemm_decode_full_size_ragged():
-    """DeepSeek-V3 widths, 128 heads, lengths 0..700: GEMM path == flash path == oracle."""
+    """DeepSeek-V3 widths, 128 heads, lengths 0..700, both GEMM forms against the
+    oracle: the FMA GEMMs within 2x the float32 baseline's error; the
+    tensor-core ones within the validation's budget (2x baseline + 8 units of
+    roundoff of the output's scale: a split-tf32 product is off by ~2^-22 of
+    itself, which at one visible row is more than the baseline's error)."""
     from mla.oracle import mla_attend_absorbed, mla_attend_float32
     from mla.pipeline import mla_decode
+    from validation import tolerance
 
     assert MODE == "gpu" and not small()
     d = DEEPSEEK_V3
@@ -325,12 +330,15 @@ def test_gemm_decode_full_size_ragged():
         np.float32)
     w_uv = (rng.standard_normal((d.n_head, d.d_v, d.kv_rank)) / np.sqrt(d.kv_rank)).astype(
         np.float32)
-    got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm")
-    assert np.array_equal(got[0], np.zeros_like(got[0]))
-    for b in range(1, 6):
-        n = lens[b]
-        args = (q_nope[b:b + 1], q_pe[b:b + 1], cache[b, :n, :d.kv_rank], cache[b, :n, d.kv_rank:],
-                w_uk, w_uv)
-        ref = mla_attend_absorbed(*args)
-        base = np.abs(mla_attend_float32(*args) - ref).max()
-        assert np.abs(got[b] - ref[0]).max() <= 2 * base, f"sequence {b} (length {n})"
+    for method in ("gemm_fma", "gemm"):
+        got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method=method)
+        assert np.array_equal(got[0], np.zeros_like(got[0]))
+        for b in range(1, 6):
+            n = lens[b]
+            args = (q_nope[b:b + 1], q_pe[b:b + 1], cache[b, :n, :d.kv_rank],
+                    cache[b, :n, d.kv_rank:], w_uk, w_uv)
+            ref, b32 = mla_attend_absorbed(*args), mla_attend_float32(*args)
+            base = np.abs(b32 - ref).max()
+            bound = 2 * base if method == "gemm_fma" else tolerance.budget(ref, b32)
+            err = np.abs(got[b] - ref[0]).max()
+            assert err <= bound, f"{method}: sequence {b} (length {n}): {err:.3e} > {bound:.3e}"
