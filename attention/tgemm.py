@@ -18,7 +18,10 @@ sum is two-level as in ``sgemm``: each warp's tiles collect ``PART_STEPS``
 k8 steps (64 k) in a fresh partial that is then added to the register
 totals. Against a float64 oracle on random operands the error is about 1.3
 to 1.6x numpy float32's at K 576 / 4096 (``sgemm``: 0.54x), 2 to 3.6x at K
-below 100 (bench/NOTES.md run 17).
+below 100 (bench/NOTES.md run 17). Non-finite inputs: an inf operand splits
+into ``inf + NaN``, so its products are NaN where fp32 FMAs give inf (the MLA
+GEMMs never read a row past a sequence's length, where hostile caches hold
+NaN).
 
 Plan (GPU): block tile 128 x 128, 8 warps as 2 x 4, each warp 64 x 32 (4 x 4
 tiles of 16 x 8). ``K`` is stepped in slices of ``BK = 32`` staged by
