@@ -15,8 +15,10 @@ never fatal):
      tensor cores, fp32 operands split in two tf32 halves), the same with
      fp32 FMA GEMMs only (``mla_decode_graph_fma``), the tiled online-softmax
      path (``mla_decode_flash``), and a torch einsum absorbed decode (TF32
-     off), TFLOP/s of the fp32 work (the tensor-core rows count each product
-     once) against the measured FMA peak
+     off; in fp32 also with TF32 on, as context): TFLOP/s of the fp32 work
+     (the tensor-core rows count each product once) against the measured FMA
+     peak, and each row's max error against the float64 oracle on two
+     sequences beside numpy float32's
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
   5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
      4096, H 32, H_kv 8, D 128, causal (bench/prefill.py)
@@ -247,6 +249,37 @@ def mla_flops(batch, heads, latent, rope, nope, v_dim, seq):
     return batch * heads * per
 
 
+class MLACheck:
+    """The bench's accuracy column: outputs of sequences 0..N-1 against the float64
+    absorbed oracle (mla.oracle), beside the same-precision numpy baseline's error.
+
+    q_nope [B, nh, d_nope], q_pe [B, nh, d_rope], cache [B, L, lat + d_rope],
+    w_uk [nh, d_nope, lat], w_uv [nh, d_v, lat] (device or host arrays)."""
+
+    N = 2
+
+    def __init__(self, q_nope, q_pe, cache, w_uk, w_uv, lat):
+        from mla.oracle import mla_attend_absorbed, mla_attend_float32
+
+        n = self.N
+        qn, qp = _host(q_nope[:n]), _host(q_pe[:n])
+        c = _host(cache[:n]).astype(np.float64)  # fp16 values are exact in float64
+        uk, uv = _host(w_uk), _host(w_uv)
+        self.ref = np.stack([mla_attend_absorbed(qn[i:i + 1], qp[i:i + 1], c[i, :, :lat],
+                                                 c[i, :, lat:], uk, uv)[0] for i in range(n)])
+        base = np.stack([mla_attend_float32(qn[i:i + 1], qp[i:i + 1], c[i, :, :lat],
+                                            c[i, :, lat:], uk, uv)[0] for i in range(n)])
+        self.base_err = float(np.abs(base - self.ref).max())
+
+    def error(self, out):
+        """max |out[:N] - oracle|; ``out`` [B, nh, d_v] device or host."""
+        return float(np.abs(_host(out[:self.N]).astype(np.float64) - self.ref).max())
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
 def bench_mla(timer, fma_tflops, torch, mla_rows):
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
@@ -265,15 +298,18 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
     for dname in ("float32", "float16"):
         dt = np.dtype(dname)
 
-        def record(name, ms, note=""):
+        def record(name, ms, note="", out=None):
             note += cover_note(timer, seen[0])
             seen[0] = len(timer.raised)
             tf = flops / (ms * 1e-3) / 1e12
+            err = check.error(out) if out is not None else float("nan")
             mla_rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
                              "latent": lat, "rope": rope, "seq_len": seq, "ms": round(ms, 4),
-                             "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3)})
-            log(f"  {name:<18} {dname:<8} {ms:8.3f} ms {tf:7.2f} TFLOP/s "
-                f"{tf / fma_tflops:5.3f} of fp32 FMA peak {note}")
+                             "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3),
+                             "max_err": float(f"{err:.3g}"),
+                             "numpy_fp32_err": float(f"{check.base_err:.3g}")})
+            log(f"  {name:<20} {dname:<8} {ms:8.3f} ms {tf:7.2f} TFLOP/s "
+                f"{tf / fma_tflops:5.3f} of fp32 FMA peak, err {err:.2g} {note}")
 
         cache = random_array((b, seq, lat + rope), dt, 21)
         q_nope = random_array((b, h, nope), np.float32, 22)
@@ -281,6 +317,9 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
         w_uk = random_array((h, nope, lat), np.float32, 24)
         w_uv = random_array((h, vd, lat), np.float32, 25)  # [nh, d_v, r]
         lengths = np.full(b, seq, np.int32)
+        check = MLACheck(q_nope, q_pe, cache, w_uk, w_uv, lat)
+        log(f"  (err: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
+            f"numpy float32 gives {check.base_err:.2g})")
         if mla_decode is not None:
             try:
                 st = cuda.default_stream()
@@ -290,16 +329,16 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                 ws = Workspace()  # scratch reused across steps, as a decode loop would
 
                 def run_gemm():
-                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
-                               method="gemm", workspace=ws)
+                    return mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                                      method="gemm", workspace=ws)
 
                 def run_flash():
-                    mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
-                               method="flash")
+                    return mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                                      method="flash")
 
                 record("mla_decode", timer.time(run_gemm, reps=5, warmup=1, host=True),
                        "(method gemm: scores and P.V on tensor cores, split tf32; public "
-                       "launcher, host work included)")
+                       "launcher, host work included)", out=run_gemm())
                 del ws
                 # the same launches prepared once and replayed as a CUDA graph, with
                 # the tensor-core GEMMs and with fp32 FMA GEMMs only (method gemm_fma)
@@ -314,15 +353,18 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                         if g.graph is None:
                             raise RuntimeError(f"no graph ({g.graph_error})")
                         g.run(sync=True)
-                        record(name,
-                               timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1),
-                               f"(MLADecodeGraph: the GEMM path's launches replayed; {what})")
+                        ms = timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1)
+                        g.run(sync=True)
+                        record(name, ms,
+                               f"(MLADecodeGraph: the GEMM path's launches replayed; {what})",
+                               out=g.out)
                         del g
                     except Exception as exc:
                         log(f"  {name} {dname}: skipped ({type(exc).__name__}: "
                             f"{str(exc)[:200]})")
                 record("mla_decode_flash", timer.time(run_flash, reps=3, warmup=1, host=True),
-                       "(method flash: tiled online softmax; public launcher, host work included)")
+                       "(method flash: tiled online softmax; public launcher, host work included)",
+                       out=run_flash())
             except Exception as exc:
                 log(f"  mla_decode {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
         if torch is not None:
@@ -347,9 +389,22 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                     ol = torch.einsum("bhl,blc->bhc", p, tc[..., :lat])  # [B, H, latent]
                     return torch.einsum("bhc,hdc->bhd", ol, tuv)  # [B, H, v_dim]
 
+                def einsum_out():
+                    return run_einsum().float()[:MLACheck.N].cpu().numpy()
+
                 ms = tt.time(run_einsum, reps=10)
                 record("torch_einsum", ms, "(fp16: tensor cores)" if dname == "float16" else
-                       "(fp32, TF32 off)")
+                       "(fp32, TF32 off: the yardstick)", out=einsum_out())
+                if dname == "float32":
+                    # context only: TF32 products keep 10 mantissa bits, so its error
+                    # is orders above float32's (see the err column)
+                    torch.backends.cuda.matmul.allow_tf32 = True
+                    try:
+                        ms = tt.time(run_einsum, reps=10)
+                        record("torch_einsum_tf32", ms, "(fp32 operands, TF32 on: context, "
+                               "not the yardstick)", out=einsum_out())
+                    finally:
+                        torch.backends.cuda.matmul.allow_tf32 = False
             except Exception as exc:
                 log(f"  torch einsum {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
         del cache
@@ -517,6 +572,7 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
                          f"({'met' if s['host_us_per_step'] <= 10 and s['graph'] else 'MISSED'}"
                          ", target 10 us)")
     for dname in ("float32", "float16"):
+        # the yardstick is einsum at full fp32 (TF32 off); torch_einsum_tf32 is context
         t = [r for r in mla_rows if r["kernel"] == "torch_einsum" and r["dtype"] == dname]
         for kern in ("mla_decode", "mla_decode_graph", "mla_decode_graph_fma"):
             m = [r for r in mla_rows if r["kernel"] == kern and r["dtype"] == dname]
@@ -529,10 +585,14 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
                          f" ({'met' if ok else 'MISSED'}, target 0.5 and faster than einsum)")
     if mla_rows:
         lines += ["", "## MLA decode (B 64, 128 heads, latent 512 + 64, L 4096)", "",
-                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak |", "|---|---|---|---|---|"]
+                  f"Max error: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
+                  "numpy float32 err: the same-precision numpy baseline's.", "",
+                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak | max err | numpy float32 err |",
+                  "|---|---|---|---|---|---|---|"]
         for r in mla_rows:
             lines.append(f"| {r['kernel']} | {r['dtype']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
-                         f"{r['frac_of_fma_peak']:.3f} |")
+                         f"{r['frac_of_fma_peak']:.3f} | {r['max_err']:.2g} | "
+                         f"{r['numpy_fp32_err']:.2g} |")
     if step_rows:
         lines += ["", "## Decode step (scatter + lengths + attention; B 32, fp16, capacity 4096)",
                   "", "| path | host us / step | wall us / step |", "|---|---|---|"]
