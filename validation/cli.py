@@ -84,7 +84,8 @@ def parser():
     ap.add_argument("--dtypes", type=_csv, help="storage dtypes: float32, float16, bfloat16")
     ap.add_argument("--steps", type=int, help="decode steps of each growth run (default 1024 "
                                               "on a GPU, 32 on the simulator)")
-    ap.add_argument("--growth", help="growth runs: batched_decode, flash_decode, fast_decode, mla_decode, "
+    ap.add_argument("--growth", help="growth runs: batched_decode, flash_decode, fast_decode, "
+                                     "mla_decode, mla_gemm_decode, mla_gemm_fma_decode, "
                                      "or 'none'")
     ap.add_argument("--defects", help="planted-defect suites by family name (globs), or 'none'")
     ap.add_argument("--suite-module", action="append", default=[], metavar="MODULE",

@@ -20,7 +20,10 @@ Runs (``GROWTH_KERNELS``):
 * ``fast_decode``: the same with ``method="fast"`` (``attention.decode_fast``);
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
-* ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``).
+* ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
+  GPU with DeepSeek-V3's 128 heads, so that its score and P.V GEMMs run on tensor
+  cores (``attention.tgemm`` takes more than 64 rows);
+* ``mla_gemm_fma_decode``: the GEMM path with fp32 FMA GEMMs only (``gemm_fma``).
 
 A step passes under the sweep's rule (``validation.metrics.judge``); the run
 passes when every step does and the cache check holds. The series (kernel and
@@ -38,9 +41,12 @@ import numpy as np
 from validation import fixtures, metrics
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode",
-                  "mla_gemm_decode")
+                  "mla_gemm_decode", "mla_gemm_fma_decode")
 DEFAULT_GPU = GROWTH_KERNELS
-MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm"}
+MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_decode": "gemm_fma"}
+# heads of the GPU runs (DeepSeek-V3 widths): 16 keep the float64 recompute cheap; the
+# tensor-core GEMM path needs more than 64 (``attention.tgemm.usable``), so it gets 128
+MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
 GPU_STEPS = 1024
@@ -57,7 +63,9 @@ MODULES = {"batched_decode": ("attention.decode_state", "attention.oracle"),
            "fast_decode": ("attention.decode_state", "attention.decode_fast", "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
-                               "mla.dims")}
+                               "mla.dims"),
+           "mla_gemm_fma_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
+                                   "mla.dims")}
 
 
 @dataclass(frozen=True)
@@ -156,8 +164,9 @@ def _mla_growth(job):
 
     if job.small:
         dims = mla_dims.SMALL_SHAPES[0]
-    else:  # DeepSeek-V3 widths with 16 heads (the per-step float64 recompute stays cheap)
-        dims = mla_dims.MlaDims(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512)
+    else:  # DeepSeek-V3 widths (heads: MLA_GPU_HEADS)
+        dims = mla_dims.MlaDims(n_head=MLA_GPU_HEADS[job.kernel], d_nope=128, d_rope=64,
+                                d_v=128, kv_rank=512)
     nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
     dt = fixtures.resolve_dtype(job.dtype)
     rng = fixtures.case_rng(job.seed, "growth", "mla", job.small)
