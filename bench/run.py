@@ -15,7 +15,8 @@ never fatal):
      tensor cores, fp32 operands split in two tf32 halves), the same with
      fp32 FMA GEMMs only (``mla_decode_graph_fma``), the tiled online-softmax
      path (``mla_decode_flash``), and a torch einsum absorbed decode (TF32
-     off; in fp32 also with TF32 on, as context): TFLOP/s of the fp32 work
+     off; as context, in fp32 also with TF32 on, and with the fp16 cache
+     cast to fp32 in each call and fp32 math): TFLOP/s of the fp32 work
      (the tensor-core rows count each product once) against the measured FMA
      peak, and each row's max error against the float64 oracle on two
      sequences beside numpy float32's
@@ -381,16 +382,20 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                 tuv = torch.as_tensor(w_uv, device="cuda").to(tdt)
                 scale = 1.0 / math.sqrt(nope + rope)
 
-                def run_einsum():
-                    qa = torch.einsum("bhd,hdc->bhc", tqn, tuk)  # [B, H, latent]
-                    s = (torch.einsum("bhc,blc->bhl", qa, tc[..., :lat])
-                         + torch.einsum("bhr,blr->bhl", tqp, tc[..., lat:])) * scale
-                    p = torch.softmax(s.float(), dim=-1).to(tdt)  # [B, H, L]
-                    ol = torch.einsum("bhl,blc->bhc", p, tc[..., :lat])  # [B, H, latent]
-                    return torch.einsum("bhc,hdc->bhd", ol, tuv)  # [B, H, v_dim]
+                def einsum_decode(qn, qp, c, uk, uv):
+                    """Absorbed decode; c [B, L, lat + rope], every operand in c's dtype."""
+                    qa = torch.einsum("bhd,hdc->bhc", qn, uk)  # [B, H, latent]
+                    s = (torch.einsum("bhc,blc->bhl", qa, c[..., :lat])
+                         + torch.einsum("bhr,blr->bhl", qp, c[..., lat:])) * scale
+                    p = torch.softmax(s.float(), dim=-1).to(c.dtype)  # [B, H, L]
+                    ol = torch.einsum("bhl,blc->bhc", p, c[..., :lat])  # [B, H, latent]
+                    return torch.einsum("bhc,hdc->bhd", ol, uv)  # [B, H, v_dim]
 
-                def einsum_out():
-                    return run_einsum().float()[:MLACheck.N].cpu().numpy()
+                def run_einsum():
+                    return einsum_decode(tqn, tqp, tc, tuk, tuv)
+
+                def einsum_out(fn=run_einsum):
+                    return fn().float()[:MLACheck.N].cpu().numpy()
 
                 ms = tt.time(run_einsum, reps=10)
                 record("torch_einsum", ms, "(fp16: tensor cores)" if dname == "float16" else
@@ -405,6 +410,17 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                                "not the yardstick)", out=einsum_out())
                     finally:
                         torch.backends.cuda.matmul.allow_tf32 = False
+                else:
+                    # context only: the fp16 cache cast to fp32 in every call (the cast
+                    # is timed), fp32 q and weights, TF32 off: the precision of ours
+                    f32 = [torch.as_tensor(x, device="cuda") for x in (q_nope, q_pe, w_uk, w_uv)]
+
+                    def run_upcast():
+                        return einsum_decode(f32[0], f32[1], tc.float(), f32[2], f32[3])
+
+                    ms = tt.time(run_upcast, reps=10)
+                    record("torch_einsum_upcast", ms, "(fp16 cache cast to fp32 in each call, "
+                           "fp32 math, TF32 off: context)", out=einsum_out(run_upcast))
             except Exception as exc:
                 log(f"  torch einsum {dname}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
         del cache
