@@ -603,7 +603,8 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
         lines += ["", "## MLA decode (B 64, 128 heads, latent 512 + 64, L 4096)", "",
                   f"Max error: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
                   "numpy float32 err: the same-precision numpy baseline's.", "",
-                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak | max err | numpy float32 err |",
+                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak | max err "
+                  "| numpy float32 err |",
                   "|---|---|---|---|---|---|---|"]
         for r in mla_rows:
             lines.append(f"| {r['kernel']} | {r['dtype']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
