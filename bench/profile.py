@@ -2,8 +2,11 @@
 
     ncu --clock-control none -k regex:decode_fast --launch-count 2 \
         python3 -m bench.profile float16 4096 [batch]
-    ncu --clock-control none -k "regex:sgemm|mla_softmax" --launch-skip 5 \
-        --launch-count 4 python3 -m bench.profile mla float32
+    ncu --clock-control none -k "regex:gemm|mla_softmax" --launch-skip 5 \
+        --launch-count 4 python3 -m bench.profile mla float32|float16
+
+    ncu --clock-control none --profile-from-start off \
+        python3 -m bench.profile einsum float16
 
     ncu --clock-control none -k "regex:flash|fmha|attention" --launch-count 3 \
         python3 -m bench.profile sdpa float16 4096 [batch]
@@ -13,7 +16,11 @@ D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
 twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
 by its GEMM path. The regex matches five launches a call (absorb, scores,
 softmax, P.V, decompress); skip 5, count 4 profiles the second call's
-absorb, scores, softmax and P.V. The third runs torch's
+absorb, scores, softmax and P.V. The third runs the benchmark's torch einsum
+absorbed MLA decode (``bench.run.einsum_mla_decode``, every operand in the cache's
+dtype: the fp16 comparison the MLA target is judged against) at the same shape:
+two calls to warm up, then one between ``cudaProfilerStart`` and
+``cudaProfilerStop``, so every kernel of one call is profiled. The fourth runs torch's
 ``scaled_dot_product_attention`` (GQA) at the decode shape, for the kernel the
 fp16/bf16 targets are measured against (skipped, with a message, without torch).
 """
@@ -54,6 +61,36 @@ def mla(dname):
     print("mla_decode", {k_: v_ for k_, v_ in c.items()}, dname)
 
 
+def einsum(dname):
+    try:
+        import torch
+    except Exception as exc:  # optional: the comparison only
+        print(f"torch not importable ({type(exc).__name__}): einsum profile skipped")
+        return
+    from .run import MLA, einsum_mla_decode
+
+    c = MLA
+    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
+                                      c["nope"], c["v_dim"], c["seq"])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tdt = {"float32": torch.float32, "float16": torch.float16}[dname]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=tdt, generator=gen)
+
+    cache, qn, qp = rnd(b, seq, lat + rope), rnd(b, h, nope), rnd(b, h, rope)
+    uk, uv = rnd(h, nope, lat) / math.sqrt(nope), rnd(h, vd, lat) / math.sqrt(lat)
+    for _ in range(2):
+        einsum_mla_decode(torch, qn, qp, cache, uk, uv, lat)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    o = einsum_mla_decode(torch, qn, qp, cache, uk, uv, lat)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("torch einsum mla", tuple(o.shape), dname)
+
+
 def sdpa(dname, seq, b):
     try:
         import torch
@@ -75,6 +112,8 @@ def sdpa(dname, seq, b):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "mla":
         return mla(sys.argv[2] if len(sys.argv) > 2 else "float32")
+    if len(sys.argv) > 1 and sys.argv[1] == "einsum":
+        return einsum(sys.argv[2] if len(sys.argv) > 2 else "float16")
     if len(sys.argv) > 1 and sys.argv[1] == "sdpa":
         return sdpa(sys.argv[2] if len(sys.argv) > 2 else "float16",
                     int(sys.argv[3]) if len(sys.argv) > 3 else 4096,

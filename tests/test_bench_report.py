@@ -65,3 +65,18 @@ def test_summary_judges_mla_against_the_tf32_off_einsum(tmp_path):
     assert any("(mla_decode_graph_fma) float32" in ln and "MISSED" in ln for ln in lines), lines
     assert "| torch_einsum_tf32 | float32 | 0.900 |" in text
     assert "| 3e-05 | 2e-05 |" in text
+
+
+def test_fp16_mla_is_judged_against_the_fp16_einsum_not_the_upcast(tmp_path):
+    # the upcast einsum (fp32 math) is slower than ours and is printed as context;
+    # the verdict still compares with the all-fp16 einsum, which is faster here
+    rows = [_mla_row("mla_decode_graph", "float16", 1.3, 0.97),
+            _mla_row("torch_einsum", "float16", 0.65, 2.0),
+            _mla_row("torch_einsum_upcast", "float16", 2.6, 0.5)]
+    out = tmp_path / "summary.md"
+    run.summary(out, {"git_commit": "x"}, {"copy_GBps": 4000.0, "fma_TFLOPs": 58.0},
+                [], rows, [], [], [])
+    lines = [ln for ln in out.read_text().splitlines() if ln.startswith("- MLA decode")]
+    assert len(lines) == 1, lines
+    assert "0.50x torch einsum speed" in lines[0] and "(MISSED" in lines[0], lines
+    assert "context: 2.00x the speed of torch einsum with our roundings" in lines[0], lines
