@@ -80,3 +80,20 @@ def test_fp16_mla_is_judged_against_the_fp16_einsum_not_the_upcast(tmp_path):
     assert len(lines) == 1, lines
     assert "0.50x torch einsum speed" in lines[0] and "(MISSED" in lines[0], lines
     assert "context: 2.00x the speed of torch einsum with our roundings" in lines[0], lines
+
+
+def test_partials_rejects_bad_lengths_and_needs_a_gpu():
+    import pytest
+
+    from attention import tgemm
+    from bench import partials
+
+    ks = tgemm.PLAN[4] // 8  # k8 steps a slice: a partial is a whole number of slices
+    for bad in ("0", str(ks + 1) if ks > 1 else "-1"):
+        with pytest.raises(SystemExit, match="part_steps: expected positive multiples"):
+            partials.main([bad])
+    from numba import cuda
+
+    if not cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            partials.main(["4"])
