@@ -77,23 +77,14 @@ def main(argv=None):
 
     from validation.provenance import provenance
 
-    from .gpu import Timer, random_array
-    from .run import MLA, MLACheck
+    from .gpu import Timer
+    from .run import MLA, MLACheck, mla_inputs
 
     print(json.dumps(provenance(), indent=1))
-    c = MLA
-    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
-                                      c["nope"], c["v_dim"], c["seq"])
     data = {}
     for dname in ("float32", "float16"):
-        cache = random_array((b, seq, lat + rope), np.dtype(dname), 21)
-        q_nope = random_array((b, h, nope), np.float32, 22)
-        q_pe = random_array((b, h, rope), np.float32, 23)
-        w_uk = random_array((h, nope, lat), np.float32, 24)
-        w_uv = random_array((h, vd, lat), np.float32, 25)
-        lengths = np.full(b, seq, np.int32)
-        data[dname] = ((q_nope, q_pe, cache, lengths, w_uk, w_uv),
-                       MLACheck(q_nope, q_pe, cache, w_uk, w_uv, lat))
+        q_nope, q_pe, cache, lengths, w_uk, w_uv = inputs = mla_inputs(dname)
+        data[dname] = (inputs, MLACheck(q_nope, q_pe, cache, w_uk, w_uv, MLA["latent"]))
     timer = Timer()
     saved = tgemm.PART_STEPS
     try:

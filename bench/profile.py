@@ -40,17 +40,9 @@ from .run import np_dtype
 def mla(dname):
     from mla.pipeline import mla_decode
 
-    from .run import MLA
+    from .run import MLA, mla_inputs
 
-    c = MLA
-    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
-                                      c["nope"], c["v_dim"], c["seq"])
-    cache = random_array((b, seq, lat + rope), np_dtype(dname), 21)
-    q_nope = random_array((b, h, nope), np.float32, 22)
-    q_pe = random_array((b, h, rope), np.float32, 23)
-    w_uk = random_array((h, nope, lat), np.float32, 24)
-    w_uv = random_array((h, vd, lat), np.float32, 25)
-    lengths = np.full(b, seq, np.int32)
+    q_nope, q_pe, cache, lengths, w_uk, w_uv = mla_inputs(dname)
     from mla.attn_gemm import Workspace
 
     ws = Workspace()
@@ -58,7 +50,7 @@ def mla(dname):
         mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=cuda.default_stream(),
                    method="gemm", workspace=ws)
     cuda.synchronize()
-    print("mla_decode", {k_: v_ for k_, v_ in c.items()}, dname)
+    print("mla_decode", MLA, dname)
 
 
 def einsum(dname):

@@ -39,7 +39,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -242,6 +241,24 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
 MLA = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
 
 
+def mla_inputs(dname):
+    """The MLA benchmark's inputs at ``MLA``'s shape, the same in every run:
+    q_nope [B, H, nope], q_pe [B, H, rope], cache [B, L, latent + rope] in
+    ``dname`` (float32 / float16), w_uk [H, nope, latent], w_uv [H, v_dim, latent]
+    (device arrays, values of size <= 1) and lengths [B] int32, all L (host)."""
+    from .gpu import random_array
+
+    c = MLA
+    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
+                                      c["nope"], c["v_dim"], c["seq"])
+    cache = random_array((b, seq, lat + rope), np.dtype(dname), 21)
+    q_nope = random_array((b, h, nope), np.float32, 22)
+    q_pe = random_array((b, h, rope), np.float32, 23)
+    w_uk = random_array((h, nope, lat), np.float32, 24)
+    w_uv = random_array((h, vd, lat), np.float32, 25)
+    return q_nope, q_pe, cache, np.full(b, seq, np.int32), w_uk, w_uv
+
+
 def mla_flops(batch, heads, latent, rope, nope, v_dim, seq):
     """Absorbed MLA decode flops: q absorption (2*nope*latent), scores over
     latent+rope (2*L*(latent+rope)), P.latent (2*L*latent), output projection
@@ -285,8 +302,6 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
-    from .gpu import random_array
-
     c = MLA
     b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
                                       c["nope"], c["v_dim"], c["seq"])
@@ -297,7 +312,6 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
         mla_decode = None
         log(f"  mla.pipeline.mla_decode: skipped ({type(exc).__name__}: {exc})")
     for dname in ("float32", "float16"):
-        dt = np.dtype(dname)
 
         def record(name, ms, note="", out=None):
             note += cover_note(timer, seen[0])
@@ -312,12 +326,7 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
             log(f"  {name:<20} {dname:<8} {ms:8.3f} ms {tf:7.2f} TFLOP/s "
                 f"{tf / fma_tflops:5.3f} of fp32 FMA peak, err {err:.2g} {note}")
 
-        cache = random_array((b, seq, lat + rope), dt, 21)
-        q_nope = random_array((b, h, nope), np.float32, 22)
-        q_pe = random_array((b, h, rope), np.float32, 23)
-        w_uk = random_array((h, nope, lat), np.float32, 24)
-        w_uv = random_array((h, vd, lat), np.float32, 25)  # [nh, d_v, r]
-        lengths = np.full(b, seq, np.int32)
+        q_nope, q_pe, cache, lengths, w_uk, w_uv = mla_inputs(dname)
         check = MLACheck(q_nope, q_pe, cache, w_uk, w_uv, lat)
         log(f"  (err: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
             f"numpy float32 gives {check.base_err:.2g})")
