@@ -1,0 +1,174 @@
+"""tgemm's arithmetic emulated on the CPU, in the 128-head MLA growth run.
+
+    python -m bench.tgemm_emu [--steps N] MODEL [MODEL ...]
+
+Why: on the H200 the tensor-core MLA GEMMs' growth run failed with 64-k
+partials and nearly passes with 32-k ones (bench/NOTES.md, run 19). This
+replays the same run (``validation.growth``'s inputs for ``mla_gemm_decode``,
+fp32 cache, seed 0: same generator, same draws) with the GEMMs emulated in
+numpy, so a change to the summation can be judged before it is built.
+
+The emulated GEMM follows ``attention.tgemm``: operands split into tf32 halves
+(round to nearest on the bit pattern, as ``split``), per k8 step the terms
+``al bh``, ``ah bl``, ``ah bh`` (``terms`` 4 adds ``al bl`` first), each an mma
+``part = round(part + sum of 8 exact products)``, and ``part`` added to the
+fp32 totals every ``part_k8`` k8 steps. ``round`` is the model of the tensor
+core's own sum: ``rn`` rounds to nearest (what the simulator's ``mma`` does),
+``rz`` truncates towards zero (the hardware's behaviour: this model reproduces
+the H200's failures, e.g. at length 192 with 32-k partials). The rest of the
+pipeline is float32 numpy: absorb, scale, softmax, decompress.
+
+MODEL: ``MODE:PART_K8[:TERMS]`` for both GEMMs, or ``SCORES/PV`` with one such
+spec for the score GEMM and one for P.V (e.g. ``rz:1/rz:4``). Prints, per model,
+the steps over the sweep's bound (``validation.metrics.judge``), worst and
+median ratio to the float32 baseline, and worst err/bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+F32, F64 = np.float32, np.float64
+
+
+def tf32(x):
+    """``x`` rounded to tf32 (10 mantissa bits) to nearest on the bit pattern."""
+    b = np.ascontiguousarray(x, dtype=F32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(F32)
+
+
+def split(x):
+    """(hi, lo) with hi = tf32(x), lo = tf32(x - hi), as ``attention.tgemm``."""
+    hi = tf32(x)
+    return hi, tf32((np.asarray(x, F32) - hi).astype(F32))
+
+
+def round_rz(x):
+    """float64 ``x`` to float32, truncated towards zero."""
+    f = np.asarray(x, F64).astype(F32)
+    over = np.abs(f.astype(F64)) > np.abs(x)
+    f[over] = np.nextafter(f[over], F32(0))
+    return f
+
+
+def round_rn(x):
+    return np.asarray(x, F64).astype(F32)
+
+
+def tgemm_emu(a, b, part_k8=4, mode="rz", terms=3):
+    """a [M, K] @ b [K, N] (float32 values) as tgemm sums it; returns [M, N] float32."""
+    m, k = a.shape
+    n = b.shape[1]
+    kp = -(-k // 8) * 8
+    ap = np.zeros((m, kp), F32)
+    ap[:, :k] = a
+    bp = np.zeros((kp, n), F32)
+    bp[:k] = b
+    ah, al = split(ap)
+    bh, bl = split(bp)
+    pairs = [(al, bh), (ah, bl), (ah, bh)]
+    if terms == 4:
+        pairs.insert(0, (al, bl))
+    rnd = {"rz": round_rz, "rn": round_rn}[mode]
+    acc = np.zeros((m, n), F32)
+    part = np.zeros((m, n), F32)
+    steps = kp // 8
+    for s in range(steps):
+        ks = slice(8 * s, 8 * s + 8)
+        for x, y in pairs:  # products of tf32 halves are exact in float64
+            part = rnd(part.astype(F64) + x[:, ks].astype(F64) @ y[ks].astype(F64))
+        if (s + 1) % part_k8 == 0 or s + 1 == steps:
+            acc = (acc + part).astype(F32)
+            part[:] = 0
+    return acc
+
+
+def parse_model(spec):
+    """``MODE:PART_K8[:TERMS]`` or ``SCORES/PV`` -> ((mode, part, terms), (...))."""
+    def one(s):
+        bits = s.split(":")
+        if len(bits) not in (2, 3) or bits[0] not in ("rz", "rn"):
+            raise ValueError(f"model {spec!r}: expected MODE:PART_K8[:TERMS], MODE rz or rn")
+        part, terms = int(bits[1]), int(bits[2]) if len(bits) == 3 else 3
+        if part < 1 or terms not in (3, 4):
+            raise ValueError(f"model {spec!r}: PART_K8 >= 1, TERMS 3 or 4")
+        return bits[0], part, terms
+
+    sides = spec.split("/")
+    if len(sides) > 2:
+        raise ValueError(f"model {spec!r}: at most one '/'")
+    scores = one(sides[0])
+    return scores, one(sides[1]) if len(sides) == 2 else scores
+
+
+def decode(q_nope, q_pe, c, k, w_uk, w_uv, model):
+    """One decode step of the GEMM path, GEMMs emulated: q_nope [1, nh, d_nope],
+    q_pe [1, nh, d_rope], c [L, r], k [L, d_rope], w_uk [nh, d_nope, r],
+    w_uv [nh, d_v, r] -> out [1, nh, d_v] float32."""
+    from mla.oracle import default_scale
+
+    (sm, sp, st), (pm, pp, pt) = model
+    scale = F32(default_scale(q_nope.shape[2], q_pe.shape[2]))
+    q_lat = np.einsum("hpl,hp->hl", w_uk, q_nope[0]).astype(F32)
+    qc = np.concatenate([q_lat, q_pe[0]], axis=1).astype(F32)  # [nh, r + d_rope]
+    rows = np.concatenate([c, k], axis=1).astype(F32)  # [L, r + d_rope]
+    s = (scale * tgemm_emu(qc, np.ascontiguousarray(rows.T), sp, sm, st)).astype(F32)
+    e = np.exp(s - s.max(axis=1, keepdims=True)).astype(F32)
+    p = (e / e.sum(axis=1, keepdims=True, dtype=F32)).astype(F32)
+    o_lat = tgemm_emu(p, c.astype(F32), pp, pm, pt)
+    return np.einsum("hjl,hl->hj", w_uv, o_lat).astype(F32)[None]
+
+
+def growth(models, steps, seed=0, total=1024):
+    """The first ``steps`` steps of the 128-head ``mla_gemm_decode`` growth run
+    (``total`` steps long, as on the GPU); per model a list of (length, ratio, margin)."""
+    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    from validation import fixtures, metrics
+    from validation.growth import MLA_GPU_HEADS, MLA_START
+
+    nh, d_nope, d_rope, d_v, r = MLA_GPU_HEADS["mla_gemm_decode"], 128, 64, 128, 512
+    start = MLA_START[False]
+    # the draws of validation.growth._mla_growth, in its order
+    rng = fixtures.case_rng(seed, "growth", "mla", False)
+    w_uk = (rng.standard_normal((nh, d_nope, r)) / np.sqrt(r)).astype(F32)
+    w_uv = (rng.standard_normal((nh, d_v, r)) / np.sqrt(r)).astype(F32)
+    c_all = rng.standard_normal((start + total, r)).astype(F32)
+    k_all = rng.standard_normal((start + total, d_rope)).astype(F32)
+    out = {name: [] for name in models}
+    for step in range(steps):
+        length = start + step + 1
+        q_nope = rng.standard_normal((1, nh, d_nope)).astype(F32)
+        q_pe = rng.standard_normal((1, nh, d_rope)).astype(F32)
+        args = (q_nope, q_pe, c_all[:length].astype(F64), k_all[:length].astype(F64), w_uk,
+                w_uv)
+        ref, base = mla_attend_absorbed(*args), mla_attend_float32(*args)
+        for name, model in models.items():
+            got = decode(q_nope, q_pe, c_all[:length], k_all[:length], w_uk, w_uv, model)
+            j = metrics.judge(got, ref, base, F32)
+            out[name].append((length, j["ratio"], j["margin"]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.tgemm_emu",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("models", nargs="+", help="MODE:PART_K8[:TERMS] or SCORES/PV")
+    ap.add_argument("--steps", type=int, default=450, help="growth steps (default 450)")
+    args = ap.parse_args(argv)
+    try:
+        models = {m: parse_model(m) for m in args.models}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    for name, rows in growth(models, args.steps).items():
+        a = np.array(rows)
+        over = a[a[:, 2] > 1, 0].astype(int).tolist()
+        print(f"{name}: {args.steps} steps, {len(over)} over the bound"
+              f"{' (lengths ' + ', '.join(map(str, over[:8])) + ')' if over else ''}, "
+              f"worst ratio {a[:, 1].max():.2f}, median {np.median(a[:, 1]):.2f}, "
+              f"worst err/bound {a[:, 2].max():.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
