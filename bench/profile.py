@@ -59,20 +59,15 @@ def einsum(dname):
     except Exception as exc:  # optional: the comparison only
         print(f"torch not importable ({type(exc).__name__}): einsum profile skipped")
         return
-    from .run import MLA, einsum_mla_decode
+    from .run import MLA, einsum_mla_decode, mla_inputs
 
-    c = MLA
-    b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
-                                      c["nope"], c["v_dim"], c["seq"])
+    # the benchmark's inputs, every operand in the cache's dtype as its einsum row
     torch.backends.cuda.matmul.allow_tf32 = False
-    tdt = {"float32": torch.float32, "float16": torch.float16}[dname]
-    gen = torch.Generator(device="cuda").manual_seed(2)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", dtype=tdt, generator=gen)
-
-    cache, qn, qp = rnd(b, seq, lat + rope), rnd(b, h, nope), rnd(b, h, rope)
-    uk, uv = rnd(h, nope, lat) / math.sqrt(nope), rnd(h, vd, lat) / math.sqrt(lat)
+    q_nope, q_pe, cache, _, w_uk, w_uv = mla_inputs(dname)
+    cache = torch.as_tensor(cache, device="cuda")
+    qn, qp, uk, uv = (torch.as_tensor(x, device="cuda").to(cache.dtype)
+                      for x in (q_nope, q_pe, w_uk, w_uv))
+    lat = MLA["latent"]
     for _ in range(2):
         einsum_mla_decode(torch, qn, qp, cache, uk, uv, lat)
     torch.cuda.synchronize()

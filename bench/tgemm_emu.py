@@ -125,22 +125,14 @@ def growth(models, steps, seed=0, total=1024):
     """The first ``steps`` steps of the 128-head ``mla_gemm_decode`` growth run
     (``total`` steps long, as on the GPU); per model a list of (length, ratio, margin)."""
     from mla.oracle import mla_attend_absorbed, mla_attend_float32
-    from validation import fixtures, metrics
-    from validation.growth import MLA_GPU_HEADS, MLA_START
+    from validation import metrics
+    from validation.growth import GrowthJob, mla_growth_inputs
 
-    nh, d_nope, d_rope, d_v, r = MLA_GPU_HEADS["mla_gemm_decode"], 128, 64, 128, 512
-    start = MLA_START[False]
-    # the draws of validation.growth._mla_growth, in its order
-    rng = fixtures.case_rng(seed, "growth", "mla", False)
-    w_uk = (rng.standard_normal((nh, d_nope, r)) / np.sqrt(r)).astype(F32)
-    w_uv = (rng.standard_normal((nh, d_v, r)) / np.sqrt(r)).astype(F32)
-    c_all = rng.standard_normal((start + total, r)).astype(F32)
-    k_all = rng.standard_normal((start + total, d_rope)).astype(F32)
+    job = GrowthJob("mla_gemm_decode", "float32", seed, total, False)
+    _, _, start, w_uk, w_uv, c_all, k_all, queries = mla_growth_inputs(job)
     out = {name: [] for name in models}
-    for step in range(steps):
+    for step, (q_nope, q_pe) in zip(range(steps), queries):
         length = start + step + 1
-        q_nope = rng.standard_normal((1, nh, d_nope)).astype(F32)
-        q_pe = rng.standard_normal((1, nh, d_rope)).astype(F32)
         args = (q_nope, q_pe, c_all[:length].astype(F64), k_all[:length].astype(F64), w_uk,
                 w_uv)
         ref, base = mla_attend_absorbed(*args), mla_attend_float32(*args)

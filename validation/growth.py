@@ -156,11 +156,12 @@ def _decode_growth(job, method):
     return series, cache_ok, "; ".join(problems), geometry
 
 
-def _mla_growth(job):
+def mla_growth_inputs(job):
+    """The MLA run's inputs: (dims, dtype, start, w_uk [nh, d_nope, r], w_uv [nh, d_v, r],
+    c_all [start + steps, r], k_all [start + steps, d_rope], queries), ``queries``
+    yielding each step's (q_nope [1, nh, d_nope], q_pe [1, nh, d_rope]) from the same
+    generator, drawn when asked for (``bench.tgemm_emu`` replays the run from these)."""
     from mla import dims as mla_dims
-    from mla.cache import LatentCache
-    from mla.oracle import mla_attend_absorbed, mla_attend_float32
-    from mla.pipeline import mla_decode_step
 
     if job.small:
         dims = mla_dims.SMALL_SHAPES[0]
@@ -171,19 +172,32 @@ def _mla_growth(job):
     dt = fixtures.resolve_dtype(job.dtype)
     rng = fixtures.case_rng(job.seed, "growth", "mla", job.small)
     start = MLA_START[job.small]
-    max_seq = start + job.steps + 1
-    cache = LatentCache(1, max_seq, dims, dtype=dt)
     w_uk = (rng.standard_normal((nh, d_nope, r)) / np.sqrt(r)).astype(np.float32)
     w_uv = (rng.standard_normal((nh, d_v, r)) / np.sqrt(r)).astype(np.float32)
     c_all = rng.standard_normal((start + job.steps, r)).astype(dt)
     k_all = rng.standard_normal((start + job.steps, d_rope)).astype(dt)
+
+    def queries():
+        for _ in range(job.steps):
+            yield (rng.standard_normal((1, nh, d_nope)).astype(np.float32),
+                   rng.standard_normal((1, nh, d_rope)).astype(np.float32))
+
+    return dims, dt, start, w_uk, w_uv, c_all, k_all, queries()
+
+
+def _mla_growth(job):
+    from mla.cache import LatentCache
+    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    from mla.pipeline import mla_decode_step
+
+    dims, dt, start, w_uk, w_uv, c_all, k_all, queries = mla_growth_inputs(job)
+    nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
+    cache = LatentCache(1, start + job.steps + 1, dims, dtype=dt)
     cache.append(0, c_all[:start], k_all[:start])
     series = _series()
-    for step in range(job.steps):
+    for step, (q_nope, q_pe) in enumerate(queries):
         length = start + step + 1
         cache.append(0, c_all[length - 1:length], k_all[length - 1:length])
-        q_nope = rng.standard_normal((1, nh, d_nope)).astype(np.float32)
-        q_pe = rng.standard_normal((1, nh, d_rope)).astype(np.float32)
         out = mla_decode_step(q_nope, q_pe, cache, 0, w_uk, w_uv,
                               method=MLA_METHODS[job.kernel])
         args = (q_nope, q_pe, c_all[:length].astype(np.float64), k_all[:length].astype(
