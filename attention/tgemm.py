@@ -16,18 +16,19 @@ small terms first; ``al bl``, below 2^-22 of the product, is dropped). An
 fp16 operand is exact in tf32 (``bl = 0``), so an fp16 ``b`` takes two. The
 sum is two-level as in ``sgemm``: each warp's tiles collect ``PART_STEPS``
 k8 steps (32 k, one slice) in a fresh partial that is then added to the
-register totals. The short partial matters more here than in ``sgemm``: the
-mma's own fp32 sum truncates, so every mma adds an error of up to one unit in
-the last place of the partial it adds to, always towards zero. With 64-k
-partials the MLA growth run at 128 heads failed the sweep's rule (error up to
-6.8x the numpy float32 baseline's at lengths 34 to 715); with 32-k ones it
-passed 250 steps at 2.7x at worst, 1.46x median, with the same time at the
-benchmark's shape (bench/NOTES.md run 19). Against a float64 oracle on random
-operands the error is about 1.3 to 1.6x numpy float32's at K 576 / 4096
-(``sgemm``: 0.54x), 2 to 3.6x at K below 100 (run 17, with 64-k partials). Non-finite inputs: an inf operand splits
-into ``inf + NaN``, so its products are NaN where fp32 FMAs give inf (the MLA
-GEMMs never read a row past a sequence's length, where hostile caches hold
-NaN).
+register totals (a ``PART_STEPS`` that divides a slice's k8 steps adds it
+inside the k8 loop instead). The short partial matters more here than in
+``sgemm``: the mma's own fp32 sum truncates, so every mma adds an error of up
+to one unit in the last place of the partial it adds to, always towards zero
+(``bench.tgemm_emu`` models it). With 64-k partials the MLA growth run at 128
+heads failed the sweep's rule at 61 of 1024 steps (error up to 6.8x the numpy
+float32 baseline's); with 32-k ones at 2 (4.3x, median 1.24x), with the same
+time at the benchmark's shape (bench/NOTES.md run 19). Against a float64 oracle
+on random operands the error is about 1.3 to 1.6x numpy float32's at K 576 /
+4096 (``sgemm``: 0.54x), 2 to 3.6x at K below 100 (run 17, 64-k partials).
+Non-finite inputs: an inf operand splits into ``inf + NaN``, so its products
+are NaN where fp32 FMAs give inf (the MLA GEMMs never read a row past a
+sequence's length, where hostile caches hold NaN).
 
 Plan (GPU): block tile 128 x 128, 8 warps as 2 x 4, each warp 64 x 32 (4 x 4
 tiles of 16 x 8). ``K`` is stepped in slices of ``BK = 32`` staged by
@@ -258,10 +259,13 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
     BM, BN = tile_shape(plan)
     WM, WN = 16 * MT, 8 * NT
     KS = BK // 8  # k8 steps a slice
-    if BK % 8 or PART_STEPS % KS or STAGES < 2:
-        raise ValueError(f"tgemm plan {plan}: BK a multiple of 8 dividing {8 * PART_STEPS}, "
-                         "two stages or more")
-    PART_SLICES = PART_STEPS // KS
+    if BK % 8 or (PART_STEPS % KS and KS % PART_STEPS) or STAGES < 2:
+        raise ValueError(f"tgemm plan {plan}: BK a multiple of 8 that divides or is a "
+                         f"multiple of {8 * PART_STEPS} (the partial), two stages or more")
+    # a partial of whole slices is added at a slice's end; a shorter one inside
+    # the k8 loop, every PART_STEPS steps (FADDs on the hot loop: bench/NOTES.md run 19)
+    IN_SLICE = PART_STEPS < KS
+    PART_SLICES = max(PART_STEPS // KS, 1)
     B_ZNK = b_order == "znk"
     SPLIT_B = not b16
     AP, BP, A_WORDS, B_WORDS = layout(b_order, b16, plan)
@@ -327,6 +331,15 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
                     src = bz * b_z + (k0 + r) * b_r + col0 + c if valid > 0 else 0
                 cp_async16(sm, uint32(base + A_WORDS + (r * BP + c) // B_HALF), b,
                            uint64(src), (4 // B_HALF) * valid)
+
+    @device_fn
+    def flush(acc, part):
+        """acc += part (fp32, rounded to nearest), part = 0, for every tile."""
+        for i in range(MT):
+            for j in range(NT):
+                for r in range(4):
+                    acc[i, j, r] += part[i, j, r]
+                    part[i, j, r] = float32(0.0)
 
     @device_fn
     def tiles_mma(xa, xb, part):
@@ -408,13 +421,11 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
                 if SPLIT_B:
                     tiles_mma(ah, bl, part)
                 tiles_mma(ah, bh, part)
+                if IN_SLICE and kk % PART_STEPS == PART_STEPS - 1:
+                    flush(acc, part)
             # the partial into the totals after its last slice; a fresh one next
-            if s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices:
-                for i in range(MT):
-                    for j in range(NT):
-                        for r in range(4):
-                            acc[i, j, r] += part[i, j, r]
-                            part[i, j, r] = float32(0.0)
+            if not IN_SLICE and (s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices):
+                flush(acc, part)
         # -- epilogue: d[g][2t], d[g][2t+1], d[g+8][2t], d[g+8][2t+1] of each tile --
         for i in range(MT):
             for r in range(4):

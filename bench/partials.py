@@ -3,7 +3,8 @@
     python -m bench.partials [--steps N] [PART_STEPS ...]      (GPU only)
 
 ``attention.tgemm`` adds each warp's partial sums to its register totals every
-``PART_STEPS`` k8 steps (a multiple of a slice's 4). For each length given
+``PART_STEPS`` k8 steps (a divisor of a slice's 4: inside the k8 loop, or a
+multiple: at slice ends). For each length given
 (default: 4 and 8), this rebuilds the GEMMs with it and prints
 
 * the MLA decode graph's time (``MLADecodeGraph``, tensor cores) at the
@@ -60,16 +61,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.partials", description=__doc__.split(
         "\n\n")[0])
     ap.add_argument("part_steps", nargs="*", type=int, default=[4, 8],
-                    help="k8 steps a partial (multiples of 4); default 4 8")
+                    help="k8 steps a partial (divisors or multiples of 4); default 4 8")
     ap.add_argument("--steps", type=int, default=1024, help="growth steps (default 1024)")
     args = ap.parse_args(argv)
     from attention import tgemm
     from attention.device import SIMULATOR
 
     ks = tgemm.PLAN[4] // 8  # k8 steps a slice
-    bad = [p for p in args.part_steps if p <= 0 or p % ks]
+    bad = [p for p in args.part_steps if p <= 0 or (p % ks and ks % p)]
     if bad:
-        raise SystemExit(f"part_steps: expected positive multiples of {ks}, got {bad}")
+        raise SystemExit(f"part_steps: expected positive divisors or multiples of {ks}, "
+                         f"got {bad}")
     from numba import cuda
 
     if SIMULATOR or not cuda.is_available():

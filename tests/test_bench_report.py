@@ -88,9 +88,9 @@ def test_partials_rejects_bad_lengths_and_needs_a_gpu():
     from attention import tgemm
     from bench import partials
 
-    ks = tgemm.PLAN[4] // 8  # k8 steps a slice: a partial is a whole number of slices
-    for bad in ("0", str(ks + 1) if ks > 1 else "-1"):
-        with pytest.raises(SystemExit, match="part_steps: expected positive multiples"):
+    ks = tgemm.PLAN[4] // 8  # k8 steps a slice: a partial divides it or is whole slices
+    for bad in ("0", str(ks + 2) if ks > 2 else "-1"):
+        with pytest.raises(SystemExit, match="part_steps: expected positive divisors"):
             partials.main([bad])
     from numba import cuda
 

@@ -126,3 +126,20 @@ def test_tgemm_matches_float64(b_order, b_dtype):
         assert (err <= bound).all(), (f"batch {z}: max err {err.max():.3e}, worst err/bound "
                                       f"{(err / bound).max():.3f}")
         assert np.isnan(c[z, :, nn:]).all(), f"batch {z}: wrote past n_ext"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("part_steps", [1, 2])
+def test_compile_tgemm_partials_inside_a_slice(part_steps, monkeypatch):
+    """Partials shorter than a slice (added inside the k8 loop) compile without
+    spills and keep one barrier a slice."""
+    from numba import types
+
+    monkeypatch.setattr(tgemm, "PART_STEPS", part_steps)
+    tgemm.tgemm_kernel.cache_clear()
+    try:
+        ptx = _ptx("znk", types.float32)
+    finally:
+        tgemm.tgemm_kernel.cache_clear()
+    assert ".local" not in ptx, "tiles or fragments spilled to local memory"
+    assert ptx.count("bar.sync") == 1

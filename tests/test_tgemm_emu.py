@@ -76,3 +76,33 @@ def test_rn_model_is_the_simulators_tgemm(b_dtype):
                  c_order="zmn", max_n=n, n_batch=1, stream=0)
     want = E.tgemm_emu(a[0], b[0].astype(np.float32).T, tgemm.PART_STEPS, "rn")
     np.testing.assert_array_equal(to_host(d_c)[0], want)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("part_steps", [1, 2, 4, 8])
+def test_partial_lengths_in_and_across_slices(part_steps, monkeypatch):
+    """32-k slices (4 k8 steps): partials of 1 and 2 steps are added inside a
+    slice's k8 loop, 4 and 8 at slice ends; each sums as the ``rn`` model with
+    that length (and differs from the others, so the length is in effect)."""
+    from attention import tgemm
+    from attention.device import to_device, to_host
+
+    plan = (1, 1, 1, 1, 32, 2)
+    monkeypatch.setattr(tgemm, "PART_STEPS", part_steps)
+    tgemm.tgemm_kernel.cache_clear()
+    try:
+        rng = np.random.default_rng(5)
+        m, n, k = 16, 8, 8 * 8 + 40  # 13 k8 steps: the last slice partial
+        a = rng.standard_normal((1, m, k)).astype(np.float32)
+        b = rng.standard_normal((1, n, k)).astype(np.float32)
+        d_c = to_device(np.full((1, m, n), np.nan, np.float32))
+        tgemm.launch(to_device(a), to_device(b), d_c, to_device(np.zeros(1, np.int32)),
+                     to_device(np.array([n], np.int32)), to_device(np.array([k], np.int32)),
+                     1.0, a_order="zmk", b_order="znk", c_order="zmn", max_n=n, n_batch=1,
+                     stream=0, plan=plan)
+        got = to_host(d_c)[0]
+    finally:
+        tgemm.tgemm_kernel.cache_clear()
+    np.testing.assert_array_equal(got, E.tgemm_emu(a[0], b[0].T, part_steps, "rn"))
+    others = [p for p in (1, 2, 4, 8) if p != part_steps]
+    assert all((E.tgemm_emu(a[0], b[0].T, p, "rn") != got).any() for p in others)
