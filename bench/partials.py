@@ -13,7 +13,8 @@ multiple: at slice ends). For each length given
   error against the float64 oracle (``bench.run.MLACheck``);
 * the 128-head growth run ``mla_gemm_decode`` in fp32 over ``N`` decode steps
   (default 1024, seed 0; ``validation.growth``): steps over the sweep's bound,
-  worst and median ratio to the float32 baseline, worst err/bound.
+  worst and median ratio to the float32 baseline, worst err/bound. ``--steps 0``
+  times the graph only.
 
 The lengths are tried in one process so their times share the GPU's state;
 ``PART_STEPS`` is restored at the end. Run it on an idle GPU.
@@ -46,15 +47,17 @@ def measure(part_steps, steps, timer, data):
         cols.append(f"{dname} {ms:.3f} ms err {check.error(g.out):.2g} "
                     f"(numpy float32 {check.base_err:.2g})")
         del g
+    head = f"PART_STEPS {part_steps} ({8 * part_steps} k): {' | '.join(cols)}"
+    if steps == 0:
+        return head
     rec = run_growth(GrowthJob("mla_gemm_decode", "float32", 0, steps, False))
     if rec.get("status") not in ("pass", "fail"):
-        return f"PART_STEPS {part_steps}: {' | '.join(cols)} | growth: {rec.get('status')}"
+        return f"{head} | growth: {rec.get('status')}"
     s = rec["series"]
     ratio = np.array(s["out_err"]) / np.array(s["out_base"])
     over = int(np.sum(~np.array(s["passed"])))
-    return (f"PART_STEPS {part_steps} ({8 * part_steps} k): {' | '.join(cols)} | growth "
-            f"{steps} steps: {over} over the bound, worst ratio {rec['worst_ratio']:.2f}, "
-            f"median {np.median(ratio):.2f}, worst err/bound {rec['worst_margin']:.2f}")
+    return (f"{head} | growth {steps} steps: {over} over the bound, worst ratio "
+            f"{rec['worst_ratio']:.2f}, median {np.median(ratio):.2f}, worst err/bound {rec['worst_margin']:.2f}")
 
 
 def main(argv=None):
@@ -62,8 +65,11 @@ def main(argv=None):
         "\n\n")[0])
     ap.add_argument("part_steps", nargs="*", type=int, default=[4, 8],
                     help="k8 steps a partial (divisors or multiples of 4); default 4 8")
-    ap.add_argument("--steps", type=int, default=1024, help="growth steps (default 1024)")
+    ap.add_argument("--steps", type=int, default=1024,
+                    help="growth steps (default 1024; 0: time only)")
     args = ap.parse_args(argv)
+    if args.steps < 0:
+        raise SystemExit(f"--steps: expected 0 or more growth steps, got {args.steps}")
     from attention import tgemm
     from attention.device import SIMULATOR
 

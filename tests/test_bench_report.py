@@ -92,6 +92,8 @@ def test_partials_rejects_bad_lengths_and_needs_a_gpu():
     for bad in ("0", str(ks + 2) if ks > 2 else "-1"):
         with pytest.raises(SystemExit, match="part_steps: expected positive divisors"):
             partials.main([bad])
+    with pytest.raises(SystemExit, match="--steps: expected 0 or more"):
+        partials.main(["--steps", "-1", "4"])
     from numba import cuda
 
     if not cuda.is_available():
