@@ -15,17 +15,19 @@ product is taken as ``al bh + ah bl + ah bh`` (three ``mma.m16n8k8``, the
 small terms first; ``al bl``, below 2^-22 of the product, is dropped). An
 fp16 operand is exact in tf32 (``bl = 0``), so an fp16 ``b`` takes two. The
 sum is two-level as in ``sgemm``: each warp's tiles collect ``PART_STEPS``
-k8 steps (32 k, one slice) in a fresh partial that is then added to the
-register totals (a ``PART_STEPS`` that divides a slice's k8 steps adds it
-inside the k8 loop instead). The short partial matters more here than in
+k8 steps (16 k, half a slice) in a fresh partial that is then added to the
+register totals, inside the k8 loop (a ``PART_STEPS`` of whole slices adds it
+at slice ends instead). The short partial matters more here than in
 ``sgemm``: the mma's own fp32 sum truncates, so every mma adds an error of up
 to one unit in the last place of the partial it adds to, always towards zero
-(``bench.tgemm_emu`` models it). With 64-k partials the MLA growth run at 128
-heads failed the sweep's rule at 61 of 1024 steps (error up to 6.8x the numpy
-float32 baseline's); with 32-k ones at 2 (4.3x, median 1.24x), with the same
-time at the benchmark's shape (bench/NOTES.md run 19). Against a float64 oracle
-on random operands the error is about 1.3 to 1.6x numpy float32's at K 576 /
-4096 (``sgemm``: 0.54x), 2 to 3.6x at K below 100 (run 17, 64-k partials).
+(``bench.tgemm_emu`` models it). In the MLA growth run at 128 heads (1024
+steps) 64-k partials failed the sweep's rule at 61 steps (error up to 6.8x the
+numpy float32 baseline's), 32-k ones at 2 (median 1.24x); 16-k ones pass
+(worst err/bound 0.72, median 0.86x) for 5 % more time than 32-k ones at the
+benchmark's shape with an fp32 cache, 8 % with fp16 (bench/NOTES.md runs 19-20).
+Against a float64 oracle on random operands the error is about 1.3 to 1.6x
+numpy float32's at K 576 / 4096 (``sgemm``: 0.54x), 2 to 3.6x at K below 100
+(run 17, 64-k partials).
 Non-finite inputs: an inf operand splits into ``inf + NaN``, so its products
 are NaN where fp32 FMAs give inf (the MLA GEMMs never read a row past a
 sequence's length, where hostile caches hold NaN).
@@ -61,7 +63,7 @@ from .device import SIMULATOR, device_fn, ensure_dynamic_shared, jit, ptx_statem
 
 B_DTYPES = ("float32", "float16")
 WARP = 32
-PART_STEPS = 4  # k8 steps (32 k) whose products go into one partial
+PART_STEPS = 2  # k8 steps (16 k) whose products go into one partial
 
 # (warps_m, warps_n, tiles_m, tiles_n, bk, stages)
 PLAN = (1, 1, 1, 1, 8, 2) if SIMULATOR else (2, 4, 4, 4, 32, 4)
