@@ -1,6 +1,7 @@
 """tgemm's arithmetic emulated on the CPU, in the 128-head MLA growth run.
 
     python -m bench.tgemm_emu [--steps N] MODEL [MODEL ...]
+    python -m bench.tgemm_emu --case SHAPE/FIXTURE/sSEED MODEL [MODEL ...]
 
 Why: on the H200 the tensor-core MLA GEMMs' growth run failed with 64-k
 partials and nearly passes with 32-k ones (bench/NOTES.md, run 19). This
@@ -22,6 +23,11 @@ MODEL: ``MODE:PART_K8[:TERMS]`` for both GEMMs, or ``SCORES/PV`` with one such
 spec for the score GEMM and one for P.V (e.g. ``rz:1/rz:4``). Prints, per model,
 the steps over the sweep's bound (``validation.metrics.judge``), worst and
 median ratio to the float32 baseline, and worst err/bound.
+
+``--case`` runs one fp32 case of the validation sweep's ``mla_gemm`` family
+instead (GPU shapes, one query: e.g. ``dsv3_q1_kv1025/large/s0``) and prints
+each model's ratio and err/bound: how far legal fp32 summation orders alone
+move a case's verdict (validation/NOTES.md, near ties).
 """
 
 from __future__ import annotations
@@ -143,14 +149,44 @@ def growth(models, steps, seed=0, total=1024):
     return out
 
 
+def sweep_case(models, spec):
+    """One fp32 ``mla`` case of the sweep, ``spec`` "SHAPE/FIXTURE/sSEED" (GPU
+    shapes, ``t_q`` 1), under each model: {name: (ratio, err/bound)}."""
+    from validation import metrics, registry
+
+    parts = spec.split("/")
+    if len(parts) != 3 or not parts[2].startswith("s") or not parts[2][1:].isdigit():
+        raise ValueError(f"--case: expected SHAPE/FIXTURE/sSEED, got {spec!r}")
+    try:
+        shape = registry.find_shape("mla", parts[0], small=False)
+    except KeyError as exc:
+        raise ValueError(f"--case: {exc.args[0]}") from None
+    if shape.dims["t_q"] != 1:
+        raise ValueError(f"--case: the model runs one decode query; {parts[0]} has "
+                         f"t_q {shape.dims['t_q']}")
+    inp = registry.make_inputs("mla", shape, parts[1], int(parts[2][1:]))
+    ref, base = registry.references("mla", inp, "float32")
+    args = [inp[n] for n in registry.MLA_ARGS]
+    out = {}
+    for name, model in models.items():
+        j = metrics.judge(decode(*args, model), ref["out"], base["out"], F32)
+        out[name] = (j["ratio"], j["margin"])
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.tgemm_emu",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", help="MODE:PART_K8[:TERMS] or SCORES/PV")
     ap.add_argument("--steps", type=int, default=450, help="growth steps (default 450)")
+    ap.add_argument("--case", help="one sweep case SHAPE/FIXTURE/sSEED instead of the growth run")
     args = ap.parse_args(argv)
     try:
         models = {m: parse_model(m) for m in args.models}
+        if args.case:
+            for name, (ratio, margin) in sweep_case(models, args.case).items():
+                print(f"{name}: {args.case} ratio {ratio:.2f}, err/bound {margin:.2f}")
+            return
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     for name, rows in growth(models, args.steps).items():

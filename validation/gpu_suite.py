@@ -12,7 +12,8 @@ non-zero when the sanitizer reports errors).
 
 ``--from-log`` rebuilds such a report from the streamed ``pytest -v`` log of a
 run that was cut short (the per-test lines are the evidence; the report says
-``"interrupted": true`` when the log has no final pytest summary, and a
+``"interrupted": true`` when the log has no final pytest summary or shows the
+SIGINT of a time limit, and a
 sanitizer's verdict only when its ERROR SUMMARY line is there). The GPU side's
 provenance comes from ``--provenance-from``: a report of the same run on the
 same machine (e.g. ``reports/validation.json``).
@@ -153,7 +154,10 @@ def from_log(args):
     prov = dict(prov, reconstructed_from_log=str(args.from_log))
     if header:
         prov["device"] = header.group(2)
-    finished = re.search(r"^=+ .*\b(passed|failed)\b.* in [\d.]+s", text, re.M) is not None
+    # pytest prints its summary line after a SIGINT too (a stage's time limit):
+    # a run is finished only with the summary and no KeyboardInterrupt banner
+    finished = (re.search(r"^=+ .*\b(passed|failed)\b.* in [\d.]+s", text, re.M) is not None
+                and re.search(r"^!+ KeyboardInterrupt !+$", text, re.M) is None)
     report = {"provenance": prov, "command": f"(reconstructed from {args.from_log})",
               "exit_status": None, "interrupted": not finished,
               "mode": header.group(1) if header else None, "counts": counts, "tests": tests}
@@ -161,7 +165,8 @@ def from_log(args):
     if "COMPUTE-SANITIZER" in text:
         errors_inline = len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
         report["sanitizer"] = {
-            "tool": args.name.replace("sanitizer-", "") if args.name else None,
+            # sanitizer-<tool>[-<what>]: e.g. sanitizer-memcheck-full
+            "tool": args.name.replace("sanitizer-", "").split("-")[0] if args.name else None,
             "error_summaries": len(summaries), "errors": sum(summaries),
             "errors_reported_inline": errors_inline,
             "note": "" if summaries else "the run was cut before the tool's ERROR SUMMARY; "
