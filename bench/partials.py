@@ -1,11 +1,11 @@
-"""The tensor-core GEMM's partial length, measured (bench/NOTES.md, run 19).
+"""The tensor-core GEMM's partial length, measured (bench/NOTES.md, runs 19-20).
 
     python -m bench.partials [--steps N] [PART_STEPS ...]      (GPU only)
 
 ``attention.tgemm`` adds each warp's partial sums to its register totals every
 ``PART_STEPS`` k8 steps (a divisor of a slice's 4: inside the k8 loop, or a
-multiple: at slice ends). For each length given
-(default: 4 and 8), this rebuilds the GEMMs with it and prints
+multiple: at slice ends). For each length given (default: 2, the kernel's,
+and 4), this rebuilds the GEMMs with it and prints
 
 * the MLA decode graph's time (``MLADecodeGraph``, tensor cores) at the
   benchmark's shape (``bench.run.MLA``: B 64, 128 heads, latent 512 + 64,
@@ -63,8 +63,8 @@ def measure(part_steps, steps, timer, data):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.partials", description=__doc__.split(
         "\n\n")[0])
-    ap.add_argument("part_steps", nargs="*", type=int, default=[4, 8],
-                    help="k8 steps a partial (divisors or multiples of 4); default 4 8")
+    ap.add_argument("part_steps", nargs="*", type=int, default=[2, 4],
+                    help="k8 steps a partial (divisors or multiples of 4); default 2 4")
     ap.add_argument("--steps", type=int, default=1024,
                     help="growth steps (default 1024; 0: time only)")
     args = ap.parse_args(argv)
