@@ -57,7 +57,8 @@ def measure(part_steps, steps, timer, data):
     ratio = np.array(s["out_err"]) / np.array(s["out_base"])
     over = int(np.sum(~np.array(s["passed"])))
     return (f"{head} | growth {steps} steps: {over} over the bound, worst ratio "
-            f"{rec['worst_ratio']:.2f}, median {np.median(ratio):.2f}, worst err/bound {rec['worst_margin']:.2f}")
+            f"{rec['worst_ratio']:.2f}, median {np.median(ratio):.2f}, "
+            f"worst err/bound {rec['worst_margin']:.2f}")
 
 
 def main(argv=None):

@@ -4,7 +4,8 @@
     python -m bench.tgemm_emu --case SHAPE/FIXTURE/sSEED MODEL [MODEL ...]
 
 Why: on the H200 the tensor-core MLA GEMMs' growth run failed with 64-k
-partials and nearly passes with 32-k ones (bench/NOTES.md, run 19). This
+partials, nearly passed with 32-k ones (bench/NOTES.md, run 19) and passes with
+16-k ones, as this model foretold (run 20). This
 replays the same run (``validation.growth``'s inputs for ``mla_gemm_decode``,
 fp32 cache, seed 0: same generator, same draws) with the GEMMs emulated in
 numpy, so a change to the summation can be judged before it is built.

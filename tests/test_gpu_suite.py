@@ -67,7 +67,8 @@ def test_report_from_a_sanitizer_log_counts_hazards(tmp_path):
 def test_report_from_a_log_cut_by_sigint_says_interrupted(tmp_path):
     """pytest still prints its summary line after the SIGINT of a stage's time
     limit: the KeyboardInterrupt banner marks the run as cut all the same."""
-    cut = PLAIN_LOG.replace("\n=", "\n" + "!" * 30 + " KeyboardInterrupt " + "!" * 30 + "\n=", 1)
+    banner = "!" * 30 + " KeyboardInterrupt " + "!" * 30
+    cut = PLAIN_LOG.replace("\n=", f"\n{banner}\n=", 1)
     for text, want in ((PLAIN_LOG, False), (cut, True)):
         log = tmp_path / "racecheck.log"
         log.write_text(text)
