@@ -124,7 +124,7 @@ def test_sweep_case_near_tie():
     assert max(calm) < 0.5
 
 
-def test_sweep_case_rejects_bad_specs(capsys):
+def test_sweep_case_rejects_bad_specs():
     for spec, msg in (("dsv3_q1_kv1025/large", "SHAPE/FIXTURE/sSEED"),
                       ("dsv3_q1_kv1025/large/0", "SHAPE/FIXTURE/sSEED"),
                       ("nosuch/large/s0", "no mla shape"),
