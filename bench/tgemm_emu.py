@@ -22,13 +22,16 @@ pipeline is float32 numpy: absorb, scale, softmax, decompress.
 
 MODEL: ``MODE:PART_K8[:TERMS]`` for both GEMMs, or ``SCORES/PV`` with one such
 spec for the score GEMM and one for P.V (e.g. ``rz:1/rz:4``). Prints, per model,
-the steps over the sweep's bound (``validation.metrics.judge``), worst and
-median ratio to the float32 baseline, and worst err/bound.
+the steps over the growth run's bound (``validation.metrics.judge`` against
+the oracle-order float32 baseline), worst and median ratio to that baseline,
+and worst err/bound.
 
 ``--case`` runs one fp32 case of the validation sweep's ``mla_gemm`` family
 instead (GPU shapes, one query: e.g. ``dsv3_q1_kv1025/large/s0``) and prints
-each model's ratio and err/bound: how far legal fp32 summation orders alone
-move a case's verdict (validation/NOTES.md, near ties).
+each model's ratio and err/bound against the oracle-order baseline alone: how
+far legal fp32 summation orders move a case's verdict under a single baseline
+(validation/NOTES.md, near ties; the sweep itself takes the largest error of
+``validation.baselines``' orders).
 """
 
 from __future__ import annotations

@@ -337,6 +337,30 @@ def test_report_verdict_summary_and_plots(tmp_path):
         "verdict"]["passed"]
 
 
+def test_report_shows_the_baseline_spread_and_who_passes_by_it(tmp_path):
+    """A case over 2 x the oracle order's error + floor but within the largest
+    baseline's bound is named; one within both is not; a failing one is not."""
+    def out(err, first, worst, floor=1e-9):
+        bound = 2 * worst + floor
+        return {"max_abs": err, "baseline_abs": worst, "baseline_first_abs": first,
+                "floor": floor, "bound": bound, "passed": err <= bound}
+
+    by_spread = _case("batched_decode", "pass", 1.5, 0.5)
+    by_spread["outputs"] = {"out": out(3e-6, 1e-6, 4e-6)}
+    plain = _case("flash_decode", "pass", 1.0, 0.3)
+    plain["outputs"] = {"out": out(1e-6, 1e-6, 2e-6)}
+    failing = _case("decode", "fail", 9.0, 2.0)
+    failing["outputs"] = {"out": out(9e-6, 1e-6, 2e-6)}
+    rows = {r["fixture"]: r for r in report.spread_rows(_report([by_spread, plain, failing]))}
+    assert rows["normal"]["by_envelope"] == [by_spread["id"]]
+    assert rows["normal"]["outputs"] == 3 and sorted(rows["normal"]["spread"]) == [2, 2, 4]
+    report.write(_report([by_spread, plain, failing]), tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| normal | 3 | 2 | 4 | 1 |" in text
+    assert f"Passed by the spread alone (over 2 x the oracle order's error + floor): " \
+           f"`{by_spread['id']}`." in text
+
+
 def test_plot_entry_point_rebuilds_from_json(tmp_path):
     from validation import plot
 

@@ -16,7 +16,9 @@ inputs, ``judge`` records:
 * ``nonfinite_ok`` NaN, +inf and -inf sit exactly where the oracle has them
   (e.g. LSE -inf for an empty sequence and nowhere else; no NaN leaked from a
   poisoned cache row);
-* ``baseline_abs`` the baseline's max |base - ref|;
+* ``baseline_abs`` the baseline's max |base - ref| (the largest over the
+  sweep's baselines, ``validation.baselines``: the oracle's float32 arithmetic
+  with the scores summed and scaled in each standard order);
 * ``ratio``     ``max_abs / baseline_abs``: how much worse than plain float32
   arithmetic the kernel is (inf when the baseline is exact and the kernel is
   not, 0 when both are exact);
@@ -119,9 +121,20 @@ def error_ratio(kernel_err, baseline_err):
 
 def judge(got, ref, base, dtype=np.float32):
     """Metrics and verdict of one output (module docstring): a dict with the
-    ``compare`` fields plus baseline_abs, ratio, floor, bound, margin, passed."""
+    ``compare`` fields plus baseline_abs, ratio, floor, bound, margin, passed.
+
+    ``base`` is one baseline array, or ``{label: array}`` of several
+    (``validation.baselines``): then ``baseline_abs`` is the largest of their
+    errors, ``baseline_variant`` names it and ``baseline_first_abs`` is the
+    first one's (the oracle code as written)."""
     rec = compare(got, ref)
-    baseline_abs = max_abs_error(base, ref)
+    if isinstance(base, dict):
+        errs = {label: max_abs_error(b, ref) for label, b in base.items()}
+        worst = max(errs, key=errs.get)
+        rec.update(baseline_variant=worst, baseline_first_abs=next(iter(errs.values())))
+        baseline_abs = errs[worst]
+    else:
+        baseline_abs = max_abs_error(base, ref)
     floor = rounding_floor(ref, dtype)
     bound = RATIO * baseline_abs + floor
     rec.update(

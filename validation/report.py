@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 from validation import plot
@@ -106,6 +107,27 @@ def _fmt(x, spec=".3g"):
     if isinstance(x, float) and math.isinf(x):
         return "inf"
     return format(x, spec)
+
+
+def spread_rows(report):
+    """Per fixture, how far the sweep's baselines spread (``validation.baselines``):
+    over the outputs of judged cases, the largest baseline error over the oracle
+    order's (where that is not exact), and the passing cases that would fail
+    against the oracle order alone (an output above 2 x its error + floor)."""
+    rows = {}
+    for c in report["cases"]:
+        if c.get("status") not in ("pass", "fail"):
+            continue
+        outs = [o for o in c.get("outputs", {}).values() if "baseline_first_abs" in o]
+        r = rows.setdefault(c["fixture"], {"fixture": c["fixture"], "outputs": 0,
+                                           "spread": [], "by_envelope": []})
+        r["outputs"] += len(outs)
+        r["spread"] += [o["baseline_abs"] / o["baseline_first_abs"] for o in outs
+                        if o["baseline_first_abs"] > 0]
+        if c["status"] == "pass" and any(
+                o["max_abs"] > 2 * o["baseline_first_abs"] + o["floor"] for o in outs):
+            r["by_envelope"].append(c["id"])
+    return list(rows.values())
 
 
 def family_rows(report):
@@ -242,9 +264,14 @@ def summary_markdown(report, images):
     L.append("## How a case is judged")
     L.append("")
     L.append("Each output (attention output and LSE) is compared with the float64 oracle "
-             "(`attention.oracle`, `mla.oracle`) and so is a float32 baseline: the same oracle "
-             "code run in float32 on the same inputs. **ratio** = kernel max abs error / "
-             "baseline max abs error. A case passes when NaN/inf sit where the oracle has them "
+             "(`attention.oracle`, `mla.oracle`) and so are float32 baselines: the same oracle "
+             "arithmetic run in float32 on the same inputs, with the q.k scores summed in each "
+             "standard order (BLAS as the oracle's `@`, numpy's pairwise `sum`, a running "
+             "sum) and the softmax scale applied after the dot product or folded into q "
+             "(`validation/baselines.py`); the baseline error is the largest of the six. At "
+             "well-conditioned scores they agree; at a near tie of large scores they differ "
+             "several-fold, and one order alone would fail a correct kernel by chance. "
+             "**ratio** = kernel max abs error / baseline max abs error. A case passes when NaN/inf sit where the oracle has them "
              "and kernel error <= 2 x baseline error + floor, i.e. ratio <= 2 up to the floor; "
              "**err/bound** is kernel error over that bound (<= 1 passes). "
              "floor = 8 x unit roundoff of the storage dtype x max(1, max|oracle|) "
@@ -256,6 +283,22 @@ def summary_markdown(report, images):
              "length, shuffled slot tables, scores up to +-1e4 (`large`), all-equal scores "
              "(`equal`).")
     L.append("")
+    spread = [r for r in spread_rows(report) if r["outputs"]]
+    if spread:
+        L.append("| fixture | outputs judged | baseline spread (largest / oracle order), "
+                 "median | max | cases passed by the spread alone |")
+        L.append("|---|---|---|---|---|")
+        for r in spread:
+            sp = r["spread"]
+            L.append(f"| {r['fixture']} | {r['outputs']} | "
+                     f"{_fmt(statistics.median(sp) if sp else None)} | "
+                     f"{_fmt(max(sp) if sp else None)} | {len(r['by_envelope'])} |")
+        alone = [i for r in spread for i in r["by_envelope"]]
+        if alone:
+            L.append("")
+            L.append("Passed by the spread alone (over 2 x the oracle order's error + floor): "
+                     + ", ".join(f"`{i}`" for i in alone) + ".")
+        L.append("")
     L.append("## Kernel families")
     L.append("")
     L.append("| family | kernels | cases | pass | fail | unsupported | worst ratio | "

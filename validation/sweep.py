@@ -1,4 +1,4 @@
-"""Run one sweep case: inputs -> kernel -> float64 oracle and float32 baseline -> metrics.
+"""Run one sweep case: inputs -> kernel -> float64 oracle and float32 baselines -> metrics.
 
 ``run_case(case)`` returns a JSON-ready record:
 
@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from validation import fixtures, metrics, registry
+from validation import baselines, fixtures, metrics, registry
 
 _REF_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _REF_CACHE_SIZE = 6
@@ -76,7 +76,8 @@ def _refs(spec, case, shape, used, cast):
     if key in _REF_CACHE:
         _REF_CACHE.move_to_end(key)
         return _REF_CACHE[key]
-    got = registry.references(spec.kind, used, case.dtype)
+    oracle, _ = registry.references(spec.kind, used, case.dtype)
+    got = oracle, baselines.variants(spec.kind, used)
     _REF_CACHE[key] = got
     while len(_REF_CACHE) > _REF_CACHE_SIZE:
         _REF_CACHE.popitem(last=False)
@@ -140,7 +141,8 @@ def run_case(case):
         rec["detail"] = "; ".join(
             f"{name}: " + (r["nonfinite_detail"] or
                            f"max abs err {r['max_abs']:.3e} > bound {r['bound']:.3e} "
-                           f"(2 x baseline {r['baseline_abs']:.3e} + floor {r['floor']:.2e}), "
+                           f"(2 x baseline {r['baseline_abs']:.3e} [{r.get('baseline_variant', '')}] "
+                           f"+ floor {r['floor']:.2e}), "
                            f"worst at {r['worst_index']}")
             for name, r in judged.items() if not r["passed"])
     return rec

@@ -13,6 +13,12 @@ the storage dtype: where the baseline happens to be exact (one position: the
 output *is* the value row) a legitimate kernel may still be a few roundings
 away, and a defect is orders of magnitude above it (checked by the planted
 defects).
+
+``budget`` takes one baseline: the falsification suites and the error-growth
+runs use the oracle code as written. The validation sweep judges with
+``validation.metrics.judge`` against the largest error of several float32
+baselines, one for each standard order of the score sums
+(``validation.baselines``).
 """
 
 from __future__ import annotations
