@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 
 from validation import plot
+from validation.tolerance import RATIO
 
 SCHEMA = "attention-validation/1"
 JSON_NAME = "validation.json"
@@ -125,7 +126,7 @@ def spread_rows(report):
         r["spread"] += [o["baseline_abs"] / o["baseline_first_abs"] for o in outs
                         if o["baseline_first_abs"] > 0]
         if c["status"] == "pass" and any(
-                o["max_abs"] > 2 * o["baseline_first_abs"] + o["floor"] for o in outs):
+                o["max_abs"] > RATIO * o["baseline_first_abs"] + o["floor"] for o in outs):
             r["by_envelope"].append(c["id"])
     return list(rows.values())
 
@@ -271,8 +272,9 @@ def summary_markdown(report, images):
              "(`validation/baselines.py`); the baseline error is the largest of the six. At "
              "well-conditioned scores they agree; at a near tie of large scores they differ "
              "several-fold, and one order alone would fail a correct kernel by chance. "
-             "**ratio** = kernel max abs error / baseline max abs error. A case passes when NaN/inf sit where the oracle has them "
-             "and kernel error <= 2 x baseline error + floor, i.e. ratio <= 2 up to the floor; "
+             "**ratio** = kernel max abs error / baseline max abs error. A case passes when "
+             "NaN/inf sit where the oracle has them and kernel error <= 2 x baseline error + "
+             "floor, i.e. ratio <= 2 up to the floor; "
              "**err/bound** is kernel error over that bound (<= 1 passes). "
              "floor = 8 x unit roundoff of the storage dtype x max(1, max|oracle|) "
              "(`validation/tolerance.py`): where the baseline is exact (one cached position; "

@@ -141,8 +141,8 @@ def run_case(case):
         rec["detail"] = "; ".join(
             f"{name}: " + (r["nonfinite_detail"] or
                            f"max abs err {r['max_abs']:.3e} > bound {r['bound']:.3e} "
-                           f"(2 x baseline {r['baseline_abs']:.3e} [{r.get('baseline_variant', '')}] "
-                           f"+ floor {r['floor']:.2e}), "
+                           f"(2 x baseline {r['baseline_abs']:.3e} "
+                           f"[{r.get('baseline_variant', '')}] + floor {r['floor']:.2e}), "
                            f"worst at {r['worst_index']}")
             for name, r in judged.items() if not r["passed"])
     return rec
