@@ -169,12 +169,20 @@ def mla_variant(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, how, where):
     return out
 
 
-def variants(kind, inputs):
+def variants(kind, inputs, plain=None):
     """{output name: {label: float32 array}} for a sweep case's inputs (the
-    registry's input dict of ``kind`` decode | prefill | mla)."""
+    registry's input dict of ``kind`` decode | prefill | mla). ``plain``: the
+    oracle's float32 outputs when already computed (``registry.references``'
+    baseline, {output name: array}), taken as the ``PLAIN`` variant."""
+    if kind not in ("decode", "prefill", "mla"):
+        raise ValueError(f"variants: kind must be decode, prefill or mla, got {kind!r}")
     got = {}
     for label in labels():
         how, where = label.split("/")
+        if label == PLAIN and plain is not None:
+            for name, arr in plain.items():
+                got.setdefault(name, {})[label] = arr
+            continue
         if kind == "decode":
             o, lse = decode_variant(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                                     inputs["seq_lens"], inputs["slot_table"], how, where)
@@ -183,12 +191,10 @@ def variants(kind, inputs):
             o, lse = prefill_variant(inputs["q"], inputs["k"], inputs["v"], inputs["n_heads"],
                                      inputs["n_kv_heads"], inputs["causal"], how, where)
             res = {"out": o, "lse": lse}
-        elif kind == "mla":
+        else:
             from validation.registry import MLA_ARGS
 
             res = {"out": mla_variant(*(inputs[n] for n in MLA_ARGS), how, where)}
-        else:
-            raise ValueError(f"variants: kind must be decode, prefill or mla, got {kind!r}")
         for name, arr in res.items():
             got.setdefault(name, {})[label] = arr
     return got

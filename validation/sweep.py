@@ -76,8 +76,8 @@ def _refs(spec, case, shape, used, cast):
     if key in _REF_CACHE:
         _REF_CACHE.move_to_end(key)
         return _REF_CACHE[key]
-    oracle, _ = registry.references(spec.kind, used, case.dtype)
-    got = oracle, baselines.variants(spec.kind, used)
+    oracle, plain = registry.references(spec.kind, used, case.dtype)
+    got = oracle, baselines.variants(spec.kind, used, plain)
     _REF_CACHE[key] = got
     while len(_REF_CACHE) > _REF_CACHE_SIZE:
         _REF_CACHE.popitem(last=False)
