@@ -1,11 +1,11 @@
-"""The sweep's float32 baselines (``validation.baselines``): each standard score order.
+"""The same-precision baselines (``validation.baselines``): one order per kernel.
 
-Plain CPU tests. They show (1) the oracle's own order is the oracle code itself,
-(2) the other orders are what they say (``np.cumsum``'s and ``np.sum``'s sums),
-(3) every order is a correct float32 computation, (4) at a near tie the orders'
-errors differ (so the envelope is not the single baseline under another name),
-and (5) the envelope still fails the defects the kernels' falsification suites
-plant (wrong kv head, wrong slot, one position short), at every fixture.
+Plain CPU tests. They show (1) each order sums what it says, in that order,
+bit for bit against a plain loop, (2) the ``matmul`` order is the oracle code
+itself, (3) every registered kernel names a valid order and the per-case orders
+resolve to the kernel's layout, (4) every order is a correct float32
+computation, and (5) the single baseline still fails the defects the decode
+suites plant (wrong kv head, wrong slot, one position short), at every fixture.
 """
 
 from __future__ import annotations
@@ -24,76 +24,124 @@ def _case(kind, shape, fixture="normal", seed=0, small=True):
     return registry.make_inputs(kind, sh, fixture, seed)
 
 
+def _fma(total, a, b):
+    return F32(np.float64(total) + np.float64(a) * np.float64(b))
+
+
+def _lanes_loop(x, y, n_lanes, vec):
+    """The warp kernels' score: a running FMA a lane, then the butterfly."""
+    parts = np.zeros(n_lanes, F32)
+    for j in range(n_lanes):
+        total = None
+        for d in range(len(x)):
+            if (d // vec) % n_lanes == j:
+                total = F32(np.float64(x[d]) * np.float64(y[d])) if total is None \
+                    else _fma(total, x[d], y[d])
+        parts[j] = 0 if total is None else total
+    off = n_lanes // 2
+    while off:
+        parts = np.array([F32(parts[i] + parts[i ^ off]) for i in range(n_lanes)], F32)
+        off //= 2
+    return parts[0]
+
+
+def _interleaved_loop(x, y):
+    w4 = len(x) - len(x) % 4
+    acc = [F32(0)] * 4
+    for d in range(w4):
+        acc[d % 4] = _fma(acc[d % 4], x[d], y[d])
+    for d in range(w4, len(x)):
+        acc[0] = _fma(acc[0], x[d], y[d])
+    return F32(F32(acc[0] + acc[1]) + F32(acc[2] + acc[3]))
+
+
+def _blocked_loop(x, y, part):
+    total = None
+    for k0 in range(0, len(x), part):
+        acc = F32(0)
+        for d in range(k0, min(len(x), k0 + part)):
+            acc = _fma(acc, x[d], y[d])
+        total = acc if total is None else F32(total + acc)
+    return total
+
+
+@pytest.mark.parametrize("n", [1, 7, 40, 111, 128])
+def test_each_order_sums_as_it_says(n):
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal((5, n)).astype(F32)
+    b = rng.standard_normal(n).astype(F32)
+    rows = range(a.shape[0])
+    np.testing.assert_array_equal(baselines.dot(a, b, "fma"),
+                                  [_blocked_loop(a[i], b, 1 << 20) for i in rows])
+    for lanes, vec in ((32, 1), (16, 8), (16, 1), (32, 4)):
+        np.testing.assert_array_equal(baselines.dot(a, b, f"lanes{lanes}x{vec}"),
+                                      [_lanes_loop(a[i], b, lanes, vec) for i in rows])
+    np.testing.assert_array_equal(baselines.dot(a, b, "interleaved4"),
+                                  [_interleaved_loop(a[i], b) for i in rows])
+    for part in (16, 64):
+        want = [_blocked_loop(a[i], b, part) for i in rows]
+        np.testing.assert_array_equal(baselines.dot(a, b, f"blocked{part}"), want)
+        np.testing.assert_array_equal(
+            baselines.blocked_matmul(a, b[:, None], part)[:, 0], want)
+    # positive control: the orders differ from one another somewhere
+    if n >= 40:
+        assert not np.array_equal(baselines.dot(a, b, "fma"), baselines.dot(a, b, "lanes32x1"))
+
+
+def test_labels_are_checked():
+    for bad in ("running/after", "fma", "fma/sideways", "matmul/after/recip_after",
+                "lanes32/before", "fma/after/guess"):
+        with pytest.raises(ValueError, match="baseline order"):
+            baselines.parse(bad)
+    assert baselines.parse("fma/before") == ("fma", "before", "divide", "exp")
+    assert baselines.parse("lanes32x1/before/recip_after/ex2")[3] == "ex2"
+    with pytest.raises(ValueError, match="baseline order"):
+        baselines.parse("fma/before/recip_after/expm1")
+
+
 CASES = [("decode", "gqa9x3_d40"), ("decode", "d111_t97"), ("prefill", "d80_t17_causal"),
          ("prefill", "gqa3x1_d40_t5_causal"), ("mla", "s1_q3_kv9"), ("mla", "s0_q1_kv9")]
 
 
 @pytest.mark.parametrize("kind,shape", CASES)
-def test_the_oracle_order_is_the_oracle_code(kind, shape):
+def test_the_matmul_order_is_the_oracle_code(kind, shape):
     x = _case(kind, shape)
     _, plain = registry.references(kind, x, "float32")
-    got = baselines.variants(kind, x)
-    assert baselines.labels()[0] == baselines.PLAIN
+    got = baselines.baseline(kind, x, baselines.MATMUL)
     for name, arr in plain.items():
-        assert list(got[name]) == baselines.labels()
-        np.testing.assert_array_equal(got[name][baselines.PLAIN], arr)
-    reused = baselines.variants(kind, x, plain)  # the sweep passes the oracle's own
-    for name, arr in plain.items():
-        assert reused[name][baselines.PLAIN] is arr
-        for label in baselines.labels()[1:]:
-            np.testing.assert_array_equal(reused[name][label], got[name][label])
+        np.testing.assert_array_equal(got[name], arr)
+    assert baselines.baseline(kind, x, baselines.MATMUL, plain)["out"] is plain["out"]
 
 
-@pytest.mark.parametrize("kind,shape", CASES)
-@pytest.mark.parametrize("fixture", ["normal", "large", "equal"])
-def test_every_order_is_a_float32_computation_of_the_oracle(kind, shape, fixture):
-    """Each variant is within a few float32 roundings of the float64 oracle:
-    4 x the plain baseline's error plus 64 ulp of the output (a wrong formula
-    would be off by far more), and they are not all the same array."""
-    x = _case(kind, shape, fixture)
-    ref, plain = registry.references(kind, x, "float32")
-    got = baselines.variants(kind, x)
-    for name, r in ref.items():
-        allowed = (4 * metrics.max_abs_error(plain[name], r)
-                   + 64 * 2.0 ** -24 * max(1.0, float(np.nanmax(np.abs(r[np.isfinite(r)]),
-                                                                  initial=0))))
-        for label, arr in got[name].items():
-            assert arr.dtype == F32 and arr.shape == r.shape, label
-            assert metrics.compare(arr, r)["nonfinite_ok"], label
-            assert metrics.max_abs_error(arr, r) <= allowed, (name, label)
+@pytest.mark.parametrize("spec", registry.KERNELS, ids=lambda s: s.name)
+def test_every_kernel_names_an_order_that_is_float32_accurate(spec):
+    """Each kernel's order, resolved on a case of its kind, is a correct float32
+    computation: within a few times the oracle code's own float32 error."""
+    shape = {"decode": "gqa9x3_d40", "prefill": "d80_t17_causal", "mla": "s1_q3_kv9"}[spec.kind]
+    x = _case(spec.kind, shape)
+    label = baselines.resolve(spec.baseline, x, x[spec.storage[0]].dtype)
+    assert baselines.parse(label)[0] not in ("decode_fast", "mla_gemm")
+    ref, plain = registry.references(spec.kind, x, "float32")
+    got = baselines.baseline(spec.kind, x, label)
+    for name in ref:
+        e_plain = metrics.max_abs_error(plain[name], ref[name])
+        e = metrics.max_abs_error(got[name], ref[name])
+        assert e <= 4 * e_plain + 1e-6, (name, label, e, e_plain)
 
 
-def test_running_and_pairwise_sums_are_numpys():
-    rng = np.random.default_rng(1)
-    a = rng.standard_normal((7, 300, 40)).astype(F32)
-    b = rng.standard_normal((1, 300, 40)).astype(F32)
-    prod = (a * b).astype(F32)
-    np.testing.assert_array_equal(baselines.dot(a, b, "running"),
-                                  np.cumsum(prod, axis=-1, dtype=F32)[..., -1])
-    np.testing.assert_array_equal(baselines.dot(a, b, "pairwise"), prod.sum(-1, dtype=F32))
-    big = rng.standard_normal((3, 2, 300, 600)).astype(F32)  # chunked over two axes
-    np.testing.assert_array_equal(baselines.dot(big, big[0, 0], "pairwise"),
-                                  (big * big[0, 0]).sum(-1, dtype=F32))
-    assert not np.array_equal(baselines.dot(a, b, "running"), baselines.dot(a, b, "pairwise"))
-    with pytest.raises(ValueError, match="how must be"):
-        baselines.dot(a, b, "matmul")
+def test_orders_resolve_to_the_kernel_layout():
+    x = {"q": np.zeros((2, 4, 128), F32), "q_nope": np.zeros((1, 128, 8), F32)}
+    assert baselines.resolve("decode_fast/before/recip_after/ex2", x, np.float16) == \
+        "lanes16x8/before/recip_after/ex2"
+    assert baselines.resolve("decode_fast/before/recip_after", x, np.float32) == \
+        "lanes32x4/before/recip_after"
+    x["q"] = np.zeros((2, 4, 40), F32)
+    assert baselines.resolve("decode_fast/before", x, np.float16) == "lanes16x1/before/divide"
+    few = {"q_nope": np.zeros((1, 4, 8), F32)}
+    from attention import sgemm
 
-
-def test_orders_differ_at_a_near_tie():
-    """gqa9x3_d40 / large / seed 2 (GPU shape): the five decode kernels' error on
-    the H200 (6.8e-6) is 3x the plain baseline's. The pairwise order lands on
-    that error level and the running sum above it; at the normal fixture the
-    orders agree to within 2x."""
-    def errs(fixture):
-        x = _case("decode", "gqa9x3_d40", fixture, seed=2, small=False)
-        ref, _ = registry.references("decode", x, "float32")
-        got = baselines.variants("decode", x)["out"]
-        return {k: metrics.max_abs_error(v, ref["out"]) for k, v in got.items()}
-
-    tie = errs("large")
-    assert max(tie.values()) > 3 * tie[baselines.PLAIN]
-    calm = errs("normal")
-    assert max(calm.values()) < 2 * calm[baselines.PLAIN]
+    assert baselines.resolve("mla_gemm/after/recip_first", few, F32) == \
+        f"blocked{sgemm.PART_K}/after/recip_first"
 
 
 def _defective(x, defect):
@@ -115,26 +163,29 @@ def _defective(x, defect):
 
 @pytest.mark.parametrize("fixture", ["normal", "large", "equal"])
 @pytest.mark.parametrize("defect", ["gqa_mod", "slot_off_by_one", "length_short"])
-def test_the_envelope_still_fails_planted_defects(fixture, defect):
+def test_the_baseline_fails_planted_defects(fixture, defect):
     x = _case("decode", "gqa9x3_d40", fixture, seed=2, small=False)
     ref, _ = registry.references("decode", x, "float32")
-    env = baselines.variants("decode", x)["out"]
-    rec = metrics.judge(_defective(x, defect), ref["out"], env)
+    label = registry.KERNELS_BY_NAME["batched_decode"].baseline
+    base = baselines.baseline("decode", x, label)["out"]
+    rec = metrics.judge(_defective(x, defect), ref["out"], base, label)
     assert not rec["passed"]
     assert rec["margin"] > 10, rec["margin"]  # far outside, not a near miss
-    assert rec["baseline_variant"] in baselines.labels()
+    assert rec["baseline"] == label
 
 
-def test_judge_takes_the_largest_error_of_several_baselines():
-    ref = np.linspace(-1, 1, 50)
-    near, far = ref + 1e-7, ref + 1e-5
-    rec = metrics.judge(ref + 1.5e-5, ref, {"a": near, "b": far})
-    assert rec["baseline_variant"] == "b" and rec["passed"]
-    assert rec["baseline_abs"] == pytest.approx(1e-5) and rec["baseline_first_abs"] == \
-        pytest.approx(1e-7)
-    assert not metrics.judge(ref + 1.5e-5, ref, {"a": near})["passed"]
+def test_ex2_rounds_the_argument_as_fast_math_exp_does():
+    """``ex2``: exp(x) as 2 ** fl32(x log2 e): at x from -10 to -20 its weights
+    differ from numpy's exp by several float32 units."""
+    scores = np.concatenate([[0.0], -np.linspace(10.0, 20.0, 63)]).astype(F32)[None]
+    vals = np.eye(64, dtype=F32)
+    exact, _ = baselines.attend(scores, vals, "recip_after", "exp")
+    fast, _ = baselines.attend(scores, vals, "recip_after", "ex2")
+    np.testing.assert_allclose(fast, exact, rtol=1e-5)
+    # the argument's rounding shows: several float32 units in some weight
+    assert np.abs(fast[0, 1:] / exact[0, 1:] - 1).max() > 4 * 2.0 ** -24
 
 
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="kind must be"):
-        baselines.variants("nope", {})
+        baselines.baseline("nope", {}, baselines.MATMUL)

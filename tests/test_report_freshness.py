@@ -3,7 +3,8 @@
 ``reports/validation.json`` (written by ``scripts/validate`` on a GPU) records
 ``kernel_source_hash`` (``validation.provenance``: a hash of the ``attention/``
 and ``mla/`` sources); ``reports/summary.md`` repeats it on its
-``kernel_source_hash:`` line. When the code has changed since, the summary
+``kernel_source_hash:`` line, and ``criterion_hash`` (the code that judges:
+``validation.provenance.CRITERION_FILES``). When either has changed since, the summary
 must carry the STALE banner (``scripts/validate --mark-stale`` writes it;
 a fresh GPU run removes it). Plain process: no kernels run.
 """
@@ -16,7 +17,7 @@ import pytest
 
 from tests.conftest import MODE
 from validation import report
-from validation.provenance import ROOT, kernel_source_hash
+from validation.provenance import ROOT, criterion_hash, kernel_source_hash
 
 REPORTS = ROOT / "reports"
 
@@ -45,10 +46,11 @@ def test_committed_gpu_report_is_fresh_or_says_it_is_stale():
         assert not f["marked"], "reports/summary.md says STALE but its hash matches the code"
 
 
-def _fake_report(folder, kernel_hash):
+def _fake_report(folder, kernel_hash, criterion=None):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / report.JSON_NAME).write_text(json.dumps(
-        {"provenance": {"kernel_source_hash": kernel_hash, "device": "NVIDIA H200"}}))
+        {"provenance": {"kernel_source_hash": kernel_hash, "device": "NVIDIA H200",
+                        "criterion_hash": criterion or criterion_hash()}}))
     (folder / report.SUMMARY_NAME).write_text(
         f"# Validation report\n\nkernel_source_hash: `{kernel_hash}`\n")
 
@@ -79,3 +81,28 @@ def test_fresh_report_loses_a_stale_banner(tmp_path):
 
 def test_missing_report_is_reported_missing(tmp_path):
     assert report.freshness(tmp_path)["state"] == "missing"
+
+
+def test_a_report_judged_under_another_criterion_is_stale(tmp_path):
+    _fake_report(tmp_path, kernel_source_hash(), criterion="fedcba9876543210")
+    f = report.freshness(tmp_path)
+    assert f["state"] == "stale" and f["report_criterion"] == "fedcba9876543210"
+    report.mark_stale(tmp_path)
+    text = (tmp_path / report.SUMMARY_NAME).read_text()
+    assert "criterion" in text and criterion_hash() in text
+
+
+def test_the_criterion_hash_covers_the_rule_and_the_baselines(tmp_path):
+    from validation import provenance
+
+    for name in ("tolerance", "baselines", "metrics", "fixtures", "registry"):
+        assert f"validation/{name}.py" in provenance.CRITERION_FILES
+    # a changed byte in a criterion file changes the hash (positive control)
+    for rel in provenance.CRITERION_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((ROOT / rel).read_bytes())
+    before = provenance.criterion_hash(tmp_path)
+    assert before == criterion_hash()
+    path = tmp_path / "validation/tolerance.py"
+    path.write_text(path.read_text().replace("MEAN_RATIO = 1.5", "MEAN_RATIO = 1.6"))
+    assert provenance.criterion_hash(tmp_path) != before

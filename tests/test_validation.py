@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from validation import defects, fixtures, metrics, registry, report
-from validation.tolerance import FLOOR_ULPS, unit_roundoff
+from validation.tolerance import FLOOR_ULPS, MEAN_RATIO
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,16 +56,48 @@ def test_judge_fails_an_error_three_times_the_baseline():
 
 
 def test_floor_admits_a_few_roundings_where_the_baseline_is_exact():
-    """Baseline exact (ratio infinite): one unit of rounding passes by the floor,
-    a hundred units do not. Floor = FLOOR_ULPS * u(float32) * max(1, max|ref|)."""
+    """Baseline exact (ratio infinite): one float32 ulp at one entry passes by the
+    floor, a hundred do not. Floor = FLOOR_ULPS * ulp32(max|ref|), no max(1, .)."""
     ref = np.linspace(-2.0, 2.0, 33)
-    u = unit_roundoff(np.float32)
-    one_ulp = ref + 2 * u * np.abs(ref)
+    ulp = float(np.spacing(np.float32(2.0)))
+    one_ulp = ref.copy()
+    one_ulp[3] += ulp
     rec = metrics.judge(one_ulp, ref, ref)
     assert rec["ratio"] == math.inf and rec["passed"]
-    assert rec["floor"] == pytest.approx(FLOOR_ULPS * u * 2.0)
-    bad = ref + 100 * u * 2.0
+    assert rec["floor"] == pytest.approx(FLOOR_ULPS * ulp)
+    bad = ref + 100 * ulp
     assert not metrics.judge(bad, ref, ref)["passed"]
+
+
+def test_floor_follows_small_outputs_down():
+    """An output of size 0.01 is held to ulps of 0.01, not of 1."""
+    ref = np.full(8, 0.01)
+    rec = metrics.judge(ref, ref, ref)
+    assert rec["floor"] == pytest.approx(FLOOR_ULPS * float(np.spacing(np.float32(0.01))))
+    assert not metrics.judge(ref + 1e-7, ref, ref)["passed"]  # ~100 ulps of 0.01
+
+
+def test_mean_rule_catches_a_systematic_loss_the_max_rule_lets_through():
+    """Every entry 1.8x the baseline's error: under the max rule's 2x, over the
+    mean rule's 1.5x (positive control); 1.2x everywhere passes both."""
+    ref, base = _oracle_and_baseline(n=4096)
+    err = base - ref
+    bad = metrics.judge(ref + 1.8 * err, ref, base)
+    assert bad["margin"] < 1 and bad["mean_margin"] > 1
+    assert not bad["passed"] and bad["failed_by"] == ["mean"]
+    good = metrics.judge(ref + 1.2 * err, ref, base)
+    assert good["passed"] and good["mean_ratio"] == pytest.approx(1.2)
+    assert MEAN_RATIO == 1.5
+
+
+def test_a_near_tie_moves_the_max_not_the_mean():
+    """One entry at 3x the baseline's largest error (a score rounding the other way)
+    fails the max rule; the mean hardly moves."""
+    ref, base = _oracle_and_baseline(n=4096)
+    got = base.copy()
+    got[1, 7] = ref[1, 7] + 3 * np.abs(base - ref).max()
+    rec = metrics.judge(got, ref, base)
+    assert rec["failed_by"] == ["max"] and rec["mean_margin"] < 1
 
 
 def test_nan_where_the_oracle_is_finite_fails_even_with_tiny_error():
@@ -337,28 +369,45 @@ def test_report_verdict_summary_and_plots(tmp_path):
         "verdict"]["passed"]
 
 
-def test_report_shows_the_baseline_spread_and_who_passes_by_it(tmp_path):
-    """A case over 2 x the oracle order's error + floor but within the largest
-    baseline's bound is named; one within both is not; a failing one is not."""
-    def out(err, first, worst, floor=1e-9):
-        bound = 2 * worst + floor
-        return {"max_abs": err, "baseline_abs": worst, "baseline_first_abs": first,
-                "floor": floor, "bound": bound, "passed": err <= bound}
+def test_report_tables_the_baseline_orders_and_the_resolving_power(tmp_path):
+    """The summary names each kernel's baseline order, counts the outputs over each
+    rule, and tables the precision mutants: caught / detectable, the misses named;
+    a resolving power under 90 % fails the verdict, and so does a mutant that raised."""
+    def out(err, base, failed=()):
+        return {"max_abs": err, "baseline_abs": base, "mean_abs": err / 3,
+                "baseline_mean": base / 3, "failed_by": list(failed), "plain_abs": base,
+                "floor": 1e-9, "bound": 2 * base + 1e-9, "passed": not failed}
 
-    by_spread = _case("batched_decode", "pass", 1.5, 0.5)
-    by_spread["outputs"] = {"out": out(3e-6, 1e-6, 4e-6)}
-    plain = _case("flash_decode", "pass", 1.0, 0.3)
-    plain["outputs"] = {"out": out(1e-6, 1e-6, 2e-6)}
-    failing = _case("decode", "fail", 9.0, 2.0)
-    failing["outputs"] = {"out": out(9e-6, 1e-6, 2e-6)}
-    rows = {r["fixture"]: r for r in report.spread_rows(_report([by_spread, plain, failing]))}
-    assert rows["normal"]["by_envelope"] == [by_spread["id"]]
-    assert rows["normal"]["outputs"] == 3 and sorted(rows["normal"]["spread"]) == [2, 2, 4]
-    report.write(_report([by_spread, plain, failing]), tmp_path)
+    def mut(detectable, caught, inert=False):
+        return {"inert": inert, "exceeds": detectable, "detectable": detectable,
+                "caught": caught, "failed_by": ["mean"] if caught else []}
+
+    good = _case("decode_fast", "pass", 1.0, 0.3)
+    good.update(baseline="lanes16x8/before/recip_after", outputs={"out": out(1e-6, 1e-6)},
+                mutants={"p_fp16": mut(True, True), "max_fp16": mut(False, False),
+                         "ring_stale": mut(False, False, inert=True)})
+    other = _case("decode_fast", "pass", 1.0, 0.3)
+    other["id"] = "decode_fast/other"
+    other.update(baseline="lanes16x8/before/recip_after", outputs={"out": out(1e-6, 1e-6)},
+                 mutants={"p_fp16": mut(True, False), "max_fp16": mut(False, False)})
+    rep = _report([good, other])
+    rows = {r["mutant"]: r for r in report.resolving_rows(rep)}
+    assert rows["p_fp16"]["detectable"] == 2 and rows["p_fp16"]["caught_detectable"] == 1
+    assert rows["p_fp16"]["missed"] == ["decode_fast/other"]
+    assert rows["ring_stale"]["inert"] == 1 and rows["ring_stale"]["cases"] == 0
+    assert report.resolving_power(rep) == (1, 2)
+    assert not rep["verdict"]["passed"]  # 50 % < 90 %
+    assert any("resolving power" in f for f in rep["verdict"]["failures"])
+    report.write(rep, tmp_path)
     text = (tmp_path / "summary.md").read_text()
-    assert "| normal | 3 | 2 | 4 | 1 |" in text
-    assert f"Passed by the spread alone (over 2 x the oracle order's error + floor): " \
-           f"`{by_spread['id']}`." in text
+    assert "| decode_fast | lanes16x8/before/recip_after | 2 | 0 | 0 | 0 |" in text
+    assert "Caught 1 of 2 detectable cases (50.0 %)" in text
+    assert "`p_fp16` on `decode_fast/other`" in text
+    other["mutants"]["p_fp16"] = {"error": "Traceback ...", "caught": False, "inert": False,
+                                  "exceeds": False, "detectable": False}
+    rep = _report([good, other])
+    assert report.resolving_power(rep) == (1, 1)
+    assert any("a crash is not a catch" in f for f in rep["verdict"]["failures"])
 
 
 def test_plot_entry_point_rebuilds_from_json(tmp_path):

@@ -1,84 +1,250 @@
-"""The sweep's float32 baselines: the oracle's arithmetic in each standard score order.
+"""Same-precision baselines: the oracle's arithmetic in float32, in a kernel family's order.
 
-A kernel is held to twice the error of plain float32 arithmetic
-(``validation.tolerance``). At well-conditioned scores every plain float32
-computation has about the same error. At a near tie of large scores (the
-``large`` fixture: |score| up to 1e4, where one float32 ulp is ~1e-3) it does
-not: which way each score rounds moves the output by a fixed step, and that
-depends on how the score was summed. One baseline is then one draw from a few
-discrete error levels, and a correct kernel that sums in another standard order
-fails by chance (validation/NOTES.md, near ties: every failure of run 20 is
-reproduced to the last digit by one of the orders below).
+A kernel is held to what plain float32 arithmetic achieves on its inputs
+(``validation.tolerance``). Which float32 arithmetic: the oracle's, with the
+q.k scores (and MLA's absorbed query ``q_lat``) summed **in the order the
+kernel family documents**, with FMA where the kernel uses FMA, and the softmax
+scale applied where the kernel applies it. One order per kernel, named in the
+registry (``validation.registry.KernelSpec.baseline``), so the factor 2 of the
+rule is the only allowance for the kernel's other differences (online softmax,
+``ex2.approx``, its position sums).
 
-So the sweep compares with each of the standard ways to compute a score in
-float32, and takes the largest error among them:
+An order's label is ``"SUM/SCALE/NORM"``:
 
-* how the q.k products are summed (``SUMS``): ``matmul`` (the oracle's own
-  ``@``/``einsum``, i.e. BLAS's blocked order), ``pairwise`` (``np.sum``: numpy's
-  pairwise summation) or ``running`` (``np.cumsum``: one running sum, the plain
-  loop over the head dimension);
-* where the softmax scale is applied (``SCALES``): to the scores ``after`` the
-  dot product (the oracle's choice), or ``before``, folded into q in float32
-  (what a flash-attention kernel does to save a multiply per score).
+SUM (how the products of a dot product are added, ``dot``)
+    ``matmul``       the oracle as written (BLAS's blocked order through ``@`` /
+                     ``einsum``): no kernel documents it; the reports show it as
+                     context.
+    ``fma``          one running sum, one rounding a product (a fused
+                     multiply-add): the fused prefill's and the GEMM prefill's
+                     per-thread loops over the head dimension.
+    ``lanesLxV``     the warp layout of the decode kernels: element ``d`` is in
+                     lane ``(d // V) % L``; each lane runs an FMA sum over its
+                     elements in increasing ``d``; then a butterfly over the
+                     ``L`` lanes (``attention.warp.group_sum``; the shuffle-down
+                     tree of ``warp_sum_down`` adds the same pairs). The warp
+                     kernels are ``lanes32x1``; the fast decode's layout
+                     depends on the cache dtype and D (``decode_fast``, below).
+    ``interleaved4`` four FMA sums over ``d = 0, 4, ..`` / ``1, 5, ..`` / ..
+                     up to ``W`` rounded down to 4, the tail added to the first,
+                     then ``(a0 + a1) + (a2 + a3)``: the MLA tiled kernels
+                     (``mla.kernels``).
+    ``blockedP``     two levels: running FMA sums of ``P`` consecutive products
+                     (a fresh partial each), added one after the other into the
+                     total: the MLA GEMM path (``attention.tgemm``:
+                     16-k partials; ``attention.sgemm``: 64-k partials). In MLA
+                     every GEMM of the path is summed so (absorb, scores, P.V,
+                     decompress: ``blocked_matmul``), since the path runs each
+                     of them through the same GEMM.
+    ``decode_fast``  resolved per case (``resolve``) to the fast decode's
+                     ``lanesLxV`` (``attention.decode_fast.row_layout``).
+    ``mla_gemm``     resolved per case to ``blocked16`` where the attention GEMMs
+                     run on tensor cores (more heads than half a tile,
+                     ``attention.tgemm``), else ``blocked64`` (``attention.sgemm``).
 
-Everything after the scores is the oracle's float32 code (``attention.oracle``'s
-``softmax_attend_rows``; MLA's decompression through ``W_UV`` by ``einsum``). The
-position sums (softmax denominator, P.V) are not varied: a kernel's long sums
-are held to the numpy order (a plain running sum over positions would excuse the
-error growth the growth runs look for). The growth runs keep the single
-as-written baseline.
+SCALE
+    ``after``        the scores are multiplied by the scale (the oracle's choice,
+                     the GEMM paths' ``alpha``).
+    ``before``       q is multiplied by the scale first, in float32 (the fused
+                     and warp kernels' pre-scaled q).
 
-``variants(kind, inputs)`` returns ``{output: {label: array}}`` with labels
-``"SUM/SCALE"``; ``"matmul/after"`` is exactly the oracle code run in float32
-(``registry.references``' baseline).
+NORM (how the weighted sum is normalised, ``attend``)
+    ``divide``       ``(e @ v) / sum(e)``: the oracle (the default when omitted).
+    ``recip_after``  ``(e @ v) * fl(1 / sum(e))``: the online-softmax kernels'
+                     epilogue (a reciprocal, then one multiply an element).
+    ``recip_first``  ``P = e * fl(1 / sum(e))`` written, then ``P @ v``: the
+                     kernels whose softmax writes probabilities for a GEMM
+                     (the GEMM prefill paths, the MLA GEMM path).
+
+EXP (the exponential of the softmax)
+    ``exp``          numpy's (correctly rounded; the default when omitted).
+    ``ex2``          ``2 ** fl32(x * log2 e)``: what fast-math kernels evaluate
+                     (``math.exp`` under ``fastmath=True`` is one multiply by
+                     log2 e, rounded, then ``ex2.approx``); the argument's
+                     rounding costs up to |x| units of float32 in a weight, which
+                     numpy's exp does not. ``ex2.approx``'s own error (~2 ulps)
+                     is left to the factor 2.
+
+The FMA is emulated in float64 (``a * b`` of two float32 values is exact
+there, the add is rounded once to float64 and then to float32; a double
+rounding that differs from one fused rounding needs an exact float64 tie and
+is not seen in practice).
+
+Everything after the scores is the oracle's float32 code
+(``attention.oracle.softmax_attend_rows``; MLA's decompression through
+``W_UV`` by ``einsum``): the position sums (softmax denominator, P.V) are held
+to numpy's order, so a kernel whose long sums drift fails instead of being
+excused.
+
+``baseline(kind, inputs, label, dtype)`` returns ``{output: array}``;
+``MATMUL`` is exactly the oracle code run in float32.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+
 import numpy as np
 
 from attention.oracle import (decode_attention_ref, kv_head_of, prefill_attention_ref,
-                              softmax_attend, softmax_attend_rows)
+                              softmax_attend_rows)
 
 F32 = np.float32
-SUMS = ("matmul", "pairwise", "running")
+F64 = np.float64
 SCALES = ("after", "before")
-PLAIN = "matmul/after"
-_CHUNK = 1 << 18  # float32 products formed at once by the pairwise sum (1 MiB)
+NORMS = ("divide", "recip_after", "recip_first")
+EXPS = ("exp", "ex2")
+LOG2E = F32(1.4426950408889634)
+MATMUL = "matmul/after"
+_LANES = re.compile(r"^lanes(\d+)x(\d+)$")
+_BLOCKED = re.compile(r"^blocked(\d+)$")
 
 
-def labels():
-    """Every variant's label, the oracle's own order first."""
-    return [f"{s}/{c}" for s in SUMS for c in SCALES]
+def parse(label):
+    """(sum, scale, norm, exp) of an order label ``SUM/SCALE[/NORM[/EXP]]`` (NORM
+    defaults to ``divide``, EXP to ``exp``); ValueError naming the label when
+    malformed."""
+    parts = str(label).split("/")
+    how, where = parts[0], parts[1] if len(parts) > 1 else ""
+    norm = parts[2] if len(parts) > 2 else "divide"
+    exp = parts[3] if len(parts) > 3 else "exp"
+    ok_how = (how in ("matmul", "fma", "interleaved4", "decode_fast", "mla_gemm")
+              or _LANES.match(how) or _BLOCKED.match(how))
+    if (not ok_how or where not in SCALES or norm not in NORMS or exp not in EXPS
+            or len(parts) > 4):
+        raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
+                         f"matmul, fma, lanesLxV, interleaved4, blockedP, decode_fast, mla_gemm, "
+                         f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
+    if how == "matmul" and (norm != "divide" or exp != "exp"):
+        raise ValueError(f"baseline order: matmul is the oracle as written (NORM divide, "
+                         f"EXP exp), got {label!r}")
+    return how, where, norm, exp
+
+
+def resolve(label, inputs, dtype):
+    """The concrete order of ``label`` for a case: ``decode_fast`` becomes the
+    fast decode's lane layout for the case's head size and cache dtype."""
+    how, where, norm, exp = parse(label)
+    tail = f"{norm}/{exp}" if exp != "exp" else norm
+    if how == "mla_gemm":
+        from attention import sgemm, tgemm
+
+        # the attention GEMMs (scores, P.V) take the tensor cores when the heads fill
+        # more than half a block tile (``attention.tgemm.usable``), else sgemm's sums
+        tensor = int(inputs["q_nope"].shape[1]) > tgemm.tile_shape()[0] // 2
+        part = 8 * tgemm.PART_STEPS if tensor else sgemm.PART_K  # k8 mma steps a partial
+        return f"blocked{part}/{where}/{tail}"
+    if how != "decode_fast":
+        return label
+    from attention.decode_fast import LANES, dtype_kind, row_layout
+
+    kind = dtype_kind(np.dtype(dtype))
+    lanes = LANES[kind]
+    vec, _ = row_layout(int(inputs["q"].shape[-1]), kind, lanes)
+    return f"lanes{lanes}x{vec}/{where}/{tail}"
+
+
+def _fma_sum(a_t, b_t, total=None):
+    """Running FMA sum over the leading axis of the (broadcastable) operands,
+    float32 result: ``total = fl32(total + a_i * b_i)`` for i in order."""
+    for i in range(max(a_t.shape[0], b_t.shape[0])):
+        prod = a_t[i % a_t.shape[0]].astype(F64) * b_t[i % b_t.shape[0]].astype(F64)
+        total = prod.astype(F32) if total is None else (total.astype(F64) + prod).astype(F32)
+    return total
 
 
 def dot(a, b, how):
     """float32 sum over the last axis of ``a * b`` (broadcast), summed ``how``.
 
     a: [..., n], b: [..., n] (broadcastable), float32. Returns [...] float32.
-    ``pairwise``: ``np.sum`` of the rounded products (numpy's pairwise sum),
-    formed a chunk of leading rows at a time; ``running``: left to right, one
-    rounding per product and per add (``np.cumsum``'s order, without its
-    [..., n] intermediate).
+    ``how``: ``fma``, ``lanesLxV``, ``interleaved4``, ``blockedP`` or
+    ``pairwise`` (numpy's ``sum`` of the rounded products; a test reference).
     """
+    a, b = np.asarray(a, F32), np.asarray(b, F32)
     shape = np.broadcast_shapes(a.shape, b.shape)
-    if how == "running":  # the summed axis first, so each step's operands are contiguous
-        a_t, b_t = (np.ascontiguousarray(np.moveaxis(x, -1, 0)) for x in (a, b))
-        total = np.zeros(shape[:-1], F32)
-        for i in range(shape[-1]):
-            total += a_t[i % a_t.shape[0]] * b_t[i % b_t.shape[0]]
-        return total
-    a, b = np.broadcast_to(a, shape), np.broadcast_to(b, shape)
-    if how != "pairwise":
-        raise ValueError(f"dot: how must be 'pairwise' or 'running', got {how!r}")
-    if len(shape) > 1 and int(np.prod(shape)) > _CHUNK:
-        inner = int(np.prod(shape[1:]))
-        if inner > _CHUNK:
-            return np.stack([dot(a[i], b[i], how) for i in range(shape[0])])
-        step = _CHUNK // inner
-        return np.concatenate([dot(a[i:i + step], b[i:i + step], how)
-                               for i in range(0, shape[0], step)])
-    return np.ascontiguousarray(a * b, dtype=F32).sum(axis=-1, dtype=F32)
+    n = shape[-1]
+    if n == 0:
+        return np.zeros(shape[:-1], F32)
+    if how == "pairwise":
+        return np.ascontiguousarray(np.broadcast_to(a, shape) * b, dtype=F32).sum(-1, dtype=F32)
+    # the summed axis first, so each step's operands are contiguous
+    a_t, b_t = (np.ascontiguousarray(np.moveaxis(x, -1, 0)) for x in (a, b))
+    if how == "fma":
+        return np.broadcast_to(_fma_sum(a_t, b_t), shape[:-1]).astype(F32)
+    lanes = _LANES.match(how)
+    if lanes:
+        n_lanes, vec = int(lanes.group(1)), int(lanes.group(2))
+        lane_of = (np.arange(n) // vec) % n_lanes
+        parts = np.zeros((n_lanes,) + shape[:-1], F32)
+        for j in range(n_lanes):
+            idx = np.flatnonzero(lane_of == j)
+            if idx.size:
+                parts[j] = _fma_sum(a_t[idx % a_t.shape[0]] if a_t.shape[0] > 1 else a_t,
+                                    b_t[idx % b_t.shape[0]] if b_t.shape[0] > 1 else b_t)
+        off = n_lanes // 2  # butterfly: lane j adds lane j ^ off, level by level
+        while off:
+            parts = (parts + parts[np.arange(n_lanes) ^ off]).astype(F32)
+            off //= 2
+        return parts[0]
+    if how == "interleaved4":
+        w4 = n - n % 4
+        acc = [_fma_sum(a_t[i:w4:4] if a_t.shape[0] > 1 else a_t,
+                        b_t[i:w4:4] if b_t.shape[0] > 1 else b_t) if w4 else None
+               for i in range(4)]
+        if w4 == 0:
+            acc = [np.zeros(shape[:-1], F32) for _ in range(4)]
+        if n > w4:
+            acc[0] = _fma_sum(a_t[w4:] if a_t.shape[0] > 1 else a_t,
+                              b_t[w4:] if b_t.shape[0] > 1 else b_t, acc[0])
+        return np.broadcast_to(((acc[0] + acc[1]) + (acc[2] + acc[3])).astype(F32),
+                               shape[:-1]).astype(F32)
+    blocked = _BLOCKED.match(how)
+    if blocked:
+        part = int(blocked.group(1))
+        total = None
+        for k0 in range(0, n, part):
+            sl = slice(k0, min(n, k0 + part))
+            p = _fma_sum(a_t[sl] if a_t.shape[0] > 1 else a_t, b_t[sl] if b_t.shape[0] > 1
+                         else b_t)
+            total = p if total is None else (total + p).astype(F32)
+        return np.broadcast_to(total, shape[:-1]).astype(F32)
+    raise ValueError(f"dot: how must be fma, lanesLxV, interleaved4, blockedP or pairwise, "
+                     f"got {how!r}")
+
+
+def attend(scores, values, norm, exp="exp", weights_only=False):
+    """``attention.oracle.softmax_attend_rows`` in float32 with the kernel's
+    normalisation: ``divide`` (the oracle's ``(e @ v) / sum``), ``recip_after``
+    (``(e @ v) * fl(1 / sum)``: the online-softmax kernels' epilogue) or
+    ``recip_first`` (``P = e * fl(1 / sum)``, then ``P @ v``: the kernels that
+    write probabilities and multiply them in a GEMM). scores [R, S] float32
+    (-inf: masked), values [S, Dv]; returns (out [R, Dv], lse [R]).
+    ``weights_only`` (``recip_first``): returns (P [R, S], lse [R]) instead,
+    for a caller that multiplies P in its own order. ``exp``: ``exp`` (numpy's)
+    or ``ex2`` (fast-math: ``2 ** fl(x * log2 e)``, the argument rounded to
+    float32 as ``ex2.approx`` takes it)."""
+    if norm == "divide" and exp == "exp":
+        return softmax_attend_rows(scores, values)
+    m = scores.max(axis=1, keepdims=True)  # [R, 1]
+    if exp == "ex2":
+        with np.errstate(invalid="ignore"):
+            arg = ((scores - m).astype(F32) * LOG2E).astype(F32)
+        e = np.exp2(arg.astype(F64)).astype(F32)  # [R, S]
+    else:
+        e = np.exp(scores - m)  # [R, S]
+    if norm == "divide":
+        return ((e @ values) / e.sum(axis=1)[:, None]).astype(F32), \
+            (m[:, 0] + np.log(e.sum(axis=1))).astype(F32)
+    denom = e.sum(axis=1)  # [R]
+    inv = (F32(1.0) / denom).astype(F32)
+    lse = (m[:, 0] + np.log(denom)).astype(F32)
+    if norm == "recip_after":
+        return ((e @ values) * inv[:, None]).astype(F32), lse
+    probs = (e * inv[:, None]).astype(F32)
+    if weights_only:
+        return probs, lse
+    return (probs @ values).astype(F32), lse
 
 
 def _fold(q, scale):
@@ -86,11 +252,12 @@ def _fold(q, scale):
     return np.asarray(q, F32) * F32(scale), 1.0
 
 
-def decode_variant(q, k_cache, v_cache, seq_lens, slot_table, how, where):
-    """``attention.oracle.decode_attention_ref`` in float32, scores summed ``how``
-    (``SUMS``), the scale applied ``where`` (``SCALES``). Shapes as the oracle's
-    batched form: q [M, H, D], caches [KV_SLOTS, H_kv, max_seq, D], seq_lens [M],
-    slot_table [M]; returns (out [M, H, D], lse [M, H]) float32."""
+def decode_order(q, k_cache, v_cache, seq_lens, slot_table, label):
+    """``attention.oracle.decode_attention_ref`` in float32 with the scores in
+    order ``label``. Shapes as the oracle's batched form: q [M, H, D], caches
+    [KV_SLOTS, H_kv, max_seq, D], seq_lens [M], slot_table [M]; returns
+    (out [M, H, D], lse [M, H]) float32."""
+    how, where, norm, exp = parse(label)
     q = np.asarray(q, F32)
     scale = 1.0 / np.sqrt(q.shape[-1])
     if where == "before":
@@ -100,21 +267,31 @@ def decode_variant(q, k_cache, v_cache, seq_lens, slot_table, how, where):
                                     dtype=F32)
     k_cache, v_cache = np.asarray(k_cache, F32), np.asarray(v_cache, F32)
     m_count, n_heads, _ = q.shape
+    n_kv = k_cache.shape[1]
+    if slot_table is None:
+        slot_table = np.arange(m_count)
     out = np.zeros((m_count, n_heads, v_cache.shape[-1]), F32)
     lse = np.full((m_count, n_heads), -np.inf, F32)
+    heads_of = {}
+    for h in range(n_heads):
+        heads_of.setdefault(kv_head_of(h, n_heads, n_kv), []).append(h)
     for m in range(m_count):
         slot, length = int(slot_table[m]), int(seq_lens[m])
-        for h in range(n_heads):
-            g = kv_head_of(h, n_heads, k_cache.shape[1])
-            scores = dot(k_cache[slot, g, :length], q[m, h], how) * F32(scale)  # [L]
-            out[m, h], lse[m, h] = softmax_attend(scores, v_cache[slot, g, :length])
+        if length == 0:
+            continue
+        for g, heads in heads_of.items():
+            # scores [len(heads), L]: each head's q against the group's rows
+            scores = dot(k_cache[slot, g, :length][None], q[m, heads][:, None, :], how)
+            scores = (scores * F32(scale)).astype(F32)
+            out[m, heads], lse[m, heads] = attend(scores, v_cache[slot, g, :length], norm, exp)
     return out, lse
 
 
-def prefill_variant(q, k, v, n_heads, n_kv_heads, causal, how, where):
-    """``attention.oracle.prefill_attention_ref`` in float32, scores summed ``how``,
-    the scale applied ``where``. q [T, H*D], k and v [T, H_kv*D]; returns
-    (out [T, H*D], lse [H, T]) float32."""
+def prefill_order(q, k, v, n_heads, n_kv_heads, causal, label):
+    """``attention.oracle.prefill_attention_ref`` in float32 with the scores in
+    order ``label``. q [T, H*D], k and v [T, H_kv*D]; returns (out [T, H*D],
+    lse [H, T]) float32."""
+    how, where, norm, exp = parse(label)
     q = np.asarray(q, F32)
     head_dim = q.shape[1] // n_heads if n_heads else 0
     scale = 1.0 / np.sqrt(head_dim) if head_dim else 1.0
@@ -130,71 +307,126 @@ def prefill_variant(q, k, v, n_heads, n_kv_heads, causal, how, where):
     cols = lambda i: slice(i * head_dim, (i + 1) * head_dim)  # noqa: E731
     for h in range(n_heads):
         g = kv_head_of(h, n_heads, n_kv_heads)
-        scores = dot(q[:, None, cols(h)], k[None, :, cols(g)], how) * F32(scale)  # [T, T]
+        scores = dot(q[:, None, cols(h)], k[None, :, cols(g)], how)  # [T, T]
+        scores = (scores * F32(scale)).astype(F32)
         if causal:
             scores[np.arange(t_len)[None, :] > np.arange(t_len)[:, None]] = -np.inf
         if t_len:
-            out[:, cols(h)], lse[h] = softmax_attend_rows(scores, v[:, cols(g)])
+            out[:, cols(h)], lse[h] = attend(scores, v[:, cols(g)], norm, exp)
     return out, lse
 
 
-def mla_variant(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, how, where):
-    """``mla.oracle.mla_attend_float32`` with q_lat and the scores summed ``how``
-    and the scale applied ``where``. q_nope [t_q, nh, d_nope], q_pe [t_q, nh, d_rope],
-    c_kv [t_kv, r], k_pe [t_kv, d_rope], w_uk [nh, d_nope, r], w_uv [nh, d_v, r];
-    returns out [t_q, nh, d_v] float32."""
+def mla_order(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, label):
+    """``mla.oracle.mla_attend_float32`` with q_lat and the scores summed in order
+    ``label``. q_nope [t_q, nh, d_nope], q_pe [t_q, nh, d_rope], c_kv [t_kv, r],
+    k_pe [t_kv, d_rope], w_uk [nh, d_nope, r], w_uv [nh, d_v, r]; returns
+    out [t_q, nh, d_v] float32."""
     from mla.oracle import default_scale, mla_attend_float32, visible_positions
 
+    how, where, norm, exp = parse(label)
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (np.asarray(a, F32) for a in
                                             (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
-    t_q, n_head, d_nope = q_nope.shape
-    scale = default_scale(d_nope, q_pe.shape[2])
-    if where == "before":
-        (q_nope, scale), (q_pe, _) = _fold(q_nope, scale), _fold(q_pe, scale)
+    t_q, n_head, _ = q_nope.shape
+    scale = default_scale(q_nope.shape[2], q_pe.shape[2])
     if how == "matmul":
+        if where == "before":
+            (q_nope, scale), (q_pe, _) = _fold(q_nope, scale), _fold(q_pe, scale)
         return mla_attend_float32(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale=scale)
     t_kv = c_kv.shape[0]
-    # q_lat[t, h, l] = sum_p w_uk[h, p, l] q_nope[t, h, p]: the sum over p last
-    q_lat = dot(np.swapaxes(w_uk, 1, 2)[None], q_nope[:, :, None, :], how)  # [t_q, nh, r]
+    blocked = _BLOCKED.match(how)
+    if blocked:  # the GEMM path: every product of it in two-level sums (blocked_matmul):
+        # the attention GEMMs with the label's partials, absorb and decompress with
+        # sgemm's (they never take the tensor cores)
+        part = int(blocked.group(1))
+        from attention.sgemm import PART_K as other
+        q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], other)[:, :, 0]  # [t_q, nh, r]
+    else:
+        # q_lat[t, h, l] = sum_p w_uk[h, p, l] q_nope[t, h, p]: the sum over p last
+        q_lat = dot(np.swapaxes(w_uk, 1, 2)[None], q_nope[:, :, None, :], how)  # [t_q, nh, r]
     lat = np.concatenate([q_lat, q_pe], axis=-1)  # [t_q, nh, r + d_rope]
+    if where == "before":  # the kernels scale the absorbed query
+        lat, scale = _fold(lat, scale)
     rows = np.concatenate([c_kv, k_pe], axis=-1)  # [t_kv, r + d_rope]
     out = np.zeros((t_q, n_head, w_uv.shape[1]), F32)
     for i in range(t_q):
         vis = visible_positions(t_q, t_kv, i)
         if vis == 0:
             continue
-        scores = dot(rows[None, :vis], lat[i][:, None, :], how) * F32(scale)  # [nh, vis]
-        o_lat, _ = softmax_attend_rows(scores, c_kv[:vis])  # [nh, r]
+        if blocked:
+            scores = blocked_matmul(lat[i], rows[:vis].T, part)  # [nh, vis]
+        else:
+            scores = dot(rows[None, :vis], lat[i][:, None, :], how)  # [nh, vis]
+        scores = (scores * F32(scale)).astype(F32)
+        if blocked:
+            p, _ = attend(scores, None, norm, exp, weights_only=True)  # [nh, vis]
+            o_lat = blocked_matmul(p, c_kv[:vis], part)  # [nh, r]
+            out[i] = blocked_matmul(w_uv, o_lat[:, :, None], other)[:, :, 0]  # [nh, d_v]
+            continue
+        o_lat, _ = attend(scores, c_kv[:vis], norm, exp)  # [nh, r]
         out[i] = np.einsum("hjl,hl->hj", w_uv, o_lat)  # [nh, d_v]
     return out
 
 
-def variants(kind, inputs, plain=None):
-    """{output name: {label: float32 array}} for a sweep case's inputs (the
-    registry's input dict of ``kind`` decode | prefill | mla). ``plain``: the
-    oracle's float32 outputs when already computed (``registry.references``'
-    baseline, {output name: array}), taken as the ``PLAIN`` variant."""
-    if kind not in ("decode", "prefill", "mla"):
-        raise ValueError(f"variants: kind must be decode, prefill or mla, got {kind!r}")
-    got = {}
-    for label in labels():
-        how, where = label.split("/")
-        if label == PLAIN and plain is not None:
-            for name, arr in plain.items():
-                got.setdefault(name, {})[label] = arr
-            continue
-        if kind == "decode":
-            o, lse = decode_variant(inputs["q"], inputs["k_cache"], inputs["v_cache"],
-                                    inputs["seq_lens"], inputs["slot_table"], how, where)
-            res = {"out": o, "lse": lse}
-        elif kind == "prefill":
-            o, lse = prefill_variant(inputs["q"], inputs["k"], inputs["v"], inputs["n_heads"],
-                                     inputs["n_kv_heads"], inputs["causal"], how, where)
-            res = {"out": o, "lse": lse}
-        else:
-            from validation.registry import MLA_ARGS
+def blocked_matmul(a, b, part):
+    """``a @ b`` in float32 as the GEMM path sums: for each output, running FMA
+    sums over ``part`` consecutive k (a fresh partial each), each partial added
+    to the total in turn. a [..., M, K], b [..., K, N] (leading axes
+    broadcast); returns [..., M, N] float32. Compiled for the CPU (numba),
+    since a Python loop over k is too slow at the MLA shapes."""
+    a, b = np.asarray(a, F32), np.asarray(b, F32)
+    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = np.ascontiguousarray(np.broadcast_to(a, lead + (m, k))).reshape(-1, m, k)
+    bt = np.ascontiguousarray(np.swapaxes(np.broadcast_to(b, lead + (k, n)), -1, -2))
+    out = _fma_blocked()(a3, bt.reshape(-1, n, k), int(part))
+    return out.reshape(lead + (m, n))
 
-            res = {"out": mla_variant(*(inputs[n] for n in MLA_ARGS), how, where)}
-        for name, arr in res.items():
-            got.setdefault(name, {})[label] = arr
-    return got
+
+@functools.lru_cache(maxsize=None)
+def _fma_blocked():
+    """The compiled loop of ``blocked_matmul``: a [Z, M, K], bt [Z, N, K] float32
+    (b transposed, so k is contiguous in both) -> [Z, M, N] float32."""
+    from numba import njit
+
+    @njit(cache=False)
+    def run(a, bt, part):
+        nz, m, k = a.shape
+        n = bt.shape[1]
+        out = np.zeros((nz, m, n), np.float32)
+        for z in range(nz):
+            for i in range(m):
+                for j in range(n):
+                    total = np.float32(0.0)
+                    for k0 in range(0, k, part):
+                        acc = np.float32(0.0)
+                        for kk in range(k0, min(k, k0 + part)):
+                            # one fused multiply-add: the exact product, one rounding
+                            acc = np.float32(np.float64(acc) + np.float64(a[z, i, kk])
+                                             * np.float64(bt[z, j, kk]))
+                        total = acc if k0 == 0 else np.float32(total + acc)
+                    out[z, i, j] = total
+        return out
+
+    return run
+
+
+def baseline(kind, inputs, label, plain=None):
+    """{output name: float32 array}: the case's baseline in order ``label``
+    (already ``resolve``d) for a sweep case's inputs (the registry's input dict
+    of ``kind`` decode | prefill | mla). ``plain``: the oracle's float32 outputs
+    when already computed, returned for ``MATMUL``."""
+    if kind not in ("decode", "prefill", "mla"):
+        raise ValueError(f"baseline: kind must be decode, prefill or mla, got {kind!r}")
+    if label == MATMUL and plain is not None:
+        return dict(plain)
+    if kind == "decode":
+        o, lse = decode_order(inputs["q"], inputs["k_cache"], inputs["v_cache"],
+                              inputs["seq_lens"], inputs["slot_table"], label)
+        return {"out": o, "lse": lse}
+    if kind == "prefill":
+        o, lse = prefill_order(inputs["q"], inputs["k"], inputs["v"], inputs["n_heads"],
+                               inputs["n_kv_heads"], inputs["causal"], label)
+        return {"out": o, "lse": lse}
+    from validation.registry import MLA_ARGS
+
+    return {"out": mla_order(*(inputs[n] for n in MLA_ARGS), label)}

@@ -88,6 +88,10 @@ def parser():
                                      "mla_decode, mla_gemm_decode, mla_gemm_fma_decode, "
                                      "or 'none'")
     ap.add_argument("--defects", help="planted-defect suites by family name (globs), or 'none'")
+    ap.add_argument("--mutants", default="first",
+                    help="run the product kernels' precision mutants (the judge's resolving "
+                         "power) on the cases of these seeds: 'first' (default: the first "
+                         "seed), a seed list, or 'none'")
     ap.add_argument("--suite-module", action="append", default=[], metavar="MODULE",
                     help="also run this suite module (import path; repeatable)")
     ap.add_argument("--device", choices=("auto", "gpu", "sim"), default="auto",
@@ -251,8 +255,15 @@ def build_units(args, device):
         else:
             early.append(sweep.not_available_record(spec, status, why))
     shape_match, fixture_match = _matcher(args.shapes), _matcher(args.fixtures)
+    if args.mutants == "none":
+        mutant_seeds = []
+    elif args.mutants == "first":
+        mutant_seeds = seeds[:1]
+    else:
+        mutant_seeds = _seeds(args.mutants)
     case_list = registry.cases(runnable, small=small, quick=quick, seeds=seeds, dtypes=dtypes,
-                               shape_filter=shape_match, fixture_filter=fixture_match)
+                               shape_filter=shape_match, fixture_filter=fixture_match,
+                               mutant_seeds=mutant_seeds)
     if quick:  # hostile fixtures only on each kind's first quick shape
         first = {}
         for c in case_list:
@@ -279,7 +290,7 @@ def build_units(args, device):
         "command": " ".join(["scripts/validate"] + sys.argv[1:]),
         "device": device, "small": small, "quick": quick, "seeds": seeds, "dtypes": dtypes,
         "steps": steps, "kernels": [s.name for s in specs],
-        "growth": growth_names, "suites": modules,
+        "growth": growth_names, "suites": modules, "mutant_seeds": mutant_seeds,
         "shard": list(args.shard) if args.shard else None,
     }
     if args.shard:

@@ -6,7 +6,8 @@ the real kernels (``DecodeBatch.step``: batched KV scatter then attention;
 ``LatentCache.append``: the MLA ``append_latent`` kernel, then
 ``mla_decode_step``), and compares the step's output with the float64 oracle's
 full recompute over everything cached so far, and the float32 baseline (the
-same oracle code in float32) likewise. A host mirror of the cache (what the
+oracle's arithmetic in float32, the scores in the order of the run's kernel:
+``validation.baselines``, named in the registry) likewise. A host mirror of the cache (what the
 appends should have written) feeds the oracles; at the end the device cache is
 copied back and must equal the mirror bit for bit, with NaN (the initial fill)
 everywhere nothing was appended.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from validation import fixtures, metrics
+from validation import baselines, fixtures, metrics
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode",
                   "mla_gemm_decode", "mla_gemm_fma_decode")
@@ -49,6 +50,20 @@ MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_d
 MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
+KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
+# each run's baseline order: its kernel's in the registry (validation.baselines)
+REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_decode",
+                   "fast_decode": "decode_fast", "mla_decode": "mla", "mla_gemm_decode": "mla_gemm",
+                   "mla_gemm_fma_decode": "mla_gemm_fma"}
+
+
+def baseline_order(kernel, inputs=None, storage=np.float32):
+    """The baseline order label of growth run ``kernel`` (resolved for the
+    fast decode's lane layout with ``inputs`` holding ``q`` and the storage dtype)."""
+    from validation.registry import KERNELS_BY_NAME
+
+    label = KERNELS_BY_NAME[REGISTRY_KERNEL[kernel]].baseline
+    return baselines.resolve(label, inputs, storage) if inputs is not None else label
 GPU_STEPS = 1024
 SIM_STEPS = 32
 
@@ -83,7 +98,8 @@ class GrowthJob:
 
 def _series():
     return {"step": [], "length": [], "out_err": [], "out_base": [], "out_bound": [],
-            "lse_err": [], "lse_base": [], "lse_bound": [], "passed": []}
+            "out_mean": [], "out_mean_base": [], "lse_err": [], "lse_base": [], "lse_bound": [],
+            "lse_mean": [], "lse_mean_base": [], "passed": []}
 
 
 def _record_step(series, step, length, judged):
@@ -94,6 +110,8 @@ def _record_step(series, step, length, judged):
         series[f"{name}_err"].append(None if r is None else r["max_abs"])
         series[f"{name}_base"].append(None if r is None else r["baseline_abs"])
         series[f"{name}_bound"].append(None if r is None else r["bound"])
+        series[f"{name}_mean"].append(None if r is None else r["mean_abs"])
+        series[f"{name}_mean_base"].append(None if r is None else r["baseline_mean"])
     series["passed"].append(all(r["passed"] for r in judged.values()))
 
 
@@ -135,8 +153,10 @@ def _decode_growth(job, method):
             k32[s, :, p], v32[s, :, p] = k_new[i], v_new[i]
         lengths = lengths + 1
         o64, l64 = decode_attention_ref(q, k_mirror, v_mirror, lengths, slot_table)
-        o32, l32 = decode_attention_ref(q, k32, v32, lengths, slot_table, dtype=np.float32)
-        judged = {"out": metrics.judge(out, o64, o32, dt), "lse": metrics.judge(lse, l64, l32, dt)}
+        label = baseline_order(KERNEL_OF_METHOD[method], {"q": q}, dt)
+        o32, l32 = baselines.decode_order(q, k32, v32, lengths, slot_table, label)
+        judged = {"out": metrics.judge(out, o64, o32, label),
+                  "lse": metrics.judge(lse, l64, l32, label)}
         _record_step(series, step + 1, int(lengths.max()), judged)
     # the caches after the run: appended rows bit-exact, NaN elsewhere
     cache_ok = True
@@ -187,7 +207,7 @@ def mla_growth_inputs(job):
 
 def _mla_growth(job):
     from mla.cache import LatentCache
-    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    from mla.oracle import mla_attend_absorbed
     from mla.pipeline import mla_decode_step
 
     dims, dt, start, w_uk, w_uv, c_all, k_all, queries = mla_growth_inputs(job)
@@ -203,8 +223,9 @@ def _mla_growth(job):
         args = (q_nope, q_pe, c_all[:length].astype(np.float64), k_all[:length].astype(
             np.float64), w_uk, w_uv)
         ref = mla_attend_absorbed(*args)
-        base = mla_attend_float32(*args)
-        _record_step(series, step + 1, length, {"out": metrics.judge(out, ref, base, dt)})
+        label = baseline_order(job.kernel)
+        base = baselines.mla_order(*args, label)
+        _record_step(series, step + 1, length, {"out": metrics.judge(out, ref, base, label)})
     problems = []
     rows = np.asarray(cache.rows(0), dtype=np.float64)
     want = np.concatenate([c_all, k_all], axis=1).astype(np.float64)

@@ -3,7 +3,10 @@
 ``kernel_source_hash()`` hashes the kernel packages' Python sources
 (``attention/`` and ``mla/``, sorted by path, path and bytes both hashed), so a
 report can be matched to the code it measured: a committed report whose hash
-differs from the working tree's is stale.
+differs from the working tree's is stale. ``criterion_hash()`` does the same
+for the code that judges (``CRITERION_FILES``: the rule, the baselines, the
+metrics, the fixtures, the registry and the runs that apply them): a
+validation report judged under another rule is stale too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_PACKAGES = ("attention", "mla")
+CRITERION_FILES = ("validation/tolerance.py", "validation/baselines.py", "validation/metrics.py",
+                   "validation/fixtures.py", "validation/registry.py", "validation/sweep.py",
+                   "validation/growth.py")
 
 
 def kernel_sources(root=ROOT):
@@ -25,14 +31,22 @@ def kernel_sources(root=ROOT):
     return files
 
 
-def kernel_source_hash(root=ROOT):
+def _hash_files(paths, root):
     h = hashlib.sha256()
-    for path in kernel_sources(root):
+    for path in paths:
         h.update(path.relative_to(root).as_posix().encode())
         h.update(b"\0")
         h.update(path.read_bytes())
         h.update(b"\0")
     return h.hexdigest()[:16]
+
+
+def kernel_source_hash(root=ROOT):
+    return _hash_files(kernel_sources(root), root)
+
+
+def criterion_hash(root=ROOT):
+    return _hash_files([root / f for f in CRITERION_FILES], root)
 
 
 def git_commit(root=ROOT):
@@ -83,6 +97,7 @@ def provenance(**extra):
     rec = {
         "git_commit": git_commit(),
         "kernel_source_hash": kernel_source_hash(),
+        "criterion_hash": criterion_hash(),
         "device": device_name(),
         "versions": versions(),
         "host": platform.node(),

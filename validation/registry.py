@@ -203,9 +203,9 @@ MLA_ARGS = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
 # ---------------------------------------------------------------------------
 
 
-def _run_batched(fn, x):
+def _run_batched(fn, x, **kw):
     out, lse = fn(x["q"], x["k_cache"], x["v_cache"], x["seq_lens"], x["slot_table"],
-                  return_lse=True)
+                  return_lse=True, **kw)
     return {"out": out, "lse": lse}
 
 
@@ -240,8 +240,8 @@ def _run_prefill(method):
 
 
 def _run_mla(method):
-    def run(fn, x):
-        return {"out": fn(*(x[n] for n in MLA_ARGS), method=method)}
+    def run(fn, x, **kw):
+        return {"out": fn(*(x[n] for n in MLA_ARGS), method=method, **kw)}
 
     return run
 
@@ -256,44 +256,83 @@ class KernelSpec:
     run: Callable = field(compare=False)
     storage: tuple = ()  # inputs cast to the case dtype first
     note: str = ""
+    # the same-precision baseline's order (``validation.baselines``): how the
+    # kernel sums its q.k products and where it applies the scale
+    baseline: str = "matmul/after"
 
+
+# the warp kernels: lane j holds d = j + 32 c, an FMA sum a lane, then a shuffle
+# tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp
+# (attention.decode, attention.flash_decode)
+WARP_ORDER = "lanes32x1/before/recip_after/ex2"
 
 KERNELS = (
     KernelSpec("decode", "decode", "decode", "attention.decode", "decode_attention",
                _run_single, ("k_cache", "v_cache"),
-               "warp-per-head decode of one sequence (called per sequence)"),
+               "warp-per-head decode of one sequence (called per sequence)",
+               WARP_ORDER),
     KernelSpec("batched_decode", "batched_decode", "decode", "attention.decode",
                "batched_decode_attention", _run_batched, ("k_cache", "v_cache"),
-               "warp per (head, sequence) over a pooled cache with a slot table"),
+               "warp per (head, sequence) over a pooled cache with a slot table", WARP_ORDER),
     KernelSpec("flash_decode", "batched_decode", "decode", "attention.flash_decode",
                "flash_decode_attention", _run_flash(None), ("k_cache", "v_cache"),
-               "split-KV decode, split count from the heuristic"),
+               "split-KV decode, split count from the heuristic", WARP_ORDER),
     KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.flash_decode",
                "flash_decode_attention", _run_flash(3), ("k_cache", "v_cache"),
-               "split-KV decode forced to 3 splits (empty chunks on short sequences)"),
-    KernelSpec("decode_fast", "batched_decode", "decode", "attention.decode_fast",
+               "split-KV decode forced to 3 splits (empty chunks on short sequences)",
+               WARP_ORDER),
+    KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode_fast",
                "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
-               "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads"),
+               "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads",
+               "decode_fast/before/recip_after/ex2"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill", "prefill_attention",
-               _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill"),
+               _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
+               "fma/before/recip_after"),
     KernelSpec("prefill_batched", "prefill", "prefill", "attention.prefill",
                "prefill_attention", _run_prefill("batched"), ("k", "v"),
-               "all heads per launch: transpose, GEMM, softmax, GEMM"),
+               "all heads per launch: transpose, GEMM, softmax, GEMM",
+               "fma/after/recip_first"),
     KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill",
                "prefill_attention", _run_prefill("per_head"), ("k", "v"),
-               "one head at a time through the same small kernels"),
+               "one head at a time through the same small kernels",
+               "fma/after/recip_first"),
     KernelSpec("mla", "mla", "mla", "mla.pipeline", "mla_attend", _run_mla("flash"),
                ("c_kv", "k_pe"),
-               "absorb_q -> latent rows -> attn_absorbed (tiled online softmax) -> decompress_v"),
+               "absorb_q -> latent rows -> attn_absorbed (tiled online softmax) -> decompress_v",
+               "interleaved4/before/recip_after"),
     KernelSpec("mla_gemm", "mla_gemm", "mla", "mla.pipeline", "mla_attend", _run_mla("gemm"),
                ("c_kv", "k_pe"),
                "the GEMM path: absorb, scores, softmax, P.V, decompress (mla.attn_gemm; "
-               "scores and P.V on tensor cores, split tf32, where they qualify)"),
+               "scores and P.V on tensor cores, split tf32, where they qualify)", 
+               "mla_gemm/after/recip_first"),
     KernelSpec("mla_gemm_fma", "mla_gemm", "mla", "mla.pipeline", "mla_attend",
                _run_mla("gemm_fma"), ("c_kv", "k_pe"),
-               "the GEMM path with fp32 FMA GEMMs only (method='gemm_fma')"),
+               "the GEMM path with fp32 FMA GEMMs only (method='gemm_fma')", 
+               "blocked64/after/recip_first"),
 )
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
+
+# Precision mutants (resolving power of the judge): compile-time switches of the
+# product kernels, passed as ``defect=``; kernel name -> (module, the method its
+# ``mutant_applies`` is asked about, or None for the module's own tuple)
+MUTANT_SOURCES = {
+    "decode_fast": ("attention.decode_fast", None),
+    "mla_gemm": ("mla.attn_gemm", "gemm"),
+    "mla_gemm_fma": ("mla.attn_gemm", "gemm_fma"),
+}
+
+
+def mutants_of(name):
+    """The precision mutants kernel ``name`` carries (empty for the others)."""
+    if name not in MUTANT_SOURCES:
+        return ()
+    module, method = MUTANT_SOURCES[name]
+    mod = importlib.import_module(module)
+    names = tuple(getattr(mod, "PRECISION_MUTANTS", ()))
+    if method is None:
+        return names
+    applies = getattr(mod, "mutant_applies", None)
+    return tuple(n for n in names if applies is None or applies(n, method))
 # modules the oracles and fixtures of each kind need besides the kernel's own
 KIND_MODULES = {"decode": ("attention.oracle",), "prefill": ("attention.oracle",),
                 "mla": ("mla.oracle", "mla.dims")}
@@ -339,13 +378,15 @@ class Case:
     seed: int
     dtype: str
     small: bool
+    mutants: bool = False  # also run the kernel's precision mutants (resolving power)
 
     @property
     def id(self):
         return f"{self.kernel}/{self.shape}/{self.fixture}/s{self.seed}/{self.dtype}"
 
 
-def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_filter=None):
+def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_filter=None,
+          mutant_seeds=()):
     """Every case of ``kernels`` (KernelSpecs) in a fixed order: grouped by kind,
     then by data (shape, fixture, seed, dtype), the kernels of the kind last, so
     consecutive cases share inputs and references. A kind whose shapes cannot be
@@ -372,5 +413,6 @@ def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_fi
                     for dtype in dtypes:
                         for spec in specs:
                             out.append(Case(spec.name, shape.name, fixture, int(seed), dtype,
-                                            small))
+                                            small, spec.name in MUTANT_SOURCES
+                                            and int(seed) in mutant_seeds))
     return out

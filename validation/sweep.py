@@ -9,12 +9,14 @@
               (its module exists but does not import)
     passed    bool; ratio, margin, max_abs, max_rel, cos_diff (worst over outputs)
     outputs   {"out": judge record, "lse": judge record} (``validation.metrics``)
+    baseline  the order of the same-precision baseline (``validation.baselines``)
     cast      which inputs were stored in the case dtype ("storage" or "all")
     seconds   kernel wall time (first call includes compilation)
     detail    why it failed / was skipped
 
 References are cached per (kind, shape, fixture, seed, dtype, cast): every
-kernel of a kind sees the same inputs, so the oracle runs once for all of them.
+kernel of a kind sees the same inputs, so the oracle runs once for all of them,
+and each baseline order once for the kernels that share it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from collections import OrderedDict
 import numpy as np
 
 from validation import baselines, fixtures, metrics, registry
+from validation.tolerance import MEAN_RATIO, RATIO
+
+# a mutant is detectable on a case when its max error is over RATIO x the
+# baseline's, or its mean error over DETECTABLE x the baseline's mean
+DETECTABLE = 2.0
 
 _REF_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _REF_CACHE_SIZE = 6
@@ -71,17 +78,25 @@ def call_with_dtype(spec, fn, inputs, dtype):
                              f"(every input in {dtype})") from None
 
 
-def _refs(spec, case, shape, used, cast):
+def _refs(spec, case, used, cast):
+    """(oracle, plain, label, base): the float64 oracle, the oracle code in
+    float32 (context), the kernel's baseline order (resolved for the case) and
+    that baseline; {output name: array} each. Cached per input data, every
+    order computed once for the kernels that share it."""
     key = (spec.kind, case.shape, case.fixture, case.seed, case.dtype, cast, case.small)
     if key in _REF_CACHE:
         _REF_CACHE.move_to_end(key)
-        return _REF_CACHE[key]
-    oracle, plain = registry.references(spec.kind, used, case.dtype)
-    got = oracle, baselines.variants(spec.kind, used, plain)
-    _REF_CACHE[key] = got
-    while len(_REF_CACHE) > _REF_CACHE_SIZE:
-        _REF_CACHE.popitem(last=False)
-    return got
+    else:
+        oracle, plain = registry.references(spec.kind, used, case.dtype)
+        _REF_CACHE[key] = {"oracle": oracle, "plain": plain, "orders": {}}
+        while len(_REF_CACHE) > _REF_CACHE_SIZE:
+            _REF_CACHE.popitem(last=False)
+    entry = _REF_CACHE[key]
+    storage = used[spec.storage[0]].dtype if spec.storage else np.float32
+    label = baselines.resolve(spec.baseline, used, storage)
+    if label not in entry["orders"]:
+        entry["orders"][label] = baselines.baseline(spec.kind, used, label, entry["plain"])
+    return entry["oracle"], entry["plain"], label, entry["orders"][label]
 
 
 def _dims_text(shape):
@@ -127,25 +142,77 @@ def run_case(case):
         return rec
     rec["seconds"] = time.perf_counter() - start
     rec["cast"] = cast
-    oracle, base = _refs(spec, case, shape, used, cast)
+    oracle, plain, label, base = _refs(spec, case, used, cast)
+    rec["baseline"] = label
     judged = {}
     for name, ref in oracle.items():
         got = outputs.get(name)
         if got is None:
             continue
-        judged[name] = metrics.judge(np.asarray(got), ref, base[name], fixtures.resolve_dtype(
-            case.dtype))
+        judged[name] = metrics.judge(np.asarray(got), ref, base[name], label)
+        judged[name]["plain_abs"] = metrics.max_abs_error(plain[name], ref)
     verdict = metrics.combine(judged)
     rec.update(outputs=judged, status="pass" if verdict["passed"] else "fail", **verdict)
     if not verdict["passed"]:
-        rec["detail"] = "; ".join(
-            f"{name}: " + (r["nonfinite_detail"] or
-                           f"max abs err {r['max_abs']:.3e} > bound {r['bound']:.3e} "
-                           f"(2 x baseline {r['baseline_abs']:.3e} "
-                           f"[{r.get('baseline_variant', '')}] + floor {r['floor']:.2e}), "
-                           f"worst at {r['worst_index']}")
-            for name, r in judged.items() if not r["passed"])
+        rec["detail"] = "; ".join(f"{name}: {describe_failure(r)}"
+                                  for name, r in judged.items() if not r["passed"])
+    if case.mutants:
+        rec["mutants"] = run_mutants(spec, fn, used, outputs, oracle, base, label)
     return rec
+
+
+def mutant_record(got, clean, oracle, base, label):
+    """How one mutant's outputs compare (``run_mutants``): inert, exceeds,
+    detectable, caught, and the worst ratios and margins over outputs."""
+    inert = all(np.array_equal(np.asarray(got[n]), np.asarray(clean[n]), equal_nan=True)
+                for n in oracle if n in got)
+    judged = {n: metrics.judge(np.asarray(got[n]), ref, base[n], label)
+              for n, ref in oracle.items() if n in got}
+    exceeds = detectable = False
+    for r in judged.values():
+        broken = not r["nonfinite_ok"]
+        exceeds |= broken or r["max_abs"] > r["baseline_abs"] or r["mean_abs"] > r[
+            "baseline_mean"]
+        detectable |= broken or r["max_abs"] > RATIO * r["baseline_abs"] or r["mean_abs"] > \
+            DETECTABLE * r["baseline_mean"]
+    verdict = metrics.combine(judged)
+    return {"inert": inert, "exceeds": bool(exceeds), "detectable": bool(detectable),
+            "caught": not verdict["passed"], "failed_by": verdict["failed_by"],
+            "ratio": verdict["ratio"], "margin": verdict["margin"],
+            "mean_margin": verdict["mean_margin"],
+            "mean_ratio": max((r["mean_ratio"] for r in judged.values()), default=0.0)}
+
+
+def run_mutants(spec, fn, used, clean, oracle, base, label):
+    """Run each precision mutant of ``spec`` (``registry.mutants_of``) on the
+    case's inputs and judge it like the kernel: {mutant: ``mutant_record``}, or
+    {mutant: {"error": text}} where the mutant raised (a crash is recorded, never
+    counted as caught)."""
+    out = {}
+    for name in registry.mutants_of(spec.name):
+        try:
+            got = spec.run(fn, used, defect=name)
+        except Exception:  # noqa: BLE001 - recorded as an error, not a catch
+            out[name] = {"error": traceback.format_exc(limit=4)[-1500:], "caught": False,
+                         "inert": False, "exceeds": False, "detectable": False}
+            continue
+        out[name] = mutant_record(got, clean, oracle, base, label)
+    return out
+
+
+def describe_failure(r):
+    """One line saying which rules a judged output breaks, with the numbers."""
+    if "nonfinite" in r["failed_by"]:
+        return r["nonfinite_detail"]
+    parts = []
+    if "max" in r["failed_by"]:
+        parts.append(f"max abs err {r['max_abs']:.3e} > bound {r['bound']:.3e} "
+                     f"({RATIO:g} x baseline {r['baseline_abs']:.3e} [{r['baseline']}] + floor "
+                     f"{r['floor']:.2e}), worst at {r['worst_index']}")
+    if "mean" in r["failed_by"]:
+        parts.append(f"mean abs err {r['mean_abs']:.3e} > bound {r['mean_bound']:.3e} "
+                     f"({MEAN_RATIO:g} x baseline mean {r['baseline_mean']:.3e})")
+    return "; ".join(parts)
 
 
 def not_available_record(spec, status, why):

@@ -1,24 +1,44 @@
-"""Derived tolerances: a kernel is held to what plain arithmetic of its precision achieves.
+"""The criterion: a kernel is held to what float32 arithmetic in its own order achieves.
 
-For a result ``got`` (kernel), ``ref`` (float64 oracle) and ``base`` (the same
-oracle code run in the kernel's precision, e.g. ``decode_attention_ref(...,
-dtype=np.float32)``), the kernel passes when
+For a kernel result ``got``, the float64 oracle ``ref`` and the same-precision
+baseline ``base`` (the oracle's arithmetic in float32, its q.k sums in the
+order the kernel family documents: ``validation.baselines``; one order per
+kernel, named in the registry), an output passes when
 
-    max|got - ref| <= RATIO * max|base - ref| + floor
+    NaN / inf sit where the oracle has them, and
+    max|got - ref|  <= RATIO      * max|base - ref|  + floor          (max rule)
+    mean|got - ref| <= MEAN_RATIO * mean|base - ref| + floor / n      (mean rule)
 
-``RATIO = 2``: a kernel may sum in another order (tree reductions, online
-rescaling, ``ex2.approx``) and so lose up to twice what the plain order loses.
-``floor = FLOOR_ULPS * u * max(1, max|ref|)``, with ``u`` the unit roundoff of
-the storage dtype: where the baseline happens to be exact (one position: the
-output *is* the value row) a legitimate kernel may still be a few roundings
-away, and a defect is orders of magnitude above it (checked by the planted
-defects).
+over the ``n`` entries finite in both.
 
-``budget`` takes one baseline: the falsification suites and the error-growth
-runs use the oracle code as written. The validation sweep judges with
-``validation.metrics.judge`` against the largest error of several float32
-baselines, one for each standard order of the score sums
-(``validation.baselines``).
+``RATIO = 2``. The baseline already sums the scores in the kernel's order, so
+the factor covers what the baseline does not model: the online softmax's
+rescaling, ``ex2.approx`` (fast-math ``exp``), the kernel's position sums.
+At a near tie of large scores (|score| ~ 1e4, one float32 ulp of a score
+~ 1e-3) an output's error is one of a few discrete levels and a single
+rounding that goes the other way can cost more than 2x: such a case fails and
+is reported as a finding, not absorbed by a larger factor.
+
+``MEAN_RATIO = 1.5`` (flash-attention's KV-cache tests use the same mean
+rule). A near tie moves the largest error of a few entries; the mean over all
+entries hardly moves. A systematic precision loss (P or q rounded to 16 bits,
+a coarser ``exp``, a compensation dropped) raises every entry's error a
+little, which the mean sees and the max rule, with its factor 2, may not.
+
+``floor = FLOOR_ULPS * ulp32(max|ref|)`` with ``FLOOR_ULPS = 2``: two float32
+units in the last place of the largest reference value (``np.spacing``), as
+flash-attention 3's ``2 * |(ref + 0.3 - 0.3) - ref|``. It is float32's
+because every kernel here computes in float32: 16-bit caches are upcast
+exactly, so the oracle and the baseline see exactly the kernel's inputs, and
+the storage dtype's roundoff has no place in the bound. The floor exists for
+outputs the baseline gets exactly (one position: the output *is* the value
+row; zero-length sequences) where a correct kernel may still round once or
+twice more. The mean rule's floor is the same amount spread over the ``n``
+entries (one entry off by the floor). Nothing scales it up for small outputs
+(no ``max(1, .)``): an output of size 0.01 is held to ulps of 0.01.
+
+A kernel whose arithmetic is not float32 (16-bit operands on tensor cores)
+needs a baseline with the same roundings; none is registered yet.
 """
 
 from __future__ import annotations
@@ -26,73 +46,99 @@ from __future__ import annotations
 import numpy as np
 
 RATIO = 2.0
-FLOOR_ULPS = 8
-UNIT_ROUNDOFF = {
-    "float64": 2.0 ** -53,
-    "float32": 2.0 ** -24,
-    "float16": 2.0 ** -11,
-    "bfloat16": 2.0 ** -8,
-}
+MEAN_RATIO = 1.5
+FLOOR_ULPS = 2
 
 
-def unit_roundoff(dtype) -> float:
-    name = getattr(dtype, "__name__", None) or str(np.dtype(dtype))
-    return UNIT_ROUNDOFF[str(np.dtype(dtype)) if name not in UNIT_ROUNDOFF else name]
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
 
 
-def _finite_max_abs(x):
-    x = np.asarray(x, dtype=np.float64)
+def finite_max_abs(x):
+    """max |x| over finite entries (0.0 when there are none)."""
+    x = _f64(x)
     x = x[np.isfinite(x)]
     return float(np.abs(x).max()) if x.size else 0.0
 
 
-def max_abs_error(got, ref):
-    """max |got - ref| over finite reference entries (placement of inf/NaN is
-    checked separately by ``same_nonfinite``)."""
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    mask = np.isfinite(ref)
-    if not mask.any():
+def ulp32(x):
+    """The float32 spacing at ``|x|`` (0.0 for 0)."""
+    x = abs(float(x))
+    if x == 0.0:
         return 0.0
-    return float(np.abs(got[mask] - ref[mask]).max())
+    return float(np.spacing(np.float32(min(x, float(np.finfo(np.float32).max)))))
+
+
+def floor(ref):
+    """``FLOOR_ULPS * ulp32(max|ref|)`` over the finite entries of ``ref``."""
+    return FLOOR_ULPS * ulp32(finite_max_abs(ref))
+
+
+def _both_finite(got, ref):
+    got, ref = _f64(got), _f64(ref)
+    both = np.isfinite(got) & np.isfinite(ref)
+    return got[both], ref[both]
+
+
+def max_abs_error(got, ref):
+    """max |got - ref| over entries finite in both (0.0 when there are none)."""
+    g, r = _both_finite(got, ref)
+    return float(np.abs(g - r).max()) if g.size else 0.0
+
+
+def mean_abs_error(got, ref):
+    """mean |got - ref| over entries finite in both (0.0 when there are none)."""
+    g, r = _both_finite(got, ref)
+    return float(np.abs(g - r).mean()) if g.size else 0.0
+
+
+def finite_count(got, ref):
+    g, _ = _both_finite(got, ref)
+    return int(g.size)
 
 
 def same_nonfinite(got, ref) -> bool:
     """NaN and +-inf sit in exactly the same places in ``got`` as in ``ref``."""
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+    got, ref = _f64(got), _f64(ref)
     return (np.array_equal(np.isnan(got), np.isnan(ref))
             and np.array_equal(np.isposinf(got), np.isposinf(ref))
             and np.array_equal(np.isneginf(got), np.isneginf(ref)))
 
 
-def budget(ref, base, dtype=np.float32) -> float:
-    """The error a kernel of precision ``dtype`` is allowed against ``ref``."""
-    floor = FLOOR_ULPS * unit_roundoff(dtype) * max(1.0, _finite_max_abs(ref))
-    return RATIO * max_abs_error(base, ref) + floor
+def budget(ref, base):
+    """The max rule's bound: ``RATIO * max|base - ref| + floor(ref)``."""
+    return RATIO * max_abs_error(base, ref) + floor(ref)
 
 
-def error_ratio(got, ref, base) -> float:
-    """Kernel error over baseline error (inf when the baseline is exact and the kernel is not)."""
-    e_k, e_b = max_abs_error(got, ref), max_abs_error(base, ref)
-    if e_b == 0.0:
-        return 0.0 if e_k == 0.0 else float("inf")
-    return e_k / e_b
+def mean_budget(ref, base):
+    """The mean rule's bound: ``MEAN_RATIO * mean|base - ref| + floor(ref) / n``."""
+    n = finite_count(base, ref)
+    return MEAN_RATIO * mean_abs_error(base, ref) + (floor(ref) / n if n else 0.0)
 
 
-def assert_matches(got, ref, base, dtype=np.float32, what="output"):
-    """Assert ``got`` is within the derived budget of ``ref``, non-finite placement equal."""
+def verdict(got, ref, base):
+    """(passed, detail) of one output under the rule (module docstring)."""
     got = np.asarray(got)
-    assert got.shape == np.shape(ref), f"{what}: shape {got.shape} != oracle {np.shape(ref)}"
-    assert same_nonfinite(got, ref), (
-        f"{what}: NaN/inf placement differs from the oracle "
-        f"(kernel has {int(np.isnan(np.asarray(got, float)).sum())} NaN)")
-    err, allowed = max_abs_error(got, ref), budget(ref, base, dtype)
-    if err > allowed:
-        diff = np.where(np.isfinite(np.asarray(ref, float)),
-                        np.abs(np.asarray(got, float) - np.asarray(ref, float)), 0)
+    if got.shape != np.shape(ref):
+        return False, f"shape {got.shape} != oracle {np.shape(ref)}"
+    if not same_nonfinite(got, ref):
+        n_nan = int(np.isnan(_f64(got)).sum())
+        return False, f"NaN/inf placement differs from the oracle (kernel has {n_nan} NaN)"
+    err, bound = max_abs_error(got, ref), budget(ref, base)
+    mean, mean_bound = mean_abs_error(got, ref), mean_budget(ref, base)
+    text = (f"max err {err:.3e} (bound {bound:.3e} = {RATIO:g} x baseline "
+            f"{max_abs_error(base, ref):.3e} + floor {floor(ref):.2e}); mean err {mean:.3e} "
+            f"(bound {mean_bound:.3e} = {MEAN_RATIO:g} x baseline {mean_abs_error(base, ref):.3e}"
+            f" + floor/n)")
+    return bool(err <= bound and mean <= mean_bound), text
+
+
+def assert_matches(got, ref, base, what="output"):
+    """Assert ``got`` passes the rule against ``ref`` with baseline ``base``."""
+    ok, text = verdict(got, ref, base)
+    if not ok:
+        diff = np.where(np.isfinite(_f64(ref)) & np.isfinite(_f64(got)),
+                        np.abs(_f64(got) - _f64(ref)), 0) if np.shape(got) == np.shape(ref) \
+            else np.zeros(1)
         where = np.unravel_index(int(np.argmax(diff)), diff.shape)
-        raise AssertionError(
-            f"{what}: max abs error {err:.3e} exceeds the derived budget {allowed:.3e} "
-            f"(= {RATIO:g} x float baseline error {max_abs_error(base, ref):.3e} + floor); "
-            f"worst at index {where}: kernel {np.asarray(got)[where]!r}, oracle {np.asarray(ref)[where]!r}")
+        raise AssertionError(f"{what}: {text}; worst at index {where}")
