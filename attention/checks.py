@@ -5,6 +5,10 @@ so bad input leaves caches untouched. Errors are ``ValueError`` subclasses
 (``AttentionInputError`` and below) whose message names the argument and what
 was expected, e.g. ``k_cache: expected shape [H_kv=2, max_seq, D=40], got
 (2, 16, 41)``.
+
+A launcher that takes a slower path than the one asked for (a CUDA graph that
+could not be captured, a GEMM scratch too large for the fast path) says so
+with a ``FallbackWarning`` naming the path taken, why, and how to avoid it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ class LayoutError(AttentionInputError):
 
 class RangeError(AttentionInputError):
     """A length, position, head count or head size out of range."""
+
+
+class FallbackWarning(UserWarning):
+    """A slower path was taken than the one asked for (more than 2x slower):
+    the message names the path, the reason and how to avoid it."""
 
 
 def _shape(x):

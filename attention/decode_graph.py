@@ -7,6 +7,17 @@ One decode step over a pooled cache (ARCHITECTURE.md, "Data flow"):
                             when ``advance``, so the next step writes the next row)
     3. fast attention       ``attention.decode_fast`` (split-KV kernel + combine)
 
+Capacity: a sequence whose position is outside [0, max_seq) at a step (it has
+run past the cache's capacity, or ``positions`` was filled out of range) is
+neither written nor attended: its scatter writes nothing, its ``seq_lens`` is
+0 (output zeros, LSE -inf), its position does not advance, and the step sets
+an error flag on the device (the step itself never syncs with the host, so a
+replayed graph stays free of host round trips). ``check()``, and every
+``step(sync=True)`` / ``step_plain(sync=True)``, read the flag and raise
+``checks.RangeError`` naming the first such sequence and the capacity. Nothing
+is clamped. (``attention.decode_state.DecodeBatch``, whose lengths live on the
+host, raises before launching instead.)
+
 ``DecodeStep`` validates and allocates once, plans the attention for the
 cache's full capacity (blocks past a sequence's length exit at once), and
 captures the launches as a CUDA graph through cuda.core (a numba launch
@@ -14,7 +25,11 @@ accepts a ``GraphBuilder`` where the stream goes). ``step()`` then replays the
 graph: one driver call, a few microseconds of host time, however many kernels
 the step holds. ``step_plain()`` runs the same launches through numba's
 ordinary launch path, for comparison (and where no graph can be built, e.g.
-the simulator, ``step()`` falls back to it).
+the simulator, ``step()`` falls back to it). ``path`` ("graph" / "plain") and
+``fallback_reason`` record which one ``step()`` runs and why; a failed capture
+on a GPU emits a ``checks.FallbackWarning`` (``attention.graph``). ``pdl``
+records whether the combine is a programmatic dependent launch and why
+(``attention.pdl.status``; inside a graph it is launched plainly).
 
 Buffers (all device arrays; read or fill them between steps):
     q           [M, H, D]                     float32 or the cache dtype
@@ -43,27 +58,47 @@ from .device import (
     is_host_array,
     jit,
     to_device,
+    to_host,
 )
 from .graph import CapturedLaunches
 from .kv_cache import scatter_kernel
+from .pdl import status as pdl_status
+
+
+# flag[0]: nonzero once a kernel of a step met a position out of capacity since
+# the last check (each such kernel adds 1); flag[1]: the smallest such sequence
+# index (NO_SEQUENCE when none)
+NO_SEQUENCE = np.iinfo(np.int32).max
+
+
+def clear_flag():
+    """The initial (clear) value of the capacity flag: [0, NO_SEQUENCE] int32."""
+    return np.array([0, NO_SEQUENCE], np.int32)
 
 
 @functools.lru_cache(maxsize=None)
 def lengths_kernel(advance):
-    """``seq_lens[m] = min(positions[m] + 1, max_seq)``; with ``advance`` also
-    ``positions[m] += 1``. Grid ceil(M/128), block 128.
+    """``seq_lens[m] = positions[m] + 1``; with ``advance`` also
+    ``positions[m] += 1``. A position outside ``[0, max_seq)`` gets
+    ``seq_lens[m] = 0``, is not advanced, and raises the flag (``flag[0] += 1``,
+    ``flag[1] = min(flag[1], m)``). Grid ceil(M/128), block 128.
 
-    positions [M] int32, seq_lens [M] int32, max_seq int32.
+    positions [M] int32, seq_lens [M] int32, max_seq int32, flag [2] int32.
     """
     ADVANCE = advance
 
-    def kernel(positions, seq_lens, max_seq):
+    def kernel(positions, seq_lens, max_seq, flag):
         m = cuda.grid(1)
         if m < positions.shape[0]:
             pos = positions[m]
-            seq_lens[m] = min(pos + 1, max_seq)
-            if ADVANCE:
-                positions[m] = pos + 1
+            if pos < 0 or pos >= max_seq:
+                seq_lens[m] = 0
+                cuda.atomic.add(flag, 0, 1)
+                cuda.atomic.min(flag, 1, m)
+            else:
+                seq_lens[m] = pos + 1
+                if ADVANCE:
+                    positions[m] = pos + 1
 
     kernel.__name__ = kernel.__qualname__ = "decode_step_lengths" + (
         "_advance" if advance else "")
@@ -79,6 +114,12 @@ class DecodeStep:
     copied to the device once; device arrays are used in place (the step
     writes the caches, ``positions`` when ``advance``, ``seq_lens``, ``out``
     and ``lse``). ``graph=False`` never builds a graph.
+
+    ``path`` ("graph" / "plain"), ``fallback_reason`` (None, or why a graph
+    was asked for and not built) and ``pdl`` (``{"path", "reason"}`` of the
+    combine's launch) record what ``step()`` runs. A position outside
+    ``[0, max_seq)`` at a step raises a device flag that ``check()`` (and a
+    ``sync=True`` step) turns into ``checks.RangeError`` (module docstring).
     """
 
     def __init__(self, q, k_new, v_new, k_cache, v_cache, positions, slot_table=None, *,
@@ -118,33 +159,68 @@ class DecodeStep:
         self.d_pa, self.d_pm = scratch(m_count, n_heads, head_dim, self.plan["n_split"])
         self.advance = bool(advance)
         self._threads = int(min(128, max(32, (head_dim + 31) // 32 * 32)))
+        self._flag = to_device(clear_flag())
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0, advance=False),
-                                       enabled=graph)
+                                       enabled=graph, owner="DecodeStep",
+                                       plain_call="step_plain()'s launches at every step()")
         self.graph, self.graph_error = self._graph.graph, self._graph.error
+        self.path, self.fallback_reason = self._graph.path, self._graph.fallback_reason
+        self.pdl = self._pdl_record()
+
+    def _pdl_record(self):
+        if self.plan["n_split"] <= 1:
+            return {"path": "none", "reason": "one split: no combine launch"}
+        record = pdl_status(self.plan["pdl"])
+        if record["path"] == "pdl" and self.path == "graph":
+            return {"path": "plain", "reason": "step() replays a graph, where the combine "
+                                               "is launched plainly (decode_fast.launch)"}
+        return record
 
     # -- the launches of one step, on any stream-like object --
     def enqueue(self, stream, advance=None):
         m_count, _, n_kv, max_seq, _ = self.shape
         adv = self.advance if advance is None else advance
-        scatter_kernel(True)[(m_count, n_kv), self._threads, stream](
-            self.d_k_new, self.d_v_new, self.d_k, self.d_v, self.d_pos, self.d_slots)
+        scatter_kernel(True, checked=True)[(m_count, n_kv), self._threads, stream](
+            self.d_k_new, self.d_v_new, self.d_k, self.d_v, self.d_pos, self.d_slots,
+            self._flag)
         lengths_kernel(adv)[(m_count + 127) // 128, 128, stream](
-            self.d_pos, self.d_lens, np.int32(max_seq))
+            self.d_pos, self.d_lens, np.int32(max_seq), self._flag)
         launch(self.plan, self.d_q, self.d_k, self.d_v, self.d_lens, self.d_slots, self.scale,
                self.out, self.lse, self.d_pa, self.d_pm, stream)
 
     def step(self, sync=False):
-        """Run one step (graph replay when built). ``sync`` waits for it."""
+        """Run one step (graph replay when built). ``sync`` waits for it and
+        then ``check()``s the capacity."""
         if self.graph is None:
             self.step_plain(sync=sync)
             return
         self._graph.launch(sync)
+        if sync:
+            self.check()
 
     def step_plain(self, stream=0, sync=False):
-        """The same step through numba's ordinary launches (no graph)."""
+        """The same step through numba's ordinary launches (no graph). ``sync``
+        waits for it and then ``check()``s the capacity."""
         self.enqueue(stream)
         if sync:
             cuda.synchronize()
+            self.check()
+
+    def check(self):
+        """Raise ``checks.RangeError`` if a step since the last check met a
+        position outside ``[0, max_seq)`` (that sequence was neither written
+        nor attended); clears the flag. Waits for the work queued so far and
+        reads two ints from the device."""
+        self.synchronize()
+        raised, first = (int(x) for x in to_host(self._flag))
+        if raised:
+            self._flag.copy_to_device(clear_flag())
+            max_seq = self.shape[3]
+            raise checks.RangeError(
+                f"positions: sequence {first} is at position {int(to_host(self.d_pos)[first])}, "
+                f"outside the cache's capacity max_seq={max_seq} (positions in [0, {max_seq})) "
+                f"at a step since the last check: its row was not written and it attended "
+                f"nothing (seq_lens 0)")
 
     def synchronize(self):
         self._graph.synchronize()

@@ -13,32 +13,67 @@ own, which capture requires). Where no graph can be
 built (the simulator, no GPU, a capture error) ``graph`` is None and
 ``error`` says why; the owner then launches plainly.
 
+The path taken is recorded: ``path`` is "graph" or "plain" and
+``fallback_reason`` says why a graph was asked for and not built (None when
+``path`` is what was asked for, ``enabled=False`` included). Plain launches
+cost tens of microseconds of host time each (a decode step: 278 us against
+5.6 us replayed, bench/NOTES.md), so a failed capture on a GPU also emits a
+``checks.FallbackWarning``. The simulator and a machine with no GPU have no
+graphs at all (nothing faster to fall back from): recorded, no warning.
+
 Used by ``attention.decode_graph.DecodeStep`` and ``mla.decode_graph.MLADecodeGraph``.
 """
 
 from __future__ import annotations
 
+import warnings
+
 from numba import cuda
 
+from .checks import FallbackWarning
 from .device import SIMULATOR, gpu_available
+
+# host time of one decode step (B 32 fp16), bench/NOTES.md: replayed vs plain launches
+REPLAY_US, PLAIN_US = 5.6, 278.0
 
 
 class CapturedLaunches:
-    """``enqueue(stream)`` captured as a CUDA graph (``graph`` None when not built)."""
+    """``enqueue(stream)`` captured as a CUDA graph (``graph`` None when not built).
 
-    def __init__(self, enqueue, warm, enabled=True):
+    ``owner`` names the object in the fallback warning (e.g. "DecodeStep");
+    ``plain_call`` the method that then runs the plain launches.
+    """
+
+    def __init__(self, enqueue, warm, enabled=True, *, owner="CapturedLaunches",
+                 plain_call="plain launches"):
         self.graph = None
         self.error = None
+        self.path = "plain"
+        self.fallback_reason = None
         self._cstream = None  # capture (non-blocking)
         self._rstream = None  # replay (blocking: ordered with the legacy stream)
         if not SIMULATOR:
             cuda.synchronize()
-        if enabled and gpu_available():
-            try:
-                self._capture(enqueue, warm)
-            except Exception as exc:  # the owner keeps working on the plain path
-                self.graph = None
-                self.error = f"{type(exc).__name__}: {exc}"
+        if not enabled:
+            return
+        if SIMULATOR:
+            self.fallback_reason = "the simulator cannot capture CUDA graphs"
+            return
+        if not gpu_available():
+            self.fallback_reason = "no CUDA GPU"
+            return
+        try:
+            self._capture(enqueue, warm)
+            self.path = "graph"
+        except Exception as exc:  # the owner keeps working on the plain path
+            self.graph = None
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.fallback_reason = f"graph capture failed ({self.error})"
+            warnings.warn(FallbackWarning(
+                f"{owner}: {self.fallback_reason}; running {plain_call} instead, about "
+                f"{PLAIN_US / REPLAY_US:.0f}x the host time of a graph replay (decode step: "
+                f"{PLAIN_US:g} us against {REPLAY_US:g} us, bench/NOTES.md). Pass graph=False "
+                "to choose plain launches without this warning."), stacklevel=3)
 
     def _capture(self, enqueue, warm):
         from cuda.core import Device, StreamOptions

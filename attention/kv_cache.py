@@ -21,34 +21,69 @@ import numpy as np
 from numba import cuda
 
 from . import checks
-from .device import BFLOAT16, finish, host_ints, is_host_array, jit, launch_stream, to_device
+from .device import (
+    BFLOAT16,
+    device_fn,
+    finish,
+    host_ints,
+    is_host_array,
+    jit,
+    launch_stream,
+    to_device,
+)
 
 SCATTER_DEFECTS = ("scatter_pos_plus_one",)
 SCATTER_DTYPES = (np.float32, np.float16) + (() if BFLOAT16 is None else (BFLOAT16,))
 
 
 @functools.lru_cache(maxsize=None)
-def scatter_kernel(pair, defect=None):
-    """Kernel writing one tensor (``pair=False``) or K and V together."""
+def scatter_kernel(pair, defect=None, checked=False):
+    """Kernel writing one tensor (``pair=False``) or K and V together.
+
+    A position ``>= max_seq`` is skipped (``attention.decode_state`` marks
+    finished sequences so). ``checked``: the kernel takes a last argument
+    ``flag`` [2] int32, and a position outside ``[0, max_seq)`` is not written
+    and raises it (``flag[0] += 1``, ``flag[1] = min(flag[1], m)``), for
+    callers that cannot check positions on the host
+    (``attention.decode_graph.DecodeStep``).
+    """
     if defect not in (None,) + SCATTER_DEFECTS:
         raise ValueError(f"defect: expected one of {SCATTER_DEFECTS} or None, got {defect!r}")
     SHIFT = 1 if defect == "scatter_pos_plus_one" else 0
     PAIR = pair
 
-    def kernel(k_rows, v_rows, k_cache, v_cache, positions, slot_table):
-        m = cuda.blockIdx.x
-        g = cuda.blockIdx.y
-        slot = slot_table[m]
-        pos = positions[m] + SHIFT
-        if pos >= k_cache.shape[2]:
-            return
+    def copy_rows(k_rows, v_rows, k_cache, v_cache, m, g, slot, pos):
         for d in range(cuda.threadIdx.x, k_rows.shape[2], cuda.blockDim.x):
             k_cache[slot, g, pos, d] = k_rows[m, g, d]
             if PAIR:
                 v_cache[slot, g, pos, d] = v_rows[m, g, d]
 
+    copy_rows = device_fn(copy_rows)
+
+    if checked:
+        def kernel(k_rows, v_rows, k_cache, v_cache, positions, slot_table, flag):
+            m = cuda.blockIdx.x
+            g = cuda.blockIdx.y
+            slot = slot_table[m]
+            pos = positions[m] + SHIFT
+            if pos < 0 or pos >= k_cache.shape[2]:
+                if g == 0 and cuda.threadIdx.x == 0:
+                    cuda.atomic.add(flag, 0, 1)
+                    cuda.atomic.min(flag, 1, m)
+                return
+            copy_rows(k_rows, v_rows, k_cache, v_cache, m, g, slot, pos)
+    else:
+        def kernel(k_rows, v_rows, k_cache, v_cache, positions, slot_table):
+            m = cuda.blockIdx.x
+            g = cuda.blockIdx.y
+            slot = slot_table[m]
+            pos = positions[m] + SHIFT
+            if pos >= k_cache.shape[2]:
+                return
+            copy_rows(k_rows, v_rows, k_cache, v_cache, m, g, slot, pos)
+
     kernel.__name__ = "kv_scatter" + ("_pair" if pair else "") + (
-        "" if defect is None else "_" + defect)
+        "_checked" if checked else "") + ("" if defect is None else "_" + defect)
     return jit(kernel)
 
 

@@ -22,7 +22,10 @@ Kernels take the two device functions from ``grid_dependency_ops(enabled)``:
 real instructions where ``enabled`` (compiled for sm_90 or later), empty
 functions elsewhere (older GPUs, the simulator, compile-only runs for other
 targets). ``capable()`` says whether this process can use it (sm_90 or later,
-a ``cuda.core`` whose ``LaunchConfig`` has the attribute, not the simulator).
+a ``cuda.core`` whose ``LaunchConfig`` has the attribute, not the simulator);
+``off_reason()`` says why not, and ``status()`` records the path a plan's
+combine takes and why (PDL off costs a few microseconds at most: recorded, no
+warning).
 """
 
 from __future__ import annotations
@@ -48,13 +51,43 @@ def _config_has_attribute():
         return False
 
 
+def off_reason():
+    """Why kernels cannot be launched as programmatic dependents here (a
+    string), or None where they can. Plain launches are then used: they give
+    the same results and cost the dependent's launch and ramp (a few
+    microseconds), so this is recorded, not warned about."""
+    if SIMULATOR:
+        return "the simulator has no programmatic dependent launch"
+    if not gpu_available():
+        return "no CUDA GPU"
+    cc = tuple(cuda.get_current_device().compute_capability)
+    if cc < MIN_CC:
+        return (f"compute capability {cc[0]}.{cc[1]} < "
+                f"{MIN_CC[0]}.{MIN_CC[1]} (griddepcontrol needs sm_90)")
+    if not _config_has_attribute():
+        return ("this cuda.core's LaunchConfig has no programmatic_stream_serialization "
+                "attribute")
+    return None
+
+
 def capable():
     """True where kernels may be launched as programmatic dependents (a GPU
     of compute capability >= 9.0 and a ``cuda.core`` that can ask for it)."""
-    if SIMULATOR or not gpu_available():
-        return False
-    cc = tuple(cuda.get_current_device().compute_capability)
-    return cc >= MIN_CC and _config_has_attribute()
+    return off_reason() is None
+
+
+def status(requested=None):
+    """Which launch a split plan's combine gets, and why: a dict
+    ``{"path": "pdl" | "plain", "reason": str}``. ``requested``: the plan's
+    ``pdl`` (None: ``capable()`` decides, as ``decode_fast.plan`` does)."""
+    why_not = off_reason()
+    if requested is False:
+        return {"path": "plain", "reason": "pdl=False was asked for"}
+    if why_not is None:
+        return {"path": "pdl", "reason": "sm_90 or later and cuda.core can ask for it"}
+    if requested:
+        return {"path": "pdl", "reason": f"pdl=True was asked for ({why_not})"}
+    return {"path": "plain", "reason": why_not}
 
 
 @functools.lru_cache(maxsize=None)

@@ -232,17 +232,21 @@ class TorchTimer(_Cover):
         self.e1 = torch.cuda.Event(enable_timing=True)
         super().__init__()
 
-    def time(self, fn, reps=20, warmup=3):
+    def time(self, fn, reps=20, warmup=3, host=False):
+        """Median ms of ``fn()`` (torch work on the current stream). ``host=True``:
+        no cover, the host cost of ``fn`` between the events is part of the
+        time, as in ``Timer.time(host=True)``."""
         for _ in range(warmup):
             fn()
         self.torch.cuda.synchronize()
 
         def bracket():
             self.buf.sum()  # reads the buffer: the L2 is left with clean lines only
-            self.torch.cuda._sleep(2000 * self.hold_us)
+            if not host:
+                self.torch.cuda._sleep(2000 * self.hold_us)
             self.e0.record()
             fn()
-            late = self.e0.query()
+            late = not host and self.e0.query()
             self.e1.record()
             self.e1.synchronize()
             return self.e0.elapsed_time(self.e1), late
@@ -285,3 +289,45 @@ def fma_peak(timer, iters=1024):
                     flush=False)
     flops = 2.0 * 8 * 4 * iters * blocks * threads
     return flops / (ms * 1e-3) / 1e12, ms
+
+
+MATMUL_PEAK_N = 8192
+MATMUL_PEAKS = ("tf32", "bf16")
+
+
+def matmul_flops(n):
+    """Flops of one n x n x n matrix product (a multiply and an add a term)."""
+    return 2.0 * n ** 3
+
+
+def torch_matmul_peak(torch, kind, n=MATMUL_PEAK_N, reps=10):
+    """Tensor-core peak in TFLOP/s measured by torch matmul on n x n matrices:
+    ``kind`` "tf32" (fp32 operands, ``torch.backends.cuda.matmul.allow_tf32``
+    on, restored after) or "bf16". Returns (TFLOP/s, ms); ``torch`` must see
+    a GPU."""
+    if kind not in MATMUL_PEAKS:
+        raise ValueError(f"kind: expected one of {MATMUL_PEAKS}, got {kind!r}")
+    dt = torch.float32 if kind == "tf32" else torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.rand((n, n), device="cuda", dtype=torch.float32, generator=g).to(dt)
+    b = torch.rand((n, n), device="cuda", dtype=torch.float32, generator=g).to(dt)
+    c = torch.empty((n, n), device="cuda", dtype=dt)
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
+    try:
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):  # compute-bound: no flush, back-to-back is the peak
+            e0.record()
+            torch.matmul(a, b, out=c)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    ms = statistics.median(times)
+    return matmul_flops(n) / (ms * 1e-3) / 1e12, ms

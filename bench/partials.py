@@ -40,7 +40,7 @@ def measure(part_steps, steps, timer, data):
     for dname, (arrays, check) in data.items():
         g = MLADecodeGraph(*arrays, tensor=True)
         if g.graph is None:
-            raise RuntimeError(f"no graph ({g.graph_error})")
+            raise RuntimeError(f"no graph ({g.fallback_reason})")
         g.run(sync=True)
         ms = timer.time_on_stream(g.run, g.stream_handle, reps=10, warmup=2)
         g.run(sync=True)

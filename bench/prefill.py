@@ -6,6 +6,16 @@ full attention, half of it for causal (only the visible scores are needed), so
 the rate of a method that computes the masked half anyway is understated the
 same way for all. Softmax, scale and layout work are not counted. TFLOP/s is
 set against the fp32 FMA peak measured in the same run.
+
+Timing: every row the same way: CUDA events around one call, host work
+included (``host=True``: ours are public launchers that may allocate and free
+scratch; torch's rows are timed with their host work too), the L2 flushed
+before each repeat, median of 5.
+GQA: as in the decode benchmark, torch gets K/V unexpanded ([H_kv, T, D]) with
+``enable_gqa`` (row ``torch_sdpa[<backend>]``, the backend that ran:
+bench/sdpa.py), as ours do; ``torch_sdpa_expanded[efficient]`` runs the
+memory-efficient backend on K/V repeat_interleave'd to all H heads before
+timing (the expansion is not timed).
 """
 
 from __future__ import annotations
@@ -63,26 +73,45 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
         if torch is not None:
             try:
                 from .gpu import TorchTimer
+                from .sdpa import backend_of, label, run_with
 
                 tt = TorchTimer(torch)
                 tq = torch.as_tensor(q, device="cuda").view(t_len, h, d).transpose(0, 1)
                 tk = torch.as_tensor(k, device="cuda").view(t_len, kv, d).transpose(0, 1)
                 tv = torch.as_tensor(v, device="cuda").view(t_len, kv, d).transpose(0, 1)
-                tk = tk.repeat_interleave(h // kv, dim=0)  # GQA: each query head's kv head
-                tv = tv.repeat_interleave(h // kv, dim=0)
                 sdpa = torch.nn.functional.scaled_dot_product_attention
+                scale = 1.0 / math.sqrt(d)
 
                 def run_sdpa():
-                    sdpa(tq[None], tk[None], tv[None], is_causal=True,
-                         scale=1.0 / math.sqrt(d))
+                    sdpa(tq[None], tk[None], tv[None], is_causal=True, scale=scale,
+                         enable_gqa=True)
 
-                record("torch_sdpa", tt.time(run_sdpa, reps=5, warmup=1))
+                backend, how = backend_of(torch, run_sdpa)
+                record(label("torch_sdpa", backend),
+                       tt.time(run_sdpa, reps=5, warmup=1, host=True),
+                       f"(enable_gqa, K/V [H_kv, T, D]; backend from {how}; host work "
+                       "included)")
+                ek = tk.repeat_interleave(h // kv, dim=0)  # each query head's kv head
+                ev = tv.repeat_interleave(h // kv, dim=0)
+
+                def run_expanded():
+                    run_with(torch, "efficient",
+                             lambda: sdpa(tq[None], ek[None], ev[None], is_causal=True,
+                                          scale=scale))
+
+                record(label("torch_sdpa_expanded", "efficient"),
+                       tt.time(run_expanded, reps=5, warmup=1, host=True),
+                       "(K/V expanded to H heads before timing; host work included)")
             except Exception as exc:
                 log(f"  prefill torch_sdpa T={t_len}: skipped ({type(exc).__name__}: {exc})")
 
 
 def summary_lines(rows):
     lines = ["", "## Prefill (causal, float32; T x T FLOPs of QK^T and PV, halved for causal)",
+             "", "Every row: CUDA events around one call with its host work, L2 flushed "
+             "before each repeat. torch gets K/V unexpanded with `enable_gqa` as ours do "
+             "(`torch_sdpa[backend]`: the backend that ran); `torch_sdpa_expanded[efficient]`: "
+             "K/V expanded to all H heads before timing, memory-efficient backend.",
              "", "| kernel | T | H | H_kv | D | ms | TFLOP/s | of fp32 FMA peak |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

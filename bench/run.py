@@ -2,11 +2,16 @@
 
 Sections (each optional part is wrapped: a failure is printed and recorded,
 never fatal):
-  1. ceilings: device-to-device copy bandwidth; fp32 FMA peak (numba kernel)
+  1. ceilings: device-to-device copy bandwidth; fp32 FMA peak (numba kernel);
+     tensor-core peaks (torch matmul, tf32 and bf16; when torch imports)
   2. decode kernels at B 32, H 32, H_kv 8, D 128, L in {1024, 4096, 16384} and
      B 1, L 32768, fp32 / fp16 / bf16: warp-per-head (fp32), split-KV
      (attention.flash_decode, when present), the fast kernels
-     (attention.decode_fast), torch SDPA (when torch imports)
+     (attention.decode_fast), torch SDPA (when torch imports) on unexpanded
+     K/V with ``enable_gqa``, labelled with the backend that ran
+     (``torch_sdpa[math]``, bench/sdpa.py), and in fp32 also the
+     memory-efficient backend on K/V expanded to all query heads
+     (``torch_sdpa_expanded[efficient]``)
   3. MLA decode: B 64, 128 heads, latent 512 + rope 64, L 4096, fp32 / fp16
      cache: mla.pipeline.mla_decode (when present) by its GEMM path (row
      ``mla_decode``, scratch reused across calls: host work included), the
@@ -17,12 +22,15 @@ never fatal):
      path (``mla_decode_flash``), and a torch einsum absorbed decode (TF32
      off; as context, in fp32 also with TF32 on, and with the fp16 cache
      cast to fp32 in each call and fp32 math): TFLOP/s of the fp32 work
-     (the tensor-core rows count each product once) against the measured FMA
-     peak, and each row's max error against the float64 oracle on two
-     sequences beside numpy float32's
+     (the tensor-core rows count each product once) against a peak measured
+     in the same run: the fp32 FMA peak for FMA rows, the tf32 tensor-core
+     peak for the tensor-core rows (ours and einsum with TF32), the bf16 one
+     for the fp16 einsum; and each row's max error against a float64 decode
+     of every sequence of the batch (vectorised numpy) beside numpy float32's
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
   5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
-     4096, H 32, H_kv 8, D 128, causal (bench/prefill.py)
+     4096, H 32, H_kv 8, D 128, causal (bench/prefill.py; every row timed with
+     its host work, GQA as in decode)
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, prefill.csv, summary.md}.
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
@@ -50,6 +58,10 @@ import numpy as np
 from .prefill import COLUMNS as PREFILL_COLUMNS
 from .prefill import bench_prefill
 from .prefill import summary_lines as prefill_summary_lines
+from .sdpa import backend_of as sdpa_backend_of
+from .sdpa import base_name
+from .sdpa import label as sdpa_label
+from .sdpa import run_with as sdpa_run_with
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,7 +217,9 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
                     log(f"  {vname} {dname} failed: {type(exc).__name__}: {exc}")
                     traceback.print_exc()
 
-            # -- torch SDPA (optional) --
+            # -- torch SDPA (optional): unexpanded K/V with enable_gqa, the backend
+            #    torch picks named in the label; fp32 also the memory-efficient
+            #    backend on K/V expanded to every query head --
             if torch is not None:
                 try:
                     tdt = {"float32": torch.float32, "float16": torch.float16,
@@ -224,8 +238,27 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
                     def run_sdpa():
                         sdpa(tq, tk, tv, enable_gqa=True)
 
+                    backend, how = sdpa_backend_of(torch, run_sdpa)
                     ms = ttimer.time(run_sdpa, reps=20)
-                    record("torch_sdpa", ms)
+                    record(sdpa_label("torch_sdpa", backend), ms,
+                           f"(enable_gqa, K/V [B, H_kv, L, D]; backend from {how})")
+                    if dname == "float32":
+                        try:
+                            ek = tk.repeat_interleave(h // kv, dim=1)  # [B, H, L, D]
+                            ev = tv.repeat_interleave(h // kv, dim=1)
+
+                            def run_expanded():
+                                sdpa_run_with(torch, "efficient",
+                                              lambda: sdpa(tq, ek, ev))
+
+                            ms = ttimer.time(run_expanded, reps=20)
+                            record(sdpa_label("torch_sdpa_expanded", "efficient"), ms,
+                                   "(K/V repeat_interleave'd to all H heads before timing; "
+                                   "bytes counted as for the others)")
+                            del ek, ev
+                        except Exception as exc:
+                            log(f"  torch_sdpa_expanded {dname}: skipped "
+                                f"({type(exc).__name__}: {str(exc)[:160]})")
                     del tk, tv, tq
                 except Exception as exc:
                     log(f"  torch_sdpa {dname}: skipped ({type(exc).__name__}: "
@@ -267,38 +300,85 @@ def mla_flops(batch, heads, latent, rope, nope, v_dim, seq):
     return batch * heads * per
 
 
+def mla_decode_batch(q_nope, q_pe, cache, w_uk, w_uv, lat, dtype=np.float64, chunk=8):
+    """Absorbed MLA decode of a whole batch in numpy, vectorised, at ``dtype``
+    (float64: the oracle; float32: the same-precision baseline): sequence b's
+    one query attends all L rows of ``cache[b]``.
+
+    q_nope [B, nh, d_nope], q_pe [B, nh, d_rope], cache [B, L, lat + d_rope]
+    ([c_kv | k_pe]), w_uk [nh, d_nope, lat], w_uv [nh, d_v, lat] (host arrays);
+    scale 1/sqrt(d_nope + d_rope). Sequences go ``chunk`` at a time (bounded
+    scratch). Returns out [B, nh, d_v] in ``dtype``.
+    """
+    f = np.dtype(dtype).type
+    n_b, nh, d_nope = q_nope.shape
+    scale = f(1.0 / math.sqrt(d_nope + q_pe.shape[2]))
+    uk = np.asarray(w_uk, dtype=f)  # [nh, d_nope, lat]
+    uv_t = np.ascontiguousarray(np.asarray(w_uv, dtype=f).transpose(0, 2, 1))  # [nh, lat, d_v]
+    out = np.empty((n_b, nh, uv_t.shape[2]), f)
+    for b0 in range(0, n_b, chunk):
+        b1 = min(b0 + chunk, n_b)
+        qn = np.asarray(q_nope[b0:b1], dtype=f).transpose(1, 0, 2)  # [nh, b, d_nope]
+        q_lat = np.matmul(qn, uk).transpose(1, 0, 2)  # [b, nh, lat]
+        c = np.asarray(cache[b0:b1], dtype=f)
+        ckv, kpe = c[:, :, :lat], c[:, :, lat:]  # [b, L, lat], [b, L, d_rope]
+        qp = np.asarray(q_pe[b0:b1], dtype=f)
+        scores = (np.matmul(q_lat, ckv.transpose(0, 2, 1))
+                  + np.matmul(qp, kpe.transpose(0, 2, 1))) * scale  # [b, nh, L]
+        scores -= scores.max(axis=2, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=2, keepdims=True)
+        o_lat = np.matmul(p, ckv)  # [b, nh, lat]
+        out[b0:b1] = np.matmul(o_lat.transpose(1, 0, 2), uv_t).transpose(1, 0, 2)
+    return out
+
+
 class MLACheck:
-    """The bench's accuracy column: outputs of sequences 0..N-1 against the float64
-    absorbed oracle (mla.oracle), beside the same-precision numpy baseline's error.
+    """The bench's accuracy column: outputs of every sequence of the batch
+    against the float64 absorbed decode (``mla_decode_batch``, vectorised
+    numpy), beside the same-precision numpy float32 baseline's error.
 
     q_nope [B, nh, d_nope], q_pe [B, nh, d_rope], cache [B, L, lat + d_rope],
     w_uk [nh, d_nope, lat], w_uv [nh, d_v, lat] (device or host arrays)."""
 
-    N = 2
-
     def __init__(self, q_nope, q_pe, cache, w_uk, w_uv, lat):
-        from mla.oracle import mla_attend_absorbed, mla_attend_float32
-
-        n = self.N
-        qn, qp = _host(q_nope[:n]), _host(q_pe[:n])
-        c = _host(cache[:n]).astype(np.float64)  # fp16 values are exact in float64
+        qn, qp, c = _host(q_nope), _host(q_pe), _host(cache)
         uk, uv = _host(w_uk), _host(w_uv)
-        self.ref = np.stack([mla_attend_absorbed(qn[i:i + 1], qp[i:i + 1], c[i, :, :lat],
-                                                 c[i, :, lat:], uk, uv)[0] for i in range(n)])
-        base = np.stack([mla_attend_float32(qn[i:i + 1], qp[i:i + 1], c[i, :, :lat],
-                                            c[i, :, lat:], uk, uv)[0] for i in range(n)])
+        self.n = int(qn.shape[0])
+        # fp16 cache values are exact in float64 and float32
+        self.ref = mla_decode_batch(qn, qp, c, uk, uv, lat, np.float64)
+        base = mla_decode_batch(qn, qp, c, uk, uv, lat, np.float32)
         self.base_err = float(np.abs(base - self.ref).max())
 
     def error(self, out):
-        """max |out[:N] - oracle|; ``out`` [B, nh, d_v] device or host."""
-        return float(np.abs(_host(out[:self.N]).astype(np.float64) - self.ref).max())
+        """max |out - oracle| over all sequences; ``out`` [B, nh, d_v] device or host."""
+        return float(np.abs(_host(out).astype(np.float64) - self.ref).max())
 
 
 def _host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
-def bench_mla(timer, fma_tflops, torch, mla_rows):
+# the peaks a row's TFLOP/s is set against (bench.gpu): the fp32 FMA peak for
+# FMA work, torch matmul peaks for tensor-core work
+PEAK_NAMES = {"fp32_fma": "fp32 FMA peak", "tf32_tc": "tf32 tensor-core peak",
+              "bf16_tc": "bf16 tensor-core peak"}
+
+
+def frac_of_peak(tflops, peaks, peak):
+    """``tflops / peaks[peak]`` rounded to 3 places, None when that peak was
+    not measured (e.g. the tensor-core peaks without torch)."""
+    value = peaks.get(peak)
+    return round(tflops / value, 3) if value else None
+
+
+def fmt_frac(frac):
+    return "n/a" if frac is None else f"{frac:.3f}"
+
+
+def bench_mla(timer, peaks, torch, mla_rows):
+    """MLA rows into ``mla_rows``; ``peaks``: {"fp32_fma", "tf32_tc", "bf16_tc"}
+    TFLOP/s (a tensor-core peak None when it was not measured)."""
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
@@ -313,22 +393,23 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
         log(f"  mla.pipeline.mla_decode: skipped ({type(exc).__name__}: {exc})")
     for dname in ("float32", "float16"):
 
-        def record(name, ms, note="", out=None):
+        def record(name, ms, note="", out=None, peak="fp32_fma"):
             note += cover_note(timer, seen[0])
             seen[0] = len(timer.raised)
             tf = flops / (ms * 1e-3) / 1e12
             err = check.error(out) if out is not None else float("nan")
+            frac = frac_of_peak(tf, peaks, peak)
             mla_rows.append({"kernel": name, "dtype": dname, "batch": b, "heads": h,
                              "latent": lat, "rope": rope, "seq_len": seq, "ms": round(ms, 4),
-                             "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3),
+                             "TFLOPs": round(tf, 2), "peak": peak, "frac_of_peak": frac,
                              "max_err": float(f"{err:.3g}"),
                              "numpy_fp32_err": float(f"{check.base_err:.3g}")})
             log(f"  {name:<20} {dname:<8} {ms:8.3f} ms {tf:7.2f} TFLOP/s "
-                f"{tf / fma_tflops:5.3f} of fp32 FMA peak, err {err:.2g} {note}")
+                f"{fmt_frac(frac)} of {PEAK_NAMES[peak]}, err {err:.2g} {note}")
 
         q_nope, q_pe, cache, lengths, w_uk, w_uv = mla_inputs(dname)
         check = MLACheck(q_nope, q_pe, cache, w_uk, w_uv, lat)
-        log(f"  (err: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
+        log(f"  (err: max |out - float64 oracle| over all {check.n} sequences; "
             f"numpy float32 gives {check.base_err:.2g})")
         if mla_decode is not None:
             try:
@@ -348,26 +429,27 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
 
                 record("mla_decode", timer.time(run_gemm, reps=5, warmup=1, host=True),
                        "(method gemm: scores and P.V on tensor cores, split tf32; public "
-                       "launcher, host work included)", out=run_gemm())
+                       "launcher, host work included)", out=run_gemm(), peak="tf32_tc")
                 del ws
                 # the same launches prepared once and replayed as a CUDA graph, with
                 # the tensor-core GEMMs and with fp32 FMA GEMMs only (method gemm_fma)
-                for name, tensor, what in (
-                        ("mla_decode_graph", True, "tensor-core score and P.V GEMMs"),
-                        ("mla_decode_graph_fma", False, "fp32 FMA GEMMs only")):
+                for name, tensor, what, peak in (
+                        ("mla_decode_graph", True, "tensor-core score and P.V GEMMs",
+                         "tf32_tc"),
+                        ("mla_decode_graph_fma", False, "fp32 FMA GEMMs only", "fp32_fma")):
                     try:
                         from mla.decode_graph import MLADecodeGraph
 
                         g = MLADecodeGraph(q_nope, q_pe, cache, lengths, w_uk, w_uv,
                                            tensor=tensor)
                         if g.graph is None:
-                            raise RuntimeError(f"no graph ({g.graph_error})")
+                            raise RuntimeError(f"no graph ({g.fallback_reason})")
                         g.run(sync=True)
                         ms = timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1)
                         g.run(sync=True)
                         record(name, ms,
                                f"(MLADecodeGraph: the GEMM path's launches replayed; {what})",
-                               out=g.out)
+                               out=g.out, peak=peak)
                         del g
                     except Exception as exc:
                         log(f"  {name} {dname}: skipped ({type(exc).__name__}: "
@@ -397,11 +479,12 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                     return einsum_decode(tqn, tqp, tc, tuk, tuv)
 
                 def einsum_out(fn=run_einsum):
-                    return fn().float()[:MLACheck.N].cpu().numpy()
+                    return fn().float().cpu().numpy()
 
                 ms = tt.time(run_einsum, reps=10)
                 record("torch_einsum", ms, "(fp16: tensor cores)" if dname == "float16" else
-                       "(fp32, TF32 off: the yardstick)", out=einsum_out())
+                       "(fp32, TF32 off: the yardstick)", out=einsum_out(),
+                       peak="bf16_tc" if dname == "float16" else "fp32_fma")
                 if dname == "float32":
                     # context only: TF32 products keep 10 mantissa bits, so its error
                     # is orders above float32's (see the err column)
@@ -409,7 +492,7 @@ def bench_mla(timer, fma_tflops, torch, mla_rows):
                     try:
                         ms = tt.time(run_einsum, reps=10)
                         record("torch_einsum_tf32", ms, "(fp32 operands, TF32 on: context, "
-                               "not the yardstick)", out=einsum_out())
+                               "not the yardstick)", out=einsum_out(), peak="tf32_tc")
                     finally:
                         torch.backends.cuda.matmul.allow_tf32 = False
                 else:
@@ -464,8 +547,9 @@ def bench_step(step_rows):
     vn = random_array((b, kv, d), dt, 35)
     pos = cuda.to_device(np.full(b, 512, np.int32))
     step = DecodeStep(q, kn, vn, k, v, pos)
-    if step.graph_error:
-        log(f"  graph capture failed, step() uses plain launches: {step.graph_error}")
+    log(f"  step() path: {step.path}"
+        + (f" (fallback: {step.fallback_reason})" if step.fallback_reason else "")
+        + f"; combine launch: {step.pdl['path']} ({step.pdl['reason']})")
     n = 200
     for name, fn in (("plain_numba", lambda: step.step_plain()),
                      ("cuda_graph", lambda: step.step())):
@@ -501,7 +585,7 @@ def bench_step(step_rows):
     try:
         from attention.oracle import decode_attention_ref
 
-        step.step(sync=True)
+        step.step(sync=True)  # also checks that no position ran past the capacity
         step.synchronize()
         lens = step.d_lens.copy_to_host()
         out = step.out.copy_to_host()
@@ -556,19 +640,36 @@ def plot(path, rows, copy_gbps):
     fig.savefig(path, dpi=110)
 
 
-def best(rows, kernel_prefix, dname, b, seq):
-    sel = [r for r in rows if r["kernel"].startswith(kernel_prefix) and r["dtype"] == dname
-           and r["batch"] == b and r["seq_len"] == seq]
+def best(rows, kernel_prefix, dname, b, seq, exact=False):
+    """The fastest row whose kernel starts with ``kernel_prefix`` (``exact``:
+    whose kernel name, ``[backend]`` suffix removed, is ``kernel_prefix``)."""
+    sel = [r for r in rows
+           if (base_name(r["kernel"]) == kernel_prefix if exact
+               else r["kernel"].startswith(kernel_prefix))
+           and r["dtype"] == dname and r["batch"] == b and r["seq_len"] == seq]
     return max(sel, key=lambda r: r["GBps"]) if sel else None
 
 
 def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors):
     copy_gbps, fma_tf = ceilings["copy_GBps"], ceilings["fma_TFLOPs"]
+    tc = {k: ceilings.get(k) for k in ("tf32_TFLOPs", "bf16_TFLOPs")}
     lines = ["# Benchmarks: decode attention, MLA decode, decode step", "",
              "Produced by `scripts/bench`. Provenance:", "", "```",
              json.dumps(prov, indent=1), "```", "",
              f"- copy ceiling (device-to-device, read + write): **{copy_gbps:.0f} GB/s**",
              f"- fp32 FMA peak (numba, 8 chains per thread): **{fma_tf:.1f} TFLOP/s**",
+             "- tensor-core peaks (torch matmul, 8192 x 8192 x 8192, same run): "
+             + ", ".join(f"{name} **{v:.1f} TFLOP/s**" if v else f"{name} not measured"
+                         for name, v in (("tf32 (fp32 operands, allow_tf32)",
+                                          tc["tf32_TFLOPs"]),
+                                         ("bf16", tc["bf16_TFLOPs"])))
+             + "; tensor-core rows are given as a fraction of these, FMA rows of the "
+             "fp32 FMA peak",
+             "- torch SDPA rows name the backend that ran (`torch_sdpa[math]` etc.: "
+             "bench/sdpa.py); `torch_sdpa` gets K/V unexpanded with `enable_gqa`, "
+             "`torch_sdpa_expanded[efficient]` (fp32) gets K/V repeat_interleave'd to all "
+             "query heads before timing and runs the memory-efficient backend; bytes are "
+             "counted the same way for every row",
              "- timing: CUDA events, median of the repeats (3 to 20) after warm-up; "
              "before each repeat the L2 is flushed by reading 512 MB (clean lines only, "
              "nothing for the timed kernel to write back) and the GPU sleeps so that no "
@@ -589,10 +690,11 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
                          f"({'met' if r['frac_of_copy'] >= 0.8 else 'MISSED'}, target 0.80)")
     for dname in ("float16", "bfloat16"):
         for (b, _, _, _, seq) in DECODE_SHAPES:
-            r, t = best(rows, "fast", dname, b, seq), best(rows, "torch_sdpa", dname, b, seq)
+            r = best(rows, "fast", dname, b, seq)
+            t = best(rows, "torch_sdpa", dname, b, seq, exact=True)
             if r and t:
                 ratio = r["GBps"] / t["GBps"]
-                lines.append(f"- {dname} B={b} L={seq}: {ratio:.3f} of torch SDPA "
+                lines.append(f"- {dname} B={b} L={seq}: {ratio:.3f} of {t['kernel']} "
                              f"({'met' if ratio >= 0.9 else 'MISSED'}, target 0.90)")
     for dname in DTYPES:
         r = best(rows, "fast", dname, 1, 32768)
@@ -613,24 +715,38 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
             m = [r for r in mla_rows if r["kernel"] == kern and r["dtype"] == dname]
             if not m:
                 continue
-            ok = m[0]["frac_of_fma_peak"] >= 0.5 and (not t or m[0]["ms"] < t[0]["ms"])
-            lines.append(f"- MLA decode ({kern}) {dname} cache: {m[0]['frac_of_fma_peak']:.3f} "
-                         f"of fp32 FMA peak" +
+            frac, peak = m[0]["frac_of_peak"], m[0]["peak"]
+            if frac is None:
+                verdict = f"not judged: the {PEAK_NAMES[peak]} was not measured"
+            else:
+                ok = frac >= 0.5 and (not t or m[0]["ms"] < t[0]["ms"])
+                verdict = f"{'met' if ok else 'MISSED'}, target 0.5 of its peak and faster " \
+                          "than einsum"
+            ceiling = ""
+            if peak == "tf32_tc":  # tgemm: 3 mma a product, 2 with an fp16 operand
+                ceiling = (" (split tf32 takes " + ("2" if dname == "float16" else "3") +
+                           " tf32 MMAs a product: at most " +
+                           ("0.5" if dname == "float16" else "0.333") + " of it)")
+            lines.append(f"- MLA decode ({kern}) {dname} cache: {fmt_frac(frac)} "
+                         f"of the {PEAK_NAMES[peak]}{ceiling}" +
                          (f", {t[0]['ms'] / m[0]['ms']:.2f}x torch einsum speed" if t else "") +
-                         f" ({'met' if ok else 'MISSED'}, target 0.5 and faster than einsum)" +
+                         f" ({verdict})" +
                          (f"; context: {u[0]['ms'] / m[0]['ms']:.2f}x the speed of torch einsum "
                           "with our roundings (fp16 cache, fp32 math)" if u else ""))
     if mla_rows:
+        n_seq = mla_rows[0]["batch"]
         lines += ["", "## MLA decode (B 64, 128 heads, latent 512 + 64, L 4096)", "",
-                  f"Max error: max |out - float64 oracle| over sequences 0..{MLACheck.N - 1}; "
-                  "numpy float32 err: the same-precision numpy baseline's.", "",
-                  "| kernel | cache | ms | TFLOP/s | of fp32 FMA peak | max err "
+                  f"Max error: max |out - float64 oracle| over all {n_seq} sequences of the "
+                  "batch (vectorised float64 numpy); numpy float32 err: the same-precision "
+                  "numpy baseline's. \"of peak\": TFLOP/s over the peak named in the next "
+                  "column (tensor-core rows: a tensor-core peak; FMA rows: the fp32 FMA peak).",
+                  "", "| kernel | cache | ms | TFLOP/s | of peak | peak | max err "
                   "| numpy float32 err |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|"]
         for r in mla_rows:
             lines.append(f"| {r['kernel']} | {r['dtype']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
-                         f"{r['frac_of_fma_peak']:.3f} | {r['max_err']:.2g} | "
-                         f"{r['numpy_fp32_err']:.2g} |")
+                         f"{fmt_frac(r['frac_of_peak'])} | {PEAK_NAMES[r['peak']]} | "
+                         f"{r['max_err']:.2g} | {r['numpy_fp32_err']:.2g} |")
     if step_rows:
         lines += ["", "## Decode step (scatter + lengths + attention; B 32, fp16, capacity 4096)",
                   "", "| path | host us / step | wall us / step |", "|---|---|---|"]
@@ -666,7 +782,7 @@ def main(argv=None):
         sys.exit(2)
     from validation.provenance import provenance
 
-    from .gpu import Timer, copy_bandwidth, fma_peak
+    from .gpu import Timer, copy_bandwidth, fma_peak, torch_matmul_peak
 
     try:
         import torch
@@ -685,6 +801,17 @@ def main(argv=None):
     seen = len(timer.raised)
     fma_tf, _ = fma_peak(timer)
     log(f"fp32 FMA peak {fma_tf:.2f} TFLOP/s" + cover_note(timer, seen))
+    peaks = {"fp32_fma": fma_tf, "tf32_tc": None, "bf16_tc": None}
+    if torch is not None:
+        for kind in ("tf32", "bf16"):
+            try:
+                peaks[f"{kind}_tc"], _ = torch_matmul_peak(torch, kind)
+                log(f"{kind} tensor-core peak (torch matmul) {peaks[kind + '_tc']:.1f} TFLOP/s")
+            except Exception as exc:
+                errors.append(f"{kind} tensor-core peak: {type(exc).__name__}: {exc}")
+    else:
+        log("tensor-core peaks: not measured (torch not importable); tensor-core rows "
+            "get no fraction of peak")
 
     variants = [("fast", {})]
     if args.variants:
@@ -693,7 +820,7 @@ def main(argv=None):
     rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
     for name, fn in (("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
-                     ("mla", lambda: bench_mla(timer, fma_tf, torch, mla_rows)),
+                     ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
                      ("step", lambda: bench_step(step_rows)),
                      ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log))):
         if name in skip:
@@ -704,7 +831,8 @@ def main(argv=None):
         except Exception as exc:
             traceback.print_exc()
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
-    ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf}
+    ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf,
+                "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
     # the host cover the timers ended with (bench.gpu.HOLD_US): raised where a
     # launch's host cost outlasted it
     cover = {"hold_us": timer.hold_us, "raised": timer.raised}

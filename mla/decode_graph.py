@@ -83,7 +83,10 @@ class MLADecodeGraph:
     Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32).
     ``tensor=False``: fp32 FMA GEMMs only (``mla.attn_gemm.prepare``).
     ``graph=False`` never builds a graph (``run`` then launches plainly);
-    ``graph_error`` says why a graph could not be built.
+    ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
+    "plain") and ``fallback_reason`` (None, or why a graph was asked for and
+    not built) record what ``run()`` launches; a failed capture on a GPU emits
+    a ``checks.FallbackWarning`` (``attention.graph``).
     """
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
@@ -116,8 +119,11 @@ class MLADecodeGraph:
                             self.scale, d_rope=d_rope, w_uk_layout=w_uk_layout, stream=None,
                             workspace=self.workspace, d_vis=self._vis, tensor=tensor)
         self.out, self.lse = self._p["out"], self._p["lse"]
-        self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph)
+        self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph,
+                                       owner="MLADecodeGraph",
+                                       plain_call="run_plain()'s launches at every run()")
         self.graph, self.graph_error = self._graph.graph, self._graph.error
+        self.path, self.fallback_reason = self._graph.path, self._graph.fallback_reason
 
     def enqueue(self, stream):
         """The launches of one run on ``stream`` (numba stream, 0, or a graph builder)."""

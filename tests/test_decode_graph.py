@@ -5,7 +5,8 @@ advances positions and runs the fast attention. Checked against a numpy
 scatter plus the float64 oracle over several steps (tolerance as in
 test_decode_fast: 2x the float32 numpy baseline's error + 1e-6). On the
 simulator (and where no graph can be built) ``step()`` runs the plain path;
-on a GPU it replays the captured graph.
+on a GPU it replays the captured graph. Capacity overflow and path records:
+tests/test_fallbacks.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run_steps(n_steps, dtype=np.float32, m=2, h=4, kv=2, d=32, cap=12, use_graph
             k_ref[slots[i], :, p[i]] = kn[i]
             v_ref[slots[i], :, p[i]] = vn[i]
         p += 1
-    step.synchronize()
+    step.check()  # every step stayed within the capacity: no flag raised
     lens = p  # after the last step: lengths = last position + 1
     out = step.out.copy_to_host()
     assert np.array_equal(step.d_lens.copy_to_host(), lens)
@@ -75,6 +76,7 @@ def test_positive_control_without_scatter_fails():
 def test_gpu_graph_is_built_and_replays():
     out, ref, step = run_steps(3, dtype=np.float16, m=2, h=8, kv=2, d=128, cap=64)
     assert step.graph is not None, step.graph_error
+    assert step.path == "graph" and step.fallback_reason is None
     assert np.abs(out - ref).max() < 1e-5
 
 
