@@ -59,6 +59,14 @@ slice stayed a loop (written out, they spilled). With the registers freed,
 the k-steps are written out (``_unrolled``): no loop counter or branch per
 ``k``, constant shared-memory offsets, and the next ``k``'s fragment loads
 issued under this one's FMAs.
+
+Planted switches (falsification suite and precision tests only; compile-time,
+``sgemm_kernel(..., defect=name)``, the kernel's name suffixed with it; without
+one the kernel is the production one, PTX unchanged): ``no_partials``
+(``PRECISION_MUTANTS``: the two-level sum collapsed to one running sum over
+the whole K, the fused sum of about twice numpy's error above) and
+``k_tail_dropped`` (``GROSS_DEFECTS``: the last K slice, up to ``BK`` k, is not
+multiplied; its ``a`` staged as zeros).
 """
 
 from __future__ import annotations
@@ -81,7 +89,12 @@ C_ORDERS = ("zmn", "mzn")
 
 # the simulator runs every thread as a Python thread: it runs the same code
 # with a 4 x 4-thread block and 2 x 2 micro-tiles (8 x 8 tiles of c)
-PLAN = (4, 2, 2) if SIMULATOR else (EDGE, 8, 8)  # (edge, tm, tn)
+GPU_PLAN = (EDGE, 8, 8)  # (edge, tm, tn)
+PLAN = (4, 2, 2) if SIMULATOR else GPU_PLAN
+
+PRECISION_MUTANTS = ("no_partials",)
+GROSS_DEFECTS = ("k_tail_dropped",)
+DEFECTS = PRECISION_MUTANTS + GROSS_DEFECTS
 ALIGN = None if SIMULATOR else 16  # shared-slice alignment (the simulator rejects any)
 
 
@@ -112,7 +125,7 @@ def _unrolled(step, n, a_pitch, b_pitch):
 
 
 @functools.lru_cache(maxsize=None)
-def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
+def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
     """Build the GEMM for ``b``'s layout, ``edge x edge`` threads, ``tm x tn`` each.
 
     Arguments: a, b, c flat (1-D views of C-contiguous arrays), zb [Z] int32,
@@ -121,10 +134,15 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
     ``a[z a_z + m a_m + k]``, (zb, row, col) of ``b`` is ``b[zb b_z + row b_r +
     col]``, (z, m, n) of ``c`` is ``c[z c_z + m c_m + n]`` (``launch`` derives
     them from the layouts). Grid ``(ceil(max N / (edge tn)), ceil(M / (edge
-    tm)), Z)``, block ``(edge, edge)``.
+    tm)), Z)``, block ``(edge, edge)``. ``defect``: one of ``DEFECTS`` compiled
+    in (module docstring), or None.
     """
     if b_order not in B_ORDERS:
         raise ValueError(f"b_order: expected one of {B_ORDERS}, got {b_order!r}")
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
+    NO_PARTIALS = defect == "no_partials"
+    K_TAIL_DROPPED = defect == "k_tail_dropped"
     if (edge * tm * BK) % (edge * edge) or (edge * tn * BK) % (edge * edge):
         raise ValueError(f"sgemm plan: {edge}x{edge} threads cannot stage {tm}x{tn} tiles")
     EDGE_ = edge
@@ -255,6 +273,9 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
             a_off = (s & 1) * A_BUF
             b_off = (s & 1) * B_BUF
             # -- store the fetched slice into this buffer --
+            if K_TAIL_DROPPED and s + 1 == n_slices:
+                for e in range(A_LOADS):
+                    a_pre[e] = float32(0.0)  # the last slice's products all zero
             for e in range(A_LOADS):
                 idx = tid + THREADS * e
                 a_s[uint64(a_off + (idx % BK) * AP + idx // BK)] = a_pre[e]
@@ -272,7 +293,10 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
             # -- multiply: the slice's products into the partial; the first k
             # of every PART_SLICES-th slice starts a fresh one (no zeroing) --
             frags(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag)
-            if s % PART_SLICES == 0:
+            fresh = s % PART_SLICES == 0
+            if NO_PARTIALS:
+                fresh = s == 0  # one running sum over the whole K
+            if fresh:
                 for i in range(TM):
                     for j in range(TN):
                         part[i, j] = a_frag[i] * b_frag[j]
@@ -282,7 +306,10 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
                         part[i, j] = fma(a_frag[i], b_frag[j], part[i, j])
             slice_rest(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag, part)
             # -- the partial into the running total, after its last slice --
-            if s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices:
+            last = s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices
+            if NO_PARTIALS:
+                last = s + 1 == n_slices
+            if last:
                 for i in range(TM):
                     for j in range(TN):
                         at = uint64((i * TN + j) * THREADS + tid)
@@ -301,7 +328,8 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8):
                         total = acc_s[uint64((i * TN + j) * THREADS + tid)]
                         c[uint64(z * c_z + r * c_m + col)] = alpha * total
 
-    kernel.__name__ = kernel.__qualname__ = f"sgemm_{b_order}_{edge}e_{tm}x{tn}"
+    kernel.__name__ = kernel.__qualname__ = (f"sgemm_{b_order}_{edge}e_{tm}x{tn}"
+                                             + (f"_{defect}" if defect else ""))
     # fastmath off: it would let the compiler re-associate the two-level sum
     return jit(kernel, fastmath=False)
 
@@ -318,13 +346,14 @@ def _flat(x):
 
 
 def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n, n_batch,
-           stream, plan=None, ready=None):
+           stream, plan=None, ready=None, defect=None):
     """Enqueue the GEMM over ``n_batch`` batches (C-contiguous device arrays, no validation).
 
     ``max_n``: the largest ``n_ext`` (sets the grid); ``plan``: (edge, tm, tn),
     default ``PLAN``; ``ready``: an optional set the caller keeps for one
     device, recording the kernels given their dynamic shared memory (then a
-    repeated launch does no device lookup; ``ensure_dynamic_shared``).
+    repeated launch does no device lookup; ``ensure_dynamic_shared``);
+    ``defect``: a planted switch (``DEFECTS``) or None.
     """
     if a_order not in A_ORDERS or c_order not in C_ORDERS:
         raise ValueError(f"sgemm layouts: got a {a_order!r}, c {c_order!r}")
@@ -339,7 +368,7 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
     a_z, a_m = _strides(a, a_order)
     b_z, b_r = _strides(b, b_order)
     c_z, c_m = _strides(c, c_order)
-    kernel = sgemm_kernel(b_order, edge, tm, tn)
+    kernel = sgemm_kernel(b_order, edge, tm, tn, defect)
     args = (_flat(a), _flat(b), _flat(c), zb, n_ext, k_ext, float32(alpha), m_len, a_z, a_m,
             b_z, b_r, c_z, c_m)
     static, dynamic = shared_bytes(edge, tm, tn)

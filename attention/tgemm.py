@@ -49,6 +49,23 @@ tiles, so 16 independent mmas separate two dependent ones.
 The simulator runs the same kernel with one warp of one 16 x 8 tile and 8-k
 slices; there ``mma`` is a warp collective built from shuffles (each lane
 gathers its rows of ``a`` and columns of ``b``), ``cp_async16`` a copy.
+``launch(..., plan=GPU_PLAN)`` runs the GPU's plan there too (one block of 256
+threads takes 40 to 60 s a 32-k slice).
+
+Planted switches (falsification suite and precision tests only; compile-time,
+``tgemm_kernel(..., defect=name)``, the kernel's name suffixed with it; without
+one the kernel is the production one, PTX unchanged):
+
+    tf32_single      one mma a product, ``ah bh`` (the hi halves only): a plain
+                     tf32 GEMM, about 2^-11 relative error a product
+    no_partials      no short partials: every mma adds into one long sum over
+                     the whole K (the truncating fp32 adds grow with K)
+    ring_stale       the last K slice (when not the first) multiplied from the
+                     ring entry of the slice before it (stale data)
+    k_slice_dropped  the last K slice not multiplied (gross)
+
+The first three are ``PRECISION_MUTANTS`` (a precision loss that a wrong
+kernel could show), the last is in ``GROSS_DEFECTS``.
 """
 
 from __future__ import annotations
@@ -66,7 +83,12 @@ WARP = 32
 PART_STEPS = 2  # k8 steps (16 k) whose products go into one partial
 
 # (warps_m, warps_n, tiles_m, tiles_n, bk, stages)
-PLAN = (1, 1, 1, 1, 8, 2) if SIMULATOR else (2, 4, 4, 4, 32, 4)
+GPU_PLAN = (2, 4, 4, 4, 32, 4)
+PLAN = (1, 1, 1, 1, 8, 2) if SIMULATOR else GPU_PLAN
+
+PRECISION_MUTANTS = ("tf32_single", "no_partials", "ring_stale")
+GROSS_DEFECTS = ("k_slice_dropped",)
+DEFECTS = PRECISION_MUTANTS + GROSS_DEFECTS
 
 
 # ---------------------------------------------------------------------------
@@ -246,16 +268,23 @@ def shared_bytes(b_order, b16, plan=PLAN):
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def tgemm_kernel(b_order, b16, plan=PLAN):
+def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
     """Build the GEMM for ``b``'s layout and element type (``b16``: float16).
 
     Arguments and strides as ``sgemm.sgemm_kernel`` (a, b, c flat; zb, n_ext,
     k_ext int32 [Z]; alpha; m_len; (a_z, a_m), (b_z, b_r), (c_z, c_m)). Grid
     ``(ceil(max N / BN), ceil(M / BM), Z)``, block ``32 warps_m warps_n``
-    threads, ``shared_bytes`` of dynamic shared memory.
+    threads, ``shared_bytes`` of dynamic shared memory. ``defect``: one of
+    ``DEFECTS`` compiled in (module docstring), or None.
     """
     if b_order not in sgemm.B_ORDERS:
         raise ValueError(f"b_order: expected one of {sgemm.B_ORDERS}, got {b_order!r}")
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
+    TF32_SINGLE = defect == "tf32_single"
+    NO_PARTIALS = defect == "no_partials"
+    RING_STALE = defect == "ring_stale"
+    K_SLICE_DROPPED = defect == "k_slice_dropped"
     WARPS_M, WARPS_N, MT, NT, BK, STAGES = plan
     THREADS = WARP * WARPS_M * WARPS_N
     BM, BN = tile_shape(plan)
@@ -268,6 +297,9 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
     # the k8 loop, every PART_STEPS steps (FADDs on the hot loop: bench/NOTES.md run 19)
     IN_SLICE = PART_STEPS < KS
     PART_SLICES = max(PART_STEPS // KS, 1)
+    # no_partials: one partial over the whole K, added to the totals at the end
+    FLUSH_IN_SLICE = IN_SLICE and not NO_PARTIALS
+    FLUSH_AT_SLICE_END = not IN_SLICE and not NO_PARTIALS
     B_ZNK = b_order == "znk"
     SPLIT_B = not b16
     AP, BP, A_WORDS, B_WORDS = layout(b_order, b16, plan)
@@ -397,7 +429,12 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
                       k_len, a_z, a_m, b_z, b_r, inner)
             commit()
             base = (s % STAGES) * STAGE
-            for kk in range(KS):
+            if RING_STALE and s > 0 and s + 1 == n_slices:
+                base = ((s - 1) % STAGES) * STAGE  # the entry of the slice before
+            steps = KS
+            if K_SLICE_DROPPED and s + 1 == n_slices:
+                steps = 0  # the last slice is not multiplied
+            for kk in range(steps):
                 # b0 = B[k = 8 kk + t][n = wn0 + 8 j + g], b1: k + 4
                 for j in range(NT):
                     for r in range(2):
@@ -419,14 +456,18 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
                         ah[i, r] = hl[0]
                         al[i, r] = hl[1]
                 # term by term over all tiles, small terms first
-                tiles_mma(al, bh, part)
-                if SPLIT_B:
+                if not TF32_SINGLE:
+                    tiles_mma(al, bh, part)
+                if SPLIT_B and not TF32_SINGLE:
                     tiles_mma(ah, bl, part)
                 tiles_mma(ah, bh, part)
-                if IN_SLICE and kk % PART_STEPS == PART_STEPS - 1:
+                if FLUSH_IN_SLICE and kk % PART_STEPS == PART_STEPS - 1:
                     flush(acc, part)
             # the partial into the totals after its last slice; a fresh one next
-            if not IN_SLICE and (s % PART_SLICES == PART_SLICES - 1 or s + 1 == n_slices):
+            if FLUSH_AT_SLICE_END and (s % PART_SLICES == PART_SLICES - 1
+                                       or s + 1 == n_slices):
+                flush(acc, part)
+            if NO_PARTIALS and s + 1 == n_slices:
                 flush(acc, part)
         # -- epilogue: d[g][2t], d[g][2t+1], d[g+8][2t], d[g+8][2t+1] of each tile --
         for i in range(MT):
@@ -438,7 +479,8 @@ def tgemm_kernel(b_order, b16, plan=PLAN):
                         if col < n_len:
                             c[uint64(z * c_z + row * c_m + col)] = alpha * acc[i, j, r]
 
-    kernel.__name__ = kernel.__qualname__ = f"tgemm_{b_order}_{'f16' if b16 else 'f32'}"
+    kernel.__name__ = kernel.__qualname__ = (f"tgemm_{b_order}_{'f16' if b16 else 'f32'}"
+                                             + (f"_{defect}" if defect else ""))
     # fastmath off: it would let the compiler re-associate the two-level sum
     return jit(kernel, fastmath=False)
 
@@ -472,9 +514,10 @@ def usable(a, b, *, a_order, b_order, plan=PLAN):
 
 
 def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n, n_batch,
-           stream, ready=None, plan=PLAN):
+           stream, ready=None, plan=PLAN, defect=None):
     """Enqueue the GEMM (arguments as ``sgemm.launch``; no validation). The
-    call must be ``usable``: ``ValueError`` otherwise, before any launch."""
+    call must be ``usable`` (for ``plan``): ``ValueError`` otherwise, before
+    any launch. ``defect``: a planted switch (``DEFECTS``) or None."""
     if c_order not in sgemm.C_ORDERS or not usable(a, b, a_order=a_order, b_order=b_order,
                                                    plan=plan):
         raise ValueError(f"tgemm: layouts a {a_order!r} b {b_order!r} c {c_order!r}, b "
@@ -489,7 +532,7 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
     b_z, b_r = sgemm._strides(b, b_order)
     c_z, c_m = sgemm._strides(c, c_order)
     b16 = np.dtype(b.dtype) == np.float16
-    kernel = tgemm_kernel(b_order, b16, plan)
+    kernel = tgemm_kernel(b_order, b16, plan, defect)
     args = (sgemm._flat(a), sgemm._flat(b), sgemm._flat(c), zb, n_ext, k_ext, float32(alpha),
             m_len, a_z, a_m, b_z, b_r, c_z, c_m)
     dynamic = shared_bytes(b_order, b16, plan)

@@ -29,6 +29,28 @@ Planted defects (falsification suite only): ``w_uk_transposed`` (W_UK's
 (one row past the causal bound), ``k_pe_ignored`` (the score GEMM stops at
 ``r``). ``stuck_rescale`` has no counterpart: this path keeps no running
 softmax state.
+
+Planted kernel switches (``defect=``, compile-time, none in a production
+build): the gross ``GROSS_DEFECTS`` (``tgemm.GROSS_DEFECTS``,
+``sgemm.GROSS_DEFECTS``, ``SOFTMAX_DEFECTS``: ``softmax_not_normalised``, P
+written without the division by the row sum) and the ``PRECISION_MUTANTS``:
+
+    tf32_single, no_partials, ring_stale   the attention GEMMs' kernel
+                                           (``attention.tgemm`` / ``sgemm``)
+    p_fp16, p_bf16    each probability written to S rounded to fp16 / bf16
+    exp_approx        the softmax's ``exp`` is ``attention.rounding.chop_exp``
+    scale_fp16        each scaled score rounded to fp16 as the softmax reads it
+    q_bf16            qc (absorbed query and packed q_pe) rounded to bf16
+                      before the score GEMM
+
+Routing (``mutant_applies``): a GEMM kernel's switch goes to the kernel that
+``method`` runs. "gemm": ``tgemm``'s (``tf32_single``, ``no_partials``,
+``ring_stale``, ``k_slice_dropped``) to the score and P.V GEMMs where
+``tgemm.usable`` takes them (more heads than half a tile, 16-byte rows;
+elsewhere they change nothing). "gemm_fma": ``sgemm``'s (``no_partials``,
+``k_tail_dropped``) to every ``sgemm`` launch (absorb, scores, P.V,
+decompress). So ``no_partials`` is tgemm's under "gemm" and sgemm's under
+"gemm_fma". The softmax switches and ``q_bf16`` apply under both.
 """
 
 from __future__ import annotations
@@ -41,9 +63,19 @@ from numba import cuda, float32
 
 from attention import sgemm, tgemm
 from attention.device import SIMULATOR, device_empty, jit, launch_stream, to_device
+from attention.rounding import chop_exp, round_bf16, round_fp16
 from attention.warp import block_max, block_sum, warp_max, warp_sum
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
+SOFTMAX_MUTANTS = ("p_fp16", "p_bf16", "exp_approx", "scale_fp16")
+SOFTMAX_DEFECTS = ("softmax_not_normalised",)
+SOFTMAX_SWITCHES = SOFTMAX_MUTANTS + SOFTMAX_DEFECTS
+PRECISION_MUTANTS = tuple(dict.fromkeys(
+    tgemm.PRECISION_MUTANTS + sgemm.PRECISION_MUTANTS + SOFTMAX_MUTANTS + ("q_bf16",)))
+GROSS_DEFECTS = tgemm.GROSS_DEFECTS + sgemm.GROSS_DEFECTS + SOFTMAX_DEFECTS
+# the names only this path's kernels carry (``prepare``'s ``defect`` besides GEMM_DEFECTS)
+KERNEL_SWITCHES = GROSS_DEFECTS + PRECISION_MUTANTS
+METHODS = ("gemm", "gemm_fma")
 ROWS_PER_BLOCK = 4  # softmax: one warp per (query, head) row
 WARP = 32
 
@@ -93,8 +125,31 @@ def _pack_q_pe(q_pe, qc, rank):
 pack_q_pe_kernel = jit(_pack_q_pe)
 
 
+def _round_bf16_rows(x):
+    """x[q, h, j] <- bf16(x[q, h, j]) (the ``q_bf16`` mutant's step).
+
+    x: [Q, nh, W] float32. Grid-stride over Q * nh * W elements.
+    """
+    n_q, n_head, width = x.shape
+    total = n_q * n_head * width
+    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    for i in range(start, total, cuda.gridDim.x * cuda.blockDim.x):
+        j = i % width
+        h = (i // width) % n_head
+        q = i // (width * n_head)
+        x[q, h, j] = round_bf16(x[q, h, j])
+
+
+round_bf16_kernel = jit(_round_bf16_rows)
+
+
+def _check_switch(defect, allowed):
+    if defect is not None and defect not in allowed:
+        raise ValueError(f"defect: expected one of {allowed} or None, got {defect!r}")
+
+
 @functools.lru_cache(maxsize=None)
-def softmax_rows_kernel():
+def softmax_rows_kernel(defect=None):
     """In-place softmax of each score row over its visible positions.
 
     s:   [Q, nh, Lw] float32: scaled scores in, probabilities out (entries
@@ -103,8 +158,13 @@ def softmax_rows_kernel():
     lse: [Q, nh] float32 (out)  natural-log sum of exp of the scaled scores
     Grid ``(ceil(nh / 4), Q)``, block 128: warp w of block (x, q) owns head
     ``4 x + w``. The sum of exponentials is Kahan-compensated per lane (up to
-    L / 32 positive terms) before the warp's butterfly.
+    L / 32 positive terms) before the warp's butterfly. ``defect``: one of
+    ``SOFTMAX_SWITCHES`` compiled in (module docstring), or None.
     """
+    _check_switch(defect, SOFTMAX_SWITCHES)
+    P_FP16, P_BF16 = defect == "p_fp16", defect == "p_bf16"
+    EXP_APPROX, SCALE_FP16 = defect == "exp_approx", defect == "scale_fp16"
+    NOT_NORMALISED = defect == "softmax_not_normalised"
 
     def kernel(s, vis, lse):
         q = cuda.blockIdx.y
@@ -115,55 +175,90 @@ def softmax_rows_kernel():
         n = vis[q]
         m = float32(-math.inf)
         for t in range(lane, n, WARP):
-            m = max(m, s[q, head, t])
+            v = s[q, head, t]
+            if SCALE_FP16:
+                v = round_fp16(v)
+            m = max(m, v)
         m = warp_max(m)
         total = float32(0.0)
         comp = float32(0.0)
         for t in range(lane, n, WARP):
-            y = math.exp(s[q, head, t] - m) - comp
+            v = s[q, head, t]
+            if SCALE_FP16:
+                v = round_fp16(v)
+            if EXP_APPROX:
+                e = chop_exp(v - m)
+            else:
+                e = math.exp(v - m)
+            y = e - comp
             nxt = total + y
             comp = (nxt - total) - y
             total = nxt
         total = warp_sum(total)
         inv = float32(1.0) / total if n > 0 else float32(0.0)
+        if NOT_NORMALISED:
+            inv = float32(1.0)
         for t in range(lane, n, WARP):
-            s[q, head, t] = math.exp(s[q, head, t] - m) * inv
+            v = s[q, head, t]
+            if SCALE_FP16:
+                v = round_fp16(v)
+            if EXP_APPROX:
+                e = chop_exp(v - m)
+            else:
+                e = math.exp(v - m)
+            prob = e * inv
+            if P_FP16:
+                prob = round_fp16(prob)
+            if P_BF16:
+                prob = round_bf16(prob)
+            s[q, head, t] = prob
         if lane == 0:
             lse[q, head] = m + math.log(total) if n > 0 else float32(-math.inf)
 
-    kernel.__name__ = kernel.__qualname__ = "mla_softmax_rows"
+    kernel.__name__ = kernel.__qualname__ = "mla_softmax_rows" + (f"_{defect}" if defect
+                                                                   else "")
     # no fastmath: it would fold the Kahan compensation away and assume no -inf
     return jit(kernel, fastmath=False)
 
 
 # a row of up to RESIDENT_VALS * RESIDENT_THREADS scores is held in registers by
 # one block (read once, written once); longer rows take the warp-a-row kernel
-RESIDENT_THREADS = 64 if SIMULATOR else 256
+GPU_RESIDENT_THREADS = 256
+RESIDENT_THREADS = 64 if SIMULATOR else GPU_RESIDENT_THREADS
 RESIDENT_VALS = (1, 2, 4, 8, 16, 32)  # scores a thread, compiled per row width
 
 
-def resident_vals(width):
-    """Scores a thread holds for rows of ``width`` (None: too long to hold)."""
+def resident_vals(width, threads=RESIDENT_THREADS):
+    """Scores a thread of a ``threads`` block holds for rows of ``width``
+    (None: too long to hold)."""
     for vals in RESIDENT_VALS:
-        if vals * RESIDENT_THREADS >= width:
+        if vals * threads >= width:
             return vals
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_resident_kernel(vals):
+def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
     """In-place softmax of each score row, the row held in registers.
 
     Same arguments and results as ``softmax_rows_kernel`` (s [Q, nh, Lw],
-    vis [Q], lse [Q, nh]) for ``Lw <= vals * RESIDENT_THREADS``. Grid
-    ``(nh, Q)``, block ``RESIDENT_THREADS``: thread ``j`` of block ``(h, q)``
-    holds positions ``j + RESIDENT_THREADS i`` (``i < vals``, coalesced). The
-    row is read once and written once (the warp-a-row kernel reads it three
-    times). The row's max and sum are ``attention.warp.block_max`` /
-    ``block_sum`` (warp butterflies, then the warps' values in warp order). Each thread's sum of its ``vals``
-    exponentials is Kahan-compensated.
+    vis [Q], lse [Q, nh]) for ``Lw <= vals * threads``. Grid ``(nh, Q)``,
+    block ``threads`` (default ``RESIDENT_THREADS``; a multiple of 32): thread
+    ``j`` of block ``(h, q)`` holds positions ``j + threads i`` (``i < vals``,
+    coalesced). The row is read once and written once (the warp-a-row kernel
+    reads it three times). The row's max and sum are
+    ``attention.warp.block_max`` / ``block_sum`` (warp butterflies, then the
+    warps' values in warp order). Each thread's sum of its ``vals``
+    exponentials is Kahan-compensated. ``defect``: one of ``SOFTMAX_SWITCHES``
+    compiled in (module docstring), or None.
     """
-    VALS, THREADS = vals, RESIDENT_THREADS
+    _check_switch(defect, SOFTMAX_SWITCHES)
+    if threads % WARP:
+        raise ValueError(f"threads: expected a multiple of {WARP}, got {threads}")
+    P_FP16, P_BF16 = defect == "p_fp16", defect == "p_bf16"
+    EXP_APPROX, SCALE_FP16 = defect == "exp_approx", defect == "scale_fp16"
+    NOT_NORMALISED = defect == "softmax_not_normalised"
+    VALS, THREADS = vals, threads
     NW = THREADS // WARP
 
     def kernel(s, vis, lse):
@@ -179,13 +274,18 @@ def softmax_resident_kernel(vals):
             x[i] = float32(-math.inf)
             if t < n:
                 x[i] = s[q, head, t]
+                if SCALE_FP16:
+                    x[i] = round_fp16(x[i])
             m = max(m, x[i])
         m = block_max(m, red)
         total = float32(0.0)
         comp = float32(0.0)
         for i in range(VALS):
             if tid + i * THREADS < n:  # (an empty row has m = -inf: no exp of NaN)
-                p = math.exp(x[i] - m)
+                if EXP_APPROX:
+                    p = chop_exp(x[i] - m)
+                else:
+                    p = math.exp(x[i] - m)
                 x[i] = p
                 y = p - comp
                 nxt = total + y
@@ -193,16 +293,58 @@ def softmax_resident_kernel(vals):
                 total = nxt
         total = block_sum(total, red)
         inv = float32(1.0) / total if n > 0 else float32(0.0)
+        if NOT_NORMALISED:
+            inv = float32(1.0)
         for i in range(VALS):
             t = tid + i * THREADS
             if t < n:
-                s[q, head, t] = x[i] * inv
+                prob = x[i] * inv
+                if P_FP16:
+                    prob = round_fp16(prob)
+                if P_BF16:
+                    prob = round_bf16(prob)
+                s[q, head, t] = prob
         if tid == 0:
             lse[q, head] = m + math.log(total) if n > 0 else float32(-math.inf)
 
-    kernel.__name__ = kernel.__qualname__ = f"mla_softmax_resident_{VALS}"
+    kernel.__name__ = kernel.__qualname__ = (
+        f"mla_softmax_resident_{VALS}" + (f"_t{THREADS}" if THREADS != RESIDENT_THREADS else "")
+        + (f"_{defect}" if defect else ""))
     # no fastmath: it would fold the Kahan compensation away and assume no -inf
     return jit(kernel, fastmath=False)
+
+
+def mutant_applies(defect, method):
+    """True when ``method`` ("gemm" or "gemm_fma") runs a kernel that carries
+    ``defect`` (a name of ``KERNEL_SWITCHES`` or ``GEMM_DEFECTS``).
+
+    ``tgemm``'s switches (``tf32_single``, ``ring_stale``, ``k_slice_dropped``,
+    and ``no_partials``) apply to "gemm"; ``sgemm``'s (``no_partials``,
+    ``k_tail_dropped``) to "gemm_fma"; the softmax switches, ``q_bf16`` and
+    ``GEMM_DEFECTS`` to both. Under "gemm" a tgemm switch changes something
+    only where ``tgemm.usable`` takes the score or P.V GEMM (more heads than
+    half a tile, ``tgemm.tile_shape()[0] // 2``).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    _check_switch(defect, KERNEL_SWITCHES + GEMM_DEFECTS)
+    if defect in tgemm.DEFECTS and method == "gemm":
+        return True
+    if defect in sgemm.DEFECTS and method == "gemm_fma":
+        return True
+    return defect in SOFTMAX_SWITCHES + ("q_bf16",) + GEMM_DEFECTS
+
+
+def _kernel_switches(defect, tensor):
+    """{kernel: its switch or None} for ``tgemm``, ``sgemm``, ``softmax`` and
+    ``q_bf16`` (a bool), routed as ``mutant_applies`` (``tensor``: "gemm")."""
+    method = "gemm" if tensor else "gemm_fma"
+    known = defect is not None and defect in KERNEL_SWITCHES
+    on = known and mutant_applies(defect, method)
+    return {"tgemm": defect if on and tensor and defect in tgemm.DEFECTS else None,
+            "sgemm": defect if on and not tensor and defect in sgemm.DEFECTS else None,
+            "softmax": defect if on and defect in SOFTMAX_SWITCHES else None,
+            "q_bf16": on and defect == "q_bf16"}
 
 
 def visible_rows(lens, tails, defect=None):
@@ -224,10 +366,13 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     place of ``vis``, which then only sizes the launches (its entries must be
     upper bounds of ``d_vis``'s). ``tensor``: the score and P.V GEMMs on tensor
     cores (``attention.tgemm``, split tf32) where ``tgemm.usable``; False:
-    ``attention.sgemm`` (fp32 FMAs) throughout. Returns a dict for ``launch_prepared``; its
+    ``attention.sgemm`` (fp32 FMAs) throughout. ``defect``: one of
+    ``GEMM_DEFECTS`` or ``KERNEL_SWITCHES`` (routed to its kernel as
+    ``mutant_applies``), or None. Returns a dict for ``launch_prepared``; its
     ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] (device
     float32) are written by each launch of it.
     """
+    _check_switch(defect, GEMM_DEFECTS + KERNEL_SWITCHES)
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
     width = int(d_latent.shape[2])
     rank = width - d_rope
@@ -255,6 +400,8 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     p["max_vis"] = max_vis
     p["smem_ready"] = set()  # GEMM kernels given their dynamic shared memory
     p["tensor"] = bool(tensor)
+    p["defect"] = defect
+    p["switches"] = _kernel_switches(defect, p["tensor"])
     # S rows padded to 4 words: 16-byte aligned rows for tgemm's copies
     p["qc"], p["s"] = (workspace or Workspace()).views(
         (n_q, nh, width), (n_q, nh, -(-max(max_vis, 1) // 4) * 4), stream)
@@ -267,30 +414,34 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     return p
 
 
-def launch_softmax(p, stream):
+def launch_softmax(p, stream, defect=None, threads=RESIDENT_THREADS):
     """Softmax of ``p["s"]`` [Q, nh, Lw] in place over ``p["vis"]``, ``p["lse"]``
-    written: a block a row held in registers when ``Lw`` fits
-    (``resident_vals``), else a warp a row."""
+    written: a block of ``threads`` a row held in registers when ``Lw`` fits
+    (``resident_vals``), else a warp a row. ``defect``: one of
+    ``SOFTMAX_SWITCHES`` or None; ``threads``: the resident kernel's block
+    (default ``RESIDENT_THREADS``; 256, the GPU's, runs on the simulator too)."""
     n_q, nh = p["n_q"], p["nh"]
-    vals = resident_vals(int(p["s"].shape[2]))
+    vals = resident_vals(int(p["s"].shape[2]), threads)
     if vals is not None:
-        softmax_resident_kernel(vals)[(nh, n_q), RESIDENT_THREADS, stream](
+        softmax_resident_kernel(vals, defect, threads)[(nh, n_q), threads, stream](
             p["s"], p["vis"], p["lse"])
     else:
-        softmax_rows_kernel()[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
-                              ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
+        softmax_rows_kernel(defect)[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
+                                    ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
 
 
-def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream):
+def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
+                    switches=None):
     """c[q] = alpha a[q] @ op(latent[slot[q]]) for every query (a, c "zmk" /
     "zmn"): ``tgemm`` when the plan asks for it and the call is ``usable``,
-    else ``sgemm``."""
-    gemm = sgemm
+    else ``sgemm``. ``switches``: ``_kernel_switches``' dict (the defect each
+    GEMM kernel is built with), or None."""
+    gemm, defect = sgemm, (switches or {}).get("sgemm")
     if p["tensor"] and tgemm.usable(a, b, a_order="zmk", b_order=b_order):
-        gemm = tgemm
+        gemm, defect = tgemm, (switches or {}).get("tgemm")
     gemm.launch(a, b, c, p["slots"], n_ext, k_ext, alpha, a_order="zmk", b_order=b_order,
                 c_order="zmn", max_n=max_n, n_batch=p["n_q"], stream=stream,
-                ready=p["smem_ready"])
+                ready=p["smem_ready"], defect=defect)
 
 
 def launch_prepared(p, stream):
@@ -299,29 +450,33 @@ def launch_prepared(p, stream):
     n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
     if n_q == 0:
         return
+    sw = p.get("switches") or _kernel_switches(None, p["tensor"])
     # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
     sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
                  a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
-                 n_batch=nh, stream=stream, ready=p["smem_ready"])
+                 n_batch=nh, stream=stream, ready=p["smem_ready"], defect=sw["sgemm"])
     if d_rope:
         total = n_q * nh * d_rope
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
+    if sw["q_bf16"]:
+        total = n_q * nh * (rank + d_rope)
+        round_bf16_kernel[min((total + 255) // 256, 1024), 256, stream](p["qc"])
 
     # -- 2. scores over each query's visible rows --
     _attention_gemm(p, p["qc"], p["latent"], p["s"], p["vis"], p["q_score"], p["scale"],
-                    b_order="znk", max_n=p["max_vis"], stream=stream)
+                    b_order="znk", max_n=p["max_vis"], stream=stream, switches=sw)
 
     # -- 3. softmax rows in place, LSE --
-    launch_softmax(p, stream)
+    launch_softmax(p, stream, sw["softmax"])
 
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
     _attention_gemm(p, p["s"], p["latent"], p["o_lat"], p["q_rank"], p["vis"], 1.0,
-                    b_order="zkn", max_n=rank, stream=stream)
+                    b_order="zkn", max_n=rank, stream=stream, switches=sw)
 
     # -- 5. decompress through W_UV (batch over heads) --
     sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
                  a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=nh,
-                 stream=stream, ready=p["smem_ready"])
+                 stream=stream, ready=p["smem_ready"], defect=sw["sgemm"])
 
 
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,

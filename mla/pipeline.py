@@ -27,6 +27,8 @@ carries it (see ``mla.kernels``).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from attention import checks
@@ -51,11 +53,14 @@ GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
 def _route(defect):
-    if defect is not None and defect not in K.KERNEL_DEFECTS:
-        raise ValueError(f"defect: expected one of {K.KERNEL_DEFECTS} or None, got {defect!r}")
+    # the GEMM path's kernel switches (``mla.attn_gemm.KERNEL_SWITCHES``) go with
+    # the attention: the GEMM path takes them; the flash kernel rejects them
+    known = K.KERNEL_DEFECTS + G.KERNEL_SWITCHES
+    if defect is not None and defect not in known:
+        raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
     return {
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
-        "attn": defect if defect in K.ATTN_DEFECTS else None,
+        "attn": defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES else None,
         "append": defect if defect in K.APPEND_DEFECTS else None,
     }
 
@@ -84,7 +89,9 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
 
     "auto": the GEMM path (``mla.attn_gemm``) unless a flash-only option is
     given (``tile``, ``heads_per_block``, the ``stuck_rescale`` defect) or its
-    workspace would exceed ``GEMM_WORKSPACE_LIMIT``.
+    workspace would exceed ``GEMM_WORKSPACE_LIMIT``. The latter switch is a
+    fallback to a path 11-27x slower: it emits a ``checks.FallbackWarning``
+    naming the scratch size and how to avoid it.
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -95,7 +102,18 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
                          "(options of the tiled online-softmax kernel)")
     if method != "auto":
         return method
-    if flash_only or G.workspace_bytes(n_q, nh, width, max_visible) > GEMM_WORKSPACE_LIMIT:
+    if flash_only:
+        return "flash"
+    need = G.workspace_bytes(n_q, nh, width, max_visible)
+    if need > GEMM_WORKSPACE_LIMIT:
+        warnings.warn(checks.FallbackWarning(
+            f"method='auto': running the tiled 'flash' path, 11-27x slower than the GEMM "
+            f"path, because the GEMM path's scratch would take {need / 2**30:.2f} GiB "
+            f"({n_q} queries x {nh} heads x (width {width} + {int(max_visible)} visible rows) "
+            f"float32) > GEMM_WORKSPACE_LIMIT = {GEMM_WORKSPACE_LIMIT / 2**30:g} GiB. To keep "
+            f"the GEMM path, split the batch (or the queries) so that each call stays under "
+            f"the limit, or pass method='gemm' to allocate the scratch anyway; "
+            f"method='flash' takes the tiled path without this warning."), stacklevel=3)
         return "flash"
     return "gemm"
 

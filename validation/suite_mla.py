@@ -95,10 +95,10 @@ def _only(defect, allowed):
 
 
 def _check(name, fn):
-    try:
-        passed, detail = fn()
-    except Exception as exc:  # a defect may also crash: that is caught too
-        return Check(name, False, f"{type(exc).__name__}: {exc}")
+    """Run ``fn() -> (passed, detail)`` as a check. An exception propagates: a
+    crash is not a detection (``validation.defects`` records the suite as an
+    error, which fails the run)."""
+    passed, detail = fn()
     return Check(name, bool(passed), detail)
 
 
