@@ -14,8 +14,9 @@ sources (``mla.kernels`` factories, ``defect=``):
 
 Fixtures (``make_case``) are unit-scale inputs with weights ~ 1/sqrt(r), so
 scores and outputs are O(1) and an absolute tolerance means something.
-Tolerance: ``mla.oracle.tolerance`` (2x the float32 numpy baseline's error
-against the float64 oracle, plus a float32 rounding floor).
+Tolerance: the validation rule's max bound (``validation.tolerance.budget``:
+2x the error of the float32 baseline in the order of the path's kernels,
+``validation.baselines``, plus two float32 ulps of max|ref|).
 
 ``small=True`` (the simulator) uses the small shapes with 8-row attention tiles
 (so 11 positions span two tiles); ``small=False`` adds both presets with the
@@ -29,6 +30,7 @@ import numpy as np
 from mla import oracle
 from mla.kernels import APPEND_DEFECTS, ROPE_DEFECTS
 from mla.dims import DEEPSEEK_V3, NOPE_64x256, SMALL_SHAPES
+from validation import baselines, tolerance
 from validation.suite import Check
 
 FAMILY = "mla"
@@ -56,9 +58,23 @@ def make_case(dims, t_q, t_kv, seed):
             f(dims.n_head, dims.d_v, dims.kv_rank, sc=ws))
 
 
-def parity(got, args, scale=None, naive=True):
+def baseline_order(method, args):
+    """The registry's baseline order of the kernel behind ``method`` (flash,
+    gemm, gemm_fma), resolved for these arguments (``validation.baselines``)."""
+    from validation.registry import KERNELS_BY_NAME
+
+    name = {"flash": "mla", "gemm": "mla_gemm", "gemm_fma": "mla_gemm_fma"}[method]
+    return baselines.resolve(KERNELS_BY_NAME[name].baseline, {"q_nope": args[0]}, np.float32)
+
+
+def parity(got, args, scale=None, naive=True, method=None):
     """Compare a kernel output with both oracles (``naive=False``: the absorbed one
     only, for long contexts where decompressing every row per head is too slow).
+
+    ``method`` (the suites): the bound is the validation rule's max bound
+    (``validation.tolerance.budget``) against the baseline in the order of the
+    kernel behind ``method``; None (kernel unit tests): ``mla.oracle.tolerance``
+    against the oracle code in float32.
 
     Returns a dict: err_naive, err_absorbed, baseline_err, tol, magnitude,
     finite, where (index of the largest error) and ok.
@@ -66,11 +82,17 @@ def parity(got, args, scale=None, naive=True):
     got = np.asarray(got, dtype=np.float64)
     absorbed = oracle.mla_attend_absorbed(*args, scale=scale)
     naive = oracle.mla_attend_naive(*args, scale=scale) if naive else absorbed
-    baseline = oracle.mla_attend_float32(*args, scale=scale)
+    if method is not None and scale is None:
+        baseline = baselines.mla_order(*args, baseline_order(method, args))
+    else:
+        baseline = oracle.mla_attend_float32(*args, scale=scale)
     baseline_err = float(np.abs(baseline - naive).max()) if naive.size else 0.0
     magnitude = float(np.abs(naive).max()) if naive.size else 0.0
     d_nope, width = args[0].shape[2], args[2].shape[1] + args[3].shape[1]
-    tol = oracle.tolerance(baseline_err, magnitude, max(width, d_nope))
+    if method is not None and scale is None:
+        tol = tolerance.budget(naive, baseline)
+    else:
+        tol = oracle.tolerance(baseline_err, magnitude, max(width, d_nope))
     finite = bool(np.isfinite(got).all())
     err_n = float(np.abs(got - naive).max()) if got.size and finite else (0.0 if finite
                                                                            else np.inf)
@@ -108,7 +130,7 @@ def _prefill_check(dims, t_q, t_kv, seed, tile, defect, method="flash"):
     def run():
         args = make_case(dims, t_q, t_kv, seed)
         got = mla_attend(*args, tile=tile, defect=defect, method=method)
-        p = parity(got, args)
+        p = parity(got, args, method=method)
         return p["ok"], _detail(p)
 
     label = f"prefill nh{dims.n_head} r{dims.kv_rank} p{dims.d_rope} t_q{t_q} t_kv{t_kv}"
@@ -139,7 +161,7 @@ def _decode_check(dims, prefill, steps, tile, defect, method="flash"):
             got = mla_attend_cached(q_nope[pos:pos + 1], q_pe[pos:pos + 1], cache, 0, w_uk,
                                     w_uv, tile=tile, defect=defect, method=method)
             p = parity(got, (q_nope[pos:pos + 1], q_pe[pos:pos + 1], c_kv[:pos + 1],
-                             k_pe[:pos + 1], w_uk, w_uv))
+                             k_pe[:pos + 1], w_uk, w_uv), method=method)
             worst.append(f"step {step}: {_detail(p)}")
             if not p["ok"]:
                 return False, worst[-1]

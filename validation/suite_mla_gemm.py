@@ -58,7 +58,7 @@ def _tensor_check(defect, small):
             return False, f"{dims.n_head} heads / width {dims.latent_width}: tgemm not used"
         args = suite_mla.make_case(dims, t_q, t_kv, 0x7C0)
         got = mla_attend(*args, defect=_routed(defect, "gemm"), method="gemm")
-        p = suite_mla.parity(got, args)
+        p = suite_mla.parity(got, args, method="gemm")
         return p["ok"], suite_mla._detail(p)
 
     return suite_mla._check(f"tensor cores nh{dims.n_head} r{dims.kv_rank} t_q{t_q} "
@@ -73,7 +73,7 @@ def _fma_check(defect):
     def run():
         args = suite_mla.make_case(dims, t_q, t_kv, 0xF3A)
         got = mla_attend(*args, defect=_routed(defect, "gemm_fma"), method="gemm_fma")
-        p = suite_mla.parity(got, args)
+        p = suite_mla.parity(got, args, method="gemm_fma")
         return p["ok"], suite_mla._detail(p)
 
     return suite_mla._check(f"fma gemms nh{dims.n_head} r{dims.kv_rank} t_q{t_q} t_kv{t_kv}",
