@@ -54,6 +54,34 @@ Within a block the ``NW`` warps take tiles ``U`` positions apart in turn and
 merge their states through shared memory at the end, as one batch a head
 (the batch's max, one weight a warp).
 
+Planted defects and precision mutants (``defect=``, for the falsification
+suites and precision tests only: compile-time switches of ``fast_decode_kernel``
+and ``combine_kernel``, the kernel's name suffixed with ``_<defect>``; without
+one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
+    "gqa_mod"              a block reads kv head ``head0 % H_kv`` (its first
+                           query head's) instead of ``head0 // group``
+    "slot_off_by_one"      reads slot ``(slot_table[m] + 1) % KV_SLOTS``
+    "one_short"            each sequence attends its first ``length - 1`` positions
+    "combine_drops_split"  the combine ignores the last split
+``PRECISION_MUTANTS`` (roundings by ``attention.rounding``):
+    "p_fp16" / "p_bf16"    every softmax weight multiplied into V (``p``, or
+                           ``p * beta`` in the pipelined forms) rounded to fp16 / bf16
+    "q_bf16"               q's elements rounded to bf16 as they are loaded
+    "scale_fp16"           the pre-scaled q (``q * scale``) rounded to fp16
+    "max_fp16"             the running max rounded to fp16 each time it is
+                           stored after a merge, whose alpha and beta used the
+                           unrounded max (an inconsistent state)
+    "lse_fp16"             the LSE written (main kernel, one split; combine)
+                           rounded to fp16
+    "exp_approx"           every exponential of both kernels is ``chop_exp``
+    "combine_no_max"       the combine's batch weights are ``exp(m_j)``, no
+                           batch max subtracted (merged consistently with that)
+    "split_off_by_one"     a split reads one position past its chunk (the
+                           boundary position is counted by two splits)
+    "ring_stale"           ring path: a warp's last step (when not its first)
+                           reads the ring stage of the step before it
+A switch that cannot act on a plan leaves its result unchanged (``applies``).
+
 Layouts (C-contiguous):
     q           [M, H, D]                     float32, or the cache's dtype
     k_cache     [KV_SLOTS, H_kv, max_seq, D]  float32 / float16 / bfloat16
@@ -91,6 +119,7 @@ from .device import (
 )
 from .pdl import capable as pdl_capable
 from .pdl import grid_dependency_ops, is_graph_builder, launch_dependent
+from .rounding import chop_exp, round_bf16, round_fp16
 from .warp import FULL_MASK as FULL
 from .warp import batch_reference, group_sum, online_softmax_merge
 
@@ -125,6 +154,12 @@ MIN_CHUNK = 256  # fewest positions a split-KV block is given
 RESIDENT_BLOCKS = {False: 3, True: 2}  # keyed by ``pipeline``
 WAVE_FILL = 0.9  # the last wave of blocks must be at least this full
 
+GROSS_DEFECTS = ("gqa_mod", "slot_off_by_one", "one_short", "combine_drops_split")
+PRECISION_MUTANTS = ("p_fp16", "p_bf16", "q_bf16", "scale_fp16", "max_fp16", "lse_fp16",
+                     "exp_approx", "combine_no_max", "split_off_by_one", "ring_stale")
+DEFECTS = GROSS_DEFECTS + PRECISION_MUTANTS
+COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
+
 
 def dtype_kind(dt):
     """'f32', 'f16' or 'bf16' for a cache dtype."""
@@ -136,6 +171,47 @@ def dtype_kind(dt):
     if BFLOAT16 is not None and dt == BFLOAT16:
         return "bf16"
     raise checks.DTypeError(f"k_cache: expected float32, float16 or bfloat16, got {dt}")
+
+
+def check_defect(defect):
+    """``defect`` itself when it is None or one of ``DEFECTS``; else ValueError."""
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+    return defect
+
+
+def applies(defect, kind, n_split, stages):
+    """Whether switch ``defect`` can change the result of a plan for cache
+    dtype ``kind`` ('f32' / 'f16' / 'bf16') with ``n_split`` splits and a ring
+    of ``stages`` stages (``plan(...)["stages"]``; 0 without one).
+
+    False where the concept is absent from the plan: the combine's switches
+    and ``split_off_by_one`` need ``n_split > 1``, ``ring_stale`` a ring (16-bit
+    caches, ``stages > 0``); ``lse_fp16`` acts with any split count. The others
+    act on every plan whose data exposes them (``gqa_mod``: GQA with
+    ``H_kv > 1``; ``ring_stale``: a warp with at least two steps; ``p_fp16``
+    and the like: values not already exact in the narrower type)."""
+    check_defect(defect)
+    if defect is None:
+        return False
+    if defect in COMBINE_DEFECTS or defect == "split_off_by_one":
+        return int(n_split) > 1
+    if defect == "ring_stale":
+        return kind != "f32" and int(stages) > 0
+    return True
+
+
+def _merge_chop_exp(m, l, m2, l2):
+    # online_softmax_merge with chop_exp for each exponential (the exp_approx mutant)
+    m_new = max(m, m2)
+    if m_new == -math.inf:
+        return m_new, float32(0.0), float32(0.0), float32(0.0)
+    alpha = chop_exp(m - m_new)
+    beta = chop_exp(m2 - m_new)
+    return m_new, l * alpha + l2 * beta, alpha, beta
+
+
+merge_chop_exp = device_fn(_merge_chop_exp)
 
 
 # ---------------------------------------------------------------------------
@@ -446,7 +522,7 @@ def heads_per_block(group, per_lane):
 
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, lanes=WARP,
-                       pipeline=False, scatter=True, stages=0, pdl=False):
+                       pipeline=False, scatter=True, stages=0, pdl=False, defect=None):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
@@ -458,7 +534,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     scatter: with the pipeline, one score a lane where ``GB * U == LPR``,
     stages: with the pipeline, the stages of a warp's shared-memory ring (0:
     two register buffers; see below), pdl: every block releases the combine
-    launched after it as it starts (``attention.pdl``; sm_90 and later).
+    launched after it as it starts (``attention.pdl``; sm_90 and later),
+    defect: None or a planted switch of ``DEFECTS`` (module docstring; the
+    combine's own switches leave this kernel unchanged).
 
     A warp holds ``R = 32 / LPR`` rows at once: lane group ``g`` takes
     positions ``tile + R u + g``, so one butterfly of
@@ -524,6 +602,29 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     if PIPE and not (VECTOR and kind != "f32"):
         raise ValueError("pipeline: needs a 16-bit cache with vector rows")
     release_dependents, _ = grid_dependency_ops(bool(pdl))
+    check_defect(defect)
+    # planted switches: closure constants, so a kernel without one is unchanged
+    GQA_MOD = defect == "gqa_mod"
+    SLOT_OFF = defect == "slot_off_by_one"
+    ONE_SHORT = defect == "one_short"
+    P_FP16 = defect == "p_fp16"
+    P_BF16 = defect == "p_bf16"
+    ROUND_P = P_FP16 or P_BF16
+    Q_BF16 = defect == "q_bf16"
+    SCALE_FP16 = defect == "scale_fp16"
+    MAX_FP16 = defect == "max_fp16"
+    LSE_FP16 = defect == "lse_fp16"
+    EXP_APPROX = defect == "exp_approx"
+    SPLIT_OFF = defect == "split_off_by_one"
+    RING_STALE = defect == "ring_stale"
+
+    def round_p(x):
+        # a softmax weight as the p_fp16 / p_bf16 mutants hold it
+        if P_FP16:
+            return round_fp16(x)
+        return round_bf16(x)
+
+    round_p = device_fn(round_p)
 
     def tile_softmax(score, h, m_run, l_run):
         # head h's U scores score[h*U : h*U+U] -> exp(s - m_ref), merged into
@@ -537,11 +638,19 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
         l_tile = float32(0.0)
         for u in range(U):
-            p = math.exp(score[h * U + u] - m_ref)
+            if EXP_APPROX:
+                p = chop_exp(score[h * U + u] - m_ref)
+            else:
+                p = math.exp(score[h * U + u] - m_ref)
             score[h * U + u] = p
             l_tile += p
-        m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m_tile, l_tile)
+        if EXP_APPROX:
+            m_new, l_new, alpha, beta = merge_chop_exp(m_run[h], l_run[h], m_tile, l_tile)
+        else:
+            m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m_tile, l_tile)
         m_run[h] = m_new
+        if MAX_FP16:
+            m_run[h] = round_fp16(m_new)
         l_run[h] = l_new
         return alpha, beta
 
@@ -592,6 +701,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 alpha_h[h] = alpha
                 for u in range(U):
                     score[h * U + u] *= beta
+                if ROUND_P:
+                    for u in range(U):
+                        score[h * U + u] = round_p(score[h * U + u])
             # P.V: one V row converted at a time
             for h in range(GB):
                 for e in range(E):
@@ -636,16 +748,27 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 m_tile = max(m_tile, cuda.shfl_xor_sync(FULL, m_tile, off))
                 off *= 2
             m_ref = m_tile if m_tile > float32(-3.0e38) else float32(0.0)
-            p = math.exp(s - m_ref)
+            if EXP_APPROX:
+                p = chop_exp(s - m_ref)
+            else:
+                p = math.exp(s - m_ref)
             l_tile = p
             off = 1
             while off < U:
                 l_tile += cuda.shfl_xor_sync(FULL, l_tile, off)
                 off *= 2
-            m_new, l_new, alpha, beta = online_softmax_merge(m_run[0], l_run[0], m_tile, l_tile)
+            if EXP_APPROX:
+                m_new, l_new, alpha, beta = merge_chop_exp(m_run[0], l_run[0], m_tile, l_tile)
+            else:
+                m_new, l_new, alpha, beta = online_softmax_merge(m_run[0], l_run[0], m_tile,
+                                                                 l_tile)
             m_run[0] = m_new
+            if MAX_FP16:
+                m_run[0] = round_fp16(m_new)
             l_run[0] = l_new
             pb = p * beta
+            if ROUND_P:
+                pb = round_p(pb)
             # P.V: each head's alpha and p * beta from the lanes that hold them
             base = grp * LPR
             if not cuda.all_sync(FULL, alpha == float32(1.0)):  # no max moved: skip
@@ -730,10 +853,18 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         # -- which kv group, query heads, slot and chunk this block reads --
         kv_head = head_block // BLOCKS_PER_GROUP
         head0 = kv_head * GROUP + (head_block % BLOCKS_PER_GROUP) * GB
+        if GQA_MOD:
+            kv_head = head0 % n_kv
         slot = slot_table[seq]
+        if SLOT_OFF:
+            slot = (slot + 1) % k_cache.shape[0]
         length = seq_lens[seq]
+        if ONE_SHORT:
+            length = max(length - 1, 0)
         start = split * chunk
         end = min(length, start + chunk)
+        if SPLIT_OFF:
+            end = min(length, start + chunk + 1)
 
         # -- q of GB heads (pre-scaled) and the per-head running state --
         q_reg = cuda.local.array(N_HEAD_REG, float32)
@@ -748,6 +879,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     for v in range(VEC):
                         acc[h * E + c * VEC + v] = float32(0.0)
                         q_reg[h * E + c * VEC + v] = qt[v] * scale
+                        if Q_BF16:
+                            q_reg[h * E + c * VEC + v] = round_bf16(qt[v]) * scale
+                        if SCALE_FP16:
+                            q_reg[h * E + c * VEC + v] = round_fp16(q_reg[h * E + c * VEC + v])
             else:
                 for c in range(CH):
                     d = c * STRIDE + sub
@@ -755,6 +890,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     q_reg[h * E + c] = float32(0.0)
                     if d < head_dim:
                         q_reg[h * E + c] = float32(q[seq, head0 + h, d]) * scale
+                        if Q_BF16:
+                            q_reg[h * E + c] = round_bf16(float32(q[seq, head0 + h, d])) * scale
+                        if SCALE_FP16:
+                            q_reg[h * E + c] = round_fp16(q_reg[h * E + c])
             m_run[h] = float32(-math.inf)
             l_run[h] = float32(0.0)
 
@@ -785,6 +924,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     commit()
                     wait()  # step i's group has landed
                     read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)
+                    if RING_STALE:
+                        if i > 0 and tile + STEP >= end:  # the last step: the stage before
+                            read_rows(ring, at0 + ((i - 1) % STG) * RING_STAGE, ka, va, lane)
                     tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile += STEP
@@ -853,6 +995,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             # -- tile softmax, merged into the running state; P.V --
             for h in range(GB):
                 alpha, beta = tile_softmax(score, h, m_run, l_run)
+                if ROUND_P:
+                    for u in range(U):
+                        score[h * U + u] = round_p(score[h * U + u])
                 for e in range(E):
                     pv = float32(0.0)
                     for u in range(U):
@@ -866,11 +1011,16 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for h in range(GB):
                 m2 = cuda.shfl_xor_sync(FULL, m_run[h], off)
                 l2 = cuda.shfl_xor_sync(FULL, l_run[h], off)
-                m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m2, l2)
+                if EXP_APPROX:
+                    m_new, l_new, alpha, beta = merge_chop_exp(m_run[h], l_run[h], m2, l2)
+                else:
+                    m_new, l_new, alpha, beta = online_softmax_merge(m_run[h], l_run[h], m2, l2)
                 for e in range(E):
                     a2 = cuda.shfl_xor_sync(FULL, acc[h * E + e], off)
                     acc[h * E + e] = acc[h * E + e] * alpha + a2 * beta
                 m_run[h] = m_new
+                if MAX_FP16:
+                    m_run[h] = round_fp16(m_new)
                 l_run[h] = l_new
             off //= 2
 
@@ -901,7 +1051,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 l_all = float32(0.0)
                 a_all = float32(0.0)
                 for w in range(NW):
-                    wt = math.exp(sh_ml[(w * GB + h) * 2] - m_ref)
+                    if EXP_APPROX:
+                        wt = chop_exp(sh_ml[(w * GB + h) * 2] - m_ref)
+                    else:
+                        wt = math.exp(sh_ml[(w * GB + h) * 2] - m_ref)
                     l_all += wt * sh_ml[(w * GB + h) * 2 + 1]
                     a_all += wt * sh_acc[(w * GB + h) * ROW + d]
                 head = head0 + h
@@ -912,6 +1065,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if d == 0:
                         lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
                                           else float32(-math.inf))
+                        if LSE_FP16:
+                            lse[seq, head] = round_fp16(lse[seq, head])
                 else:
                     part_acc[seq, head, split, d] = a_all
                     if d == 0:
@@ -921,7 +1076,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     kernel.__name__ = kernel.__qualname__ = (
         ("decode_fast_pdl_" if pdl else "decode_fast_") + f"{kind}_v{VEC}c{CH}g{GB}of{GROUP}w{NW}u{U}"
         + ("" if LPR == WARP else f"l{LPR}")
-        + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else ""))
+        + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else "")
+        + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
 
@@ -936,7 +1092,7 @@ def combine_warps(n_split):
 
 
 @functools.lru_cache(maxsize=None)
-def combine_kernel(chunks, pdl=False):
+def combine_kernel(chunks, pdl=False, defect=None):
     """Merge split-KV partials: grid ``(H, M)``, block ``32 * combine_warps(n_split)``.
 
     chunks: ``ceil(D / 32)`` (lane ``j`` of a warp holds ``d = j + 32 c``).
@@ -960,8 +1116,17 @@ def combine_kernel(chunks, pdl=False):
     ``pdl``: the kernel waits for the main kernel's grid (``griddepcontrol.wait``)
     before it reads a partial, so it may be launched as a programmatic
     dependent (``attention.pdl``: its launch and ramp overlap the main kernel).
+
+    ``defect``: None or a planted switch of ``DEFECTS`` (module docstring);
+    ``combine_drops_split``, ``combine_no_max``, ``exp_approx`` and
+    ``lse_fp16`` act here, the others leave this kernel unchanged.
     """
     NB, CW, CHD = COMBINE_BATCH, COMBINE_WARPS, chunks
+    check_defect(defect)
+    DROP_SPLIT = defect == "combine_drops_split"
+    NO_MAX = defect == "combine_no_max"
+    EXP_APPROX = defect == "exp_approx"
+    LSE_FP16 = defect == "lse_fp16"
     if CW > NB:
         raise ValueError("COMBINE_WARPS: the warps' states are folded as one batch")
     N_BUF = NB * CHD
@@ -976,16 +1141,25 @@ def combine_kernel(chunks, pdl=False):
         for j in range(1, NB):
             m_b = max(m_b, m_buf[j])
         m_ref = batch_reference(m_b)
+        if NO_MAX:  # weights exp(m_j): the batch's state is taken relative to 0
+            m_ref = float32(0.0)
+            m_b = float32(0.0)
         l_b = float32(0.0)
         b_acc = cuda.local.array(CHD, float32)
         for c in range(CHD):
             b_acc[c] = float32(0.0)
         for j in range(NB):
-            wt = math.exp(m_buf[j] - m_ref)
+            if EXP_APPROX:
+                wt = chop_exp(m_buf[j] - m_ref)
+            else:
+                wt = math.exp(m_buf[j] - m_ref)
             l_b += wt * l_buf[j]
             for c in range(CHD):
                 b_acc[c] += wt * a_buf[j * CHD + c]
-        m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, m_b, l_b)
+        if EXP_APPROX:
+            m_all, l_all, alpha, beta = merge_chop_exp(m_all, l_all, m_b, l_b)
+        else:
+            m_all, l_all, alpha, beta = online_softmax_merge(m_all, l_all, m_b, l_b)
         for c in range(CHD):
             acc[c] = acc[c] * alpha + b_acc[c] * beta
         return m_all, l_all
@@ -1000,6 +1174,8 @@ def combine_kernel(chunks, pdl=False):
         lane = cuda.threadIdx.x % WARP
         n_warps = cuda.blockDim.x // WARP  # <= CW
         n_split = part_acc.shape[2]
+        if DROP_SPLIT:
+            n_split -= 1
         head_dim = part_acc.shape[3]
         per = (n_split + n_warps - 1) // n_warps
         first = warp * per
@@ -1062,9 +1238,11 @@ def combine_kernel(chunks, pdl=False):
             if lane == 0:
                 lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
                                   else float32(-math.inf))
+                if LSE_FP16:
+                    lse[seq, head] = round_fp16(lse[seq, head])
 
     kernel.__name__ = kernel.__qualname__ = f"decode_fast_combine_c{CHD}" + (
-        "_pdl" if pdl else "")
+        "_pdl" if pdl else "") + ("" if defect is None else "_" + defect)
     return jit(kernel, fastmath=True)
 
 
@@ -1129,7 +1307,8 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
 
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
-         warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None):
+         warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None,
+         defect=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
@@ -1144,7 +1323,10 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     that hold a position (rounding chunks up to whole steps can leave the last
     splits empty). ``pdl`` (default ``attention.pdl.capable()``): a split plan's
     combine is launched as a programmatic dependent of the main kernel.
+    ``defect``: None or a planted switch of ``DEFECTS`` for both kernels (kept
+    in the plan: ``launch`` builds the combine with it).
     """
+    check_defect(defect)
     lanes = LANES[kind] if lanes is None else int(lanes)
     vec, chunks = row_layout(head_dim, kind, lanes)
     group = n_heads // n_kv
@@ -1172,7 +1354,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
-                                     pipeline, SCATTERED, stages, pdl),
+                                     pipeline, SCATTERED, stages, pdl, defect),
         "group": group,
         "pdl": pdl,
         "stages": stages,
@@ -1187,6 +1369,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         "unroll": unroll,
         "lanes": lanes,
         "pipeline": pipeline,
+        "defect": defect,
     }
 
 
@@ -1237,7 +1420,7 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device
     arrays. With ``pl["pdl"]`` the combine is a programmatic dependent of the
     main kernel (``attention.pdl``), except in a graph capture, where it is
-    launched plainly."""
+    launched plainly. The combine carries the plan's ``defect``."""
     if d_q.shape[1] != pl["group"] * d_k.shape[1]:  # the kernel's group is a constant
         raise checks.ShapeError(
             f"q: expected H = {pl['group']} * H_kv = {pl['group'] * d_k.shape[1]} heads "
@@ -1248,7 +1431,7 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
         m_count, n_heads = d_out.shape[0], d_out.shape[1]
-        kern = combine_kernel(-(-int(d_out.shape[2]) // WARP), pl["pdl"])
+        kern = combine_kernel(-(-int(d_out.shape[2]) // WARP), pl["pdl"], pl.get("defect"))
         grid, block = (n_heads, m_count), combine_warps(pl["n_split"]) * WARP
         cargs = (d_part_acc, d_part_ml, d_out, d_lse)
         if pl["pdl"] and not is_graph_builder(stream):
@@ -1266,7 +1449,7 @@ def scratch(m_count, n_heads, head_dim, n_split, stream=None):
 
 def batched_decode_attention_fast(q, k_cache, v_cache, seq_lens, slot_table=None, *,
                                   scale=None, out=None, lse=None, stream=None,
-                                  return_lse=False, n_split=None):
+                                  return_lse=False, n_split=None, defect=None):
     """Fast decode attention for M sequences over a pooled KV cache.
 
     q:          [M, H, D] float32 (or the cache's dtype)
@@ -1281,19 +1464,23 @@ def batched_decode_attention_fast(q, k_cache, v_cache, seq_lens, slot_table=None
     out, lse:   optional output buffers [M, H, D] and [M, H] float32
     stream:     numba stream; None synchronises before returning
     n_split:    KV chunks per sequence (default: sized to fill the GPU)
+    defect:     None, or a planted switch of ``DEFECTS`` (falsification and
+                precision tests only; module docstring)
     Returns out [M, H, D] float32 (and lse [M, H] with ``return_lse``): numpy
     when q is numpy, else device arrays. Accumulation is fp32 for every dtype.
     """
     m_count, n_heads, n_kv, _, head_dim, kind, lens, slots = check_fast(
         q, k_cache, v_cache, seq_lens, slot_table)
     scale = checks.check_scale(scale, head_dim)
+    check_defect(defect)
     if n_split is not None:
         checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
     host = is_host_array(q)
     if m_count == 0:
         o, s = np.zeros((0, n_heads, head_dim), np.float32), np.zeros((0, n_heads), np.float32)
         return (o, s) if return_lse else o
-    pl = plan(m_count, n_heads, n_kv, head_dim, int(lens.max()), kind, n_split=n_split)
+    pl = plan(m_count, n_heads, n_kv, head_dim, int(lens.max()), kind, n_split=n_split,
+              defect=defect)
     st = launch_stream(stream)
     d_q, d_k = to_device(q, stream), to_device(k_cache, stream)
     d_v = to_device(v_cache, stream)
