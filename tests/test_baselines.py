@@ -73,6 +73,8 @@ def test_each_order_sums_as_it_says(n):
     rows = range(a.shape[0])
     np.testing.assert_array_equal(baselines.dot(a, b, "fma"),
                                   [_blocked_loop(a[i], b, 1 << 20) for i in rows])
+    np.testing.assert_array_equal(baselines.blocked_matmul(a, b[:, None], n)[:, 0],
+                                  baselines.dot(a, b, "fma"))
     for lanes, vec in ((32, 1), (16, 8), (16, 1), (32, 4)):
         np.testing.assert_array_equal(baselines.dot(a, b, f"lanes{lanes}x{vec}"),
                                       [_lanes_loop(a[i], b, lanes, vec) for i in rows])

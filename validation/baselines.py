@@ -307,7 +307,10 @@ def prefill_order(q, k, v, n_heads, n_kv_heads, causal, label):
     cols = lambda i: slice(i * head_dim, (i + 1) * head_dim)  # noqa: E731
     for h in range(n_heads):
         g = kv_head_of(h, n_heads, n_kv_heads)
-        scores = dot(q[:, None, cols(h)], k[None, :, cols(g)], how)  # [T, T]
+        if how == "fma":  # one running FMA sum over d: the compiled loop, one partial
+            scores = blocked_matmul(q[:, cols(h)], k[:, cols(g)].T, max(head_dim, 1))
+        else:
+            scores = dot(q[:, None, cols(h)], k[None, :, cols(g)], how)  # [T, T]
         scores = (scores * F32(scale)).astype(F32)
         if causal:
             scores[np.arange(t_len)[None, :] > np.arange(t_len)[:, None]] = -np.inf
@@ -376,35 +379,43 @@ def blocked_matmul(a, b, part):
     a, b = np.asarray(a, F32), np.asarray(b, F32)
     lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if min(m, k, n) == 0 or 0 in lead:
+        return np.zeros(lead + (m, n), F32)
     a3 = np.ascontiguousarray(np.broadcast_to(a, lead + (m, k))).reshape(-1, m, k)
-    bt = np.ascontiguousarray(np.swapaxes(np.broadcast_to(b, lead + (k, n)), -1, -2))
-    out = _fma_blocked()(a3, bt.reshape(-1, n, k), int(part))
+    b3 = np.ascontiguousarray(np.broadcast_to(b, lead + (k, n))).reshape(-1, k, n)
+    out = _fma_blocked()(a3, b3, int(part))
     return out.reshape(lead + (m, n))
 
 
 @functools.lru_cache(maxsize=None)
 def _fma_blocked():
-    """The compiled loop of ``blocked_matmul``: a [Z, M, K], bt [Z, N, K] float32
-    (b transposed, so k is contiguous in both) -> [Z, M, N] float32."""
+    """The compiled loop of ``blocked_matmul``: a [Z, M, K], b [Z, K, N] float32
+    -> [Z, M, N] float32. The n loop is innermost (each output's sum still runs
+    over k in order), so the compiler can vectorise across outputs."""
     from numba import njit
 
     @njit(cache=False)
-    def run(a, bt, part):
+    def run(a, b, part):
         nz, m, k = a.shape
-        n = bt.shape[1]
+        n = b.shape[2]
         out = np.zeros((nz, m, n), np.float32)
+        acc = np.zeros(n, np.float32)
         for z in range(nz):
             for i in range(m):
-                for j in range(n):
-                    total = np.float32(0.0)
-                    for k0 in range(0, k, part):
-                        acc = np.float32(0.0)
-                        for kk in range(k0, min(k, k0 + part)):
+                total = out[z, i]
+                for k0 in range(0, k, part):
+                    acc[:] = np.float32(0.0)
+                    for kk in range(k0, min(k, k0 + part)):
+                        x = np.float64(a[z, i, kk])
+                        row = b[z, kk]
+                        for j in range(n):
                             # one fused multiply-add: the exact product, one rounding
-                            acc = np.float32(np.float64(acc) + np.float64(a[z, i, kk])
-                                             * np.float64(bt[z, j, kk]))
-                        total = acc if k0 == 0 else np.float32(total + acc)
-                    out[z, i, j] = total
+                            acc[j] = np.float32(np.float64(acc[j]) + x * np.float64(row[j]))
+                    if k0 == 0:
+                        total[:] = acc
+                    else:
+                        for j in range(n):
+                            total[j] = np.float32(total[j] + acc[j])
         return out
 
     return run
