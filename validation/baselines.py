@@ -64,6 +64,10 @@ EXP (the exponential of the softmax)
                      rounding costs up to |x| units of float32 in a weight, which
                      numpy's exp does not. ``ex2.approx``'s own error (~2 ulps)
                      is left to the factor 2.
+    ``ex2lg2``       ``ex2`` and the LSE as fast-math kernels form it:
+                     ``m + log(l)`` is ``lg2.approx(l)`` times fl32(ln 2) added
+                     to ``m`` in one fused multiply-add (the PTX of
+                     ``x + math.log(y)`` under ``fastmath=True``).
 
 The FMA is emulated in float64 (``a * b`` of two float32 values is exact
 there, the add is rounded once to float64 and then to float32; a double
@@ -94,7 +98,8 @@ F32 = np.float32
 F64 = np.float64
 SCALES = ("after", "before")
 NORMS = ("divide", "recip_after", "recip_first")
-EXPS = ("exp", "ex2")
+EXPS = ("exp", "ex2", "ex2lg2")
+LN2 = F32(0.6931471805599453)
 LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
 _LANES = re.compile(r"^lanes(\d+)x(\d+)$")
@@ -221,24 +226,29 @@ def attend(scores, values, norm, exp="exp", weights_only=False):
     write probabilities and multiply them in a GEMM). scores [R, S] float32
     (-inf: masked), values [S, Dv]; returns (out [R, Dv], lse [R]).
     ``weights_only`` (``recip_first``): returns (P [R, S], lse [R]) instead,
-    for a caller that multiplies P in its own order. ``exp``: ``exp`` (numpy's)
-    or ``ex2`` (fast-math: ``2 ** fl(x * log2 e)``, the argument rounded to
-    float32 as ``ex2.approx`` takes it)."""
+    for a caller that multiplies P in its own order. ``exp``: ``exp`` (numpy's),
+    ``ex2`` (fast-math: ``2 ** fl(x * log2 e)``, the argument rounded to
+    float32 as ``ex2.approx`` takes it) or ``ex2lg2`` (that, and the LSE as
+    ``fma(lg2(l), fl(ln 2), m)``)."""
     if norm == "divide" and exp == "exp":
         return softmax_attend_rows(scores, values)
     m = scores.max(axis=1, keepdims=True)  # [R, 1]
-    if exp == "ex2":
+    if exp != "exp":
         with np.errstate(invalid="ignore"):
             arg = ((scores - m).astype(F32) * LOG2E).astype(F32)
         e = np.exp2(arg.astype(F64)).astype(F32)  # [R, S]
     else:
         e = np.exp(scores - m)  # [R, S]
-    if norm == "divide":
-        return ((e @ values) / e.sum(axis=1)[:, None]).astype(F32), \
-            (m[:, 0] + np.log(e.sum(axis=1))).astype(F32)
     denom = e.sum(axis=1)  # [R]
     inv = (F32(1.0) / denom).astype(F32)
-    lse = (m[:, 0] + np.log(denom)).astype(F32)
+    if exp == "ex2lg2":  # m + lg2(l) * ln2, one rounding (the fused multiply-add)
+        with np.errstate(divide="ignore"):
+            lg2 = np.log2(denom.astype(F32)).astype(F32)
+        lse = (m[:, 0].astype(F64) + lg2.astype(F64) * F64(LN2)).astype(F32)
+    else:
+        lse = (m[:, 0] + np.log(denom)).astype(F32)
+    if norm == "divide":
+        return ((e @ values) / denom[:, None]).astype(F32), lse
     if norm == "recip_after":
         return ((e @ values) * inv[:, None]).astype(F32), lse
     probs = (e * inv[:, None]).astype(F32)

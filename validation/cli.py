@@ -285,7 +285,8 @@ def build_units(args, device):
     defect_units, broken = defects.units(modules, small=small, family_filter=dmatch)
 
     # long units first, so worker processes overlap them with the many short cases
-    units = growth_jobs + defect_units + case_list
+    units = ([c for c in case_list if c.mutants] + growth_jobs + defect_units
+             + [c for c in case_list if not c.mutants])
     config = {
         "command": " ".join(["scripts/validate"] + sys.argv[1:]),
         "device": device, "small": small, "quick": quick, "seeds": seeds, "dtypes": dtypes,
@@ -308,10 +309,16 @@ class DeadlineReached(Exception):
 def _share_key(unit, index):
     """Sweep cases with one key share their inputs and oracle (the kernels of a kind
     on the same shape, fixture, seed and dtype): they run together in one process,
-    so the float64 oracle is computed once (``sweep._refs`` caches it). Every other
-    unit is its own group."""
+    so the float64 oracle is computed once (``sweep._refs`` caches it). Cases that
+    run precision mutants group by kernel and dtype instead (compiles shared).
+    Every other unit is its own group."""
     from validation import registry
 
+    if isinstance(unit, registry.Case) and unit.mutants:
+        # a product kernel's mutant cases of one dtype share one process: every
+        # mutant compiles its own kernels, once a process (the MLA GEMMs' take
+        # tens of seconds each)
+        return ("mutants", unit.kernel, unit.dtype, unit.small)
     if isinstance(unit, registry.Case):
         spec = registry.KERNELS_BY_NAME.get(unit.kernel)
         kind = spec.kind if spec else unit.kernel

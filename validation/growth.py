@@ -64,6 +64,8 @@ def baseline_order(kernel, inputs=None, storage=np.float32):
 
     label = KERNELS_BY_NAME[REGISTRY_KERNEL[kernel]].baseline
     return baselines.resolve(label, inputs, storage) if inputs is not None else label
+
+
 GPU_STEPS = 1024
 SIM_STEPS = 32
 
@@ -223,7 +225,7 @@ def _mla_growth(job):
         args = (q_nope, q_pe, c_all[:length].astype(np.float64), k_all[:length].astype(
             np.float64), w_uk, w_uv)
         ref = mla_attend_absorbed(*args)
-        label = baseline_order(job.kernel)
+        label = baseline_order(job.kernel, {"q_nope": q_nope})
         base = baselines.mla_order(*args, label)
         _record_step(series, step + 1, length, {"out": metrics.judge(out, ref, base, label)})
     problems = []

@@ -262,9 +262,12 @@ class KernelSpec:
 
 
 # the warp kernels: lane j holds d = j + 32 c, an FMA sum a lane, then a shuffle
-# tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp
-# (attention.decode, attention.flash_decode)
-WARP_ORDER = "lanes32x1/before/recip_after/ex2"
+# tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp and log
+# (attention.decode)
+WARP_ORDER = "lanes32x1/before/recip_after/ex2lg2"
+# the split-KV warp kernel: the same chunks, merged by a combine compiled without
+# fast-math (an accurate log in the LSE)
+SPLIT_ORDER = "lanes32x1/before/recip_after/ex2"
 
 KERNELS = (
     KernelSpec("decode", "decode", "decode", "attention.decode", "decode_attention",
@@ -276,15 +279,15 @@ KERNELS = (
                "warp per (head, sequence) over a pooled cache with a slot table", WARP_ORDER),
     KernelSpec("flash_decode", "batched_decode", "decode", "attention.flash_decode",
                "flash_decode_attention", _run_flash(None), ("k_cache", "v_cache"),
-               "split-KV decode, split count from the heuristic", WARP_ORDER),
+               "split-KV decode, split count from the heuristic", SPLIT_ORDER),
     KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.flash_decode",
                "flash_decode_attention", _run_flash(3), ("k_cache", "v_cache"),
                "split-KV decode forced to 3 splits (empty chunks on short sequences)",
-               WARP_ORDER),
+               SPLIT_ORDER),
     KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode_fast",
                "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
                "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads",
-               "decode_fast/before/recip_after/ex2"),
+               "decode_fast/before/recip_after/ex2lg2"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
