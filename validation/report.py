@@ -454,6 +454,7 @@ def summary_markdown(report, images):
     else:
         L.append("No planted-defect suites in this report.")
         L.append("")
+    L += findings_section(report)
     if v["failures"]:
         L.append("## Failures")
         L.append("")
@@ -478,6 +479,37 @@ def summary_markdown(report, images):
                          f"{_first_line(g.get('detail', ''))}")
         L.append("")
     return "\n".join(L)
+
+
+def findings_section(report):
+    """Markdown lines: the failing cases and growth runs grouped by the finding
+    that explains them (``validation.findings``), and those no finding covers."""
+    from validation.findings import explain
+
+    failing = [c["id"] for c in report["cases"] if c["status"] in FAILING_CASE]
+    failing += [g["id"] for g in report["growth"] if g["status"] in FAILING_GROWTH]
+    if not failing:
+        return []
+    groups, unexplained = {}, []
+    for unit_id in failing:
+        f = explain(unit_id)
+        if f is None:
+            unexplained.append(unit_id)
+        else:
+            groups.setdefault(f.name, (f, []))[1].append(unit_id)
+    L = ["## Findings", "",
+         "Every failure stays a failure; these are the ones looked into "
+         "(`validation/findings.py`, measurements in `validation/NOTES.md`).", ""]
+    for name, (f, ids) in groups.items():
+        L.append(f"**{name}** ({len(ids)}: {f.rule}). {f.what} *Next:* {f.next_step}")
+        L.append("")
+        L.append("Covers: " + ", ".join(f"`{i}`" for i in ids) + ".")
+        L.append("")
+    if unexplained:
+        L.append(f"**Unexplained** ({len(unexplained)}): "
+                 + ", ".join(f"`{i}`" for i in unexplained) + ".")
+        L.append("")
+    return L
 
 
 def write(report, out_dir):
