@@ -33,9 +33,19 @@ def make_case(rng, m_count, n_heads, n_kv, head_dim, max_seq, lengths, *, kv_slo
     return q, k, v, lengths, slots
 
 
-def expect(q, k, v, lengths, slots):
+KERNEL_OF = {"warp": "batched_decode", "split": "flash_decode", "auto": "batched_decode"}
+
+
+def expect(q, k, v, lengths, slots, kernel="batched_decode"):
+    """(float64 oracle, same-precision baseline): the baseline in the order the
+    registry names for ``kernel`` (``validation.baselines``), as the sweep judges it;
+    each a pair (out, lse)."""
+    from validation import baselines
+    from validation.registry import KERNELS_BY_NAME
+
     ref = decode_attention_ref(q, k, v, lengths, slots)
-    base = decode_attention_ref(q, k, v, lengths, slots, dtype=np.float32)
+    label = baselines.resolve(KERNELS_BY_NAME[kernel].baseline, {"q": q}, np.asarray(k).dtype)
+    base = baselines.decode_order(q, k, v, lengths, slots, label)
     return ref, base
 
 
@@ -139,7 +149,7 @@ def test_gpu_sweep(case, method):
     lens = _gpu_lengths(rng, kind, m_count, max_seq)
     q, k, v, lens, slots = make_case(rng, m_count, n_heads, n_kv, head_dim, max_seq, lens)
     out, lse = decode(q, k, v, lens, slots, method=method, return_lse=True)
-    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots)
+    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots, KERNEL_OF[method])
     assert_matches(out, ref, base, what=f"out {case} {method}")
     assert_matches(lse, ref_lse, base_lse, what=f"lse {case} {method}")
 
@@ -161,7 +171,7 @@ def test_pointer_tables_match_pool(method, head_dim, n_heads, n_kv):
     v_list = [cuda.to_device(np.ascontiguousarray(v[s])) for s in range(v.shape[0])]
     pooled = decode(q, k, v, lens, slots, method=method)
     listed, lse = decode(q, k_list, v_list, lens, slots, method=method, return_lse=True)
-    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots)
+    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots, KERNEL_OF[method])
     assert_matches(listed, ref, base, what="pointer-table out")
     assert_matches(lse, ref_lse, base_lse, what="pointer-table lse")
     assert_matches(listed, ref, base, what="pointer-table vs oracle")

@@ -18,7 +18,7 @@ from attention.flash_decode import (
     flash_decode_attention,
     split_plan,
 )
-from tests.test_batched_decode import expect, make_case
+from tests.test_batched_decode import KERNEL_OF, expect, make_case
 from validation.tolerance import assert_matches
 
 
@@ -30,7 +30,7 @@ def test_split_matches_oracle_with_empty_chunks(plan):
     rng = np.random.default_rng(5)
     q, k, v, lens, slots = make_case(rng, 3, 2, 1, 40, 7, [7, 0, 2])
     out, lse = flash_decode_attention(q, k, v, lens, slots, return_lse=True, **plan)
-    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots)
+    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots, "flash_decode")
     assert_matches(out, ref, base)
     assert_matches(lse, ref_lse, base_lse, what="lse")
     assert np.all(out[1] == 0) and np.all(np.isneginf(lse[1]))
@@ -48,8 +48,8 @@ def test_all_sequences_empty_gives_zeros_not_nan():
 def test_dispatcher_methods_agree():
     rng = np.random.default_rng(7)
     q, k, v, lens, slots = make_case(rng, 2, 2, 1, 32, 6, [6, 3])
-    (ref, _), (base, _) = expect(q, k, v, lens, slots)
     for method in ("warp", "split", "auto"):
+        (ref, _), (base, _) = expect(q, k, v, lens, slots, KERNEL_OF[method])
         assert_matches(decode(q, k, v, lens, slots, method=method, chunk=4), ref, base,
                        what=method)
 
@@ -120,6 +120,6 @@ def test_stream_only_enqueues():
                                           cuda.to_device(v), lens, slots, stream=stream,
                                           return_lse=True)
     stream.synchronize()
-    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots)
+    (ref, ref_lse), (base, base_lse) = expect(q, k, v, lens, slots, "flash_decode")
     assert_matches(d_out.copy_to_host(), ref, base)
     assert_matches(d_lse.copy_to_host(), ref_lse, base_lse, what="lse")
