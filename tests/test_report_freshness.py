@@ -39,8 +39,9 @@ def test_committed_gpu_report_is_fresh_or_says_it_is_stale():
         "reports/summary.md and reports/validation.json come from different runs")
     if f["state"] == "stale":
         assert f["marked"], (
-            f"the committed report measured kernel sources {f['report_hash']} but the code "
-            f"hashes to {f['code_hash']}: re-run scripts/validate on a GPU, or run "
+            f"the committed report measured kernel sources {f['report_hash']} under criterion "
+            f"{f['report_criterion']}; the code hashes to {f['code_hash']} / "
+            f"{f['code_criterion']}: re-run scripts/validate on a GPU, or run "
             f"scripts/validate --mark-stale so reports/summary.md says it is stale")
     else:
         assert not f["marked"], "reports/summary.md says STALE but its hash matches the code"

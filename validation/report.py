@@ -29,7 +29,6 @@ import statistics
 from pathlib import Path
 
 from validation import plot
-from validation.tolerance import RATIO
 
 SCHEMA = "attention-validation/1"
 JSON_NAME = "validation.json"

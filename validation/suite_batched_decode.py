@@ -161,7 +161,8 @@ def compare(name, got, ref, base, extra=""):
                                   f"({int(np.isnan(got).sum())} NaN in the output){extra}")
     err, allowed = tolerance.max_abs_error(got, ref), tolerance.budget(ref, base)
     if err > allowed:
-        diff = np.where(np.isfinite(ref), np.abs(got.astype(np.float64) - ref), 0.0)
+        both = np.isfinite(ref) & np.isfinite(got)
+        diff = np.where(both, np.abs(got.astype(np.float64) - ref), 0.0)
         worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
         return Check(name, False, f"max abs error {err:.3e} > budget {allowed:.3e} at "
                                   f"{tuple(int(i) for i in worst)}: kernel {got[worst]!r}, "

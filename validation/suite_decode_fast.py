@@ -46,11 +46,11 @@ import numpy as np
 from attention import decode_fast
 from attention.device import BFLOAT16, SIMULATOR, can_execute
 from attention.oracle import decode_attention_ref, kv_head_of
-from validation import tolerance
 from validation.suite import Check
 from validation.suite_batched_decode import (
     MIN_SCORE_SPAN,
     build_caches,
+    compare,
     fixture_problems,
     q_values,
     slot_table_for,
@@ -113,26 +113,6 @@ def _full_cases():
 
 def cases_for(small):
     return _small_cases() if small else _full_cases()
-
-
-def compare(name, got, ref, base):
-    """A Check: ``got`` within ``tolerance.budget`` of the float64 oracle, with
-    NaN / inf in the same places; a failure names the worst entry."""
-    got = np.asarray(got)
-    if got.shape != ref.shape:
-        return Check(name, False, f"shape {got.shape} != oracle {ref.shape}")
-    if not tolerance.same_nonfinite(got, ref):
-        return Check(name, False, f"NaN/inf placement differs from the oracle "
-                                  f"({int(np.isnan(got).sum())} NaN in the kernel's)")
-    err, allowed = tolerance.max_abs_error(got, ref), tolerance.budget(ref, base)
-    if err > allowed:
-        both = np.isfinite(ref) & np.isfinite(got)
-        diff = np.where(both, np.abs(got.astype(np.float64) - ref), 0.0)
-        worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
-        return Check(name, False, f"max abs error {err:.3e} > budget {allowed:.3e} at "
-                                  f"{tuple(int(i) for i in worst)}: kernel {got[worst]!r}, "
-                                  f"oracle {ref[worst]!r}")
-    return Check(name, True, f"max abs error {err:.3e} <= budget {allowed:.3e}")
 
 
 def stored_problems(case, q, k, slots, lengths):
