@@ -277,17 +277,24 @@ def _run_softmax(s, vis, defect=None, threads=G.RESIDENT_THREADS):
     return to_host(p["s"]), to_host(p["lse"])
 
 
-def _softmax_errors(s, vis, got):
-    """(max |got - float64 softmax|, the same for numpy's float32 softmax,
-    max |ref|) over every visible entry."""
-    err = base = mag = 0.0
+def _softmax_rows(s, vis):
+    """For each query q: (its visible scores' count n, the float64 softmax of
+    s[q, :, :n], numpy's float32 softmax of them)."""
     for q, n in enumerate(vis):
         x = s[q, :, :n].astype(np.float64)
         ref = np.exp(x - x.max(-1, keepdims=True))
         ref /= ref.sum(-1, keepdims=True)
         x32 = s[q, :, :n]
         e32 = np.exp(x32 - x32.max(-1, keepdims=True))
-        base = max(base, np.abs(e32 / e32.sum(-1, keepdims=True) - ref).max())
+        yield q, n, ref, e32 / e32.sum(-1, keepdims=True)
+
+
+def _softmax_errors(s, vis, got):
+    """(max |got - float64 softmax|, the same for numpy's float32 softmax,
+    max |ref|) over every visible entry."""
+    err = base = mag = 0.0
+    for q, n, ref, p32 in _softmax_rows(s, vis):
+        base = max(base, np.abs(p32 - ref).max())
         err = max(err, np.abs(got[q, :, :n] - ref).max())
         mag = max(mag, np.abs(ref).max())
     return err, base, mag
@@ -299,14 +306,9 @@ def _relative_errors(s, vis, got, floor=1e-3):
     smallest ones carry the float32 rounding of their large negative
     exponents: that error is the arguments', not the kernel's)."""
     err = base = 0.0
-    for q, n in enumerate(vis):
-        x = s[q, :, :n].astype(np.float64)
-        ref = np.exp(x - x.max(-1, keepdims=True))
-        ref /= ref.sum(-1, keepdims=True)
-        x32 = s[q, :, :n]
-        e32 = np.exp(x32 - x32.max(-1, keepdims=True))
+    for q, n, ref, p32 in _softmax_rows(s, vis):
         keep = ref >= floor
-        base = max(base, (np.abs(e32 / e32.sum(-1, keepdims=True) - ref)[keep] / ref[keep]).max())
+        base = max(base, (np.abs(p32 - ref)[keep] / ref[keep]).max())
         err = max(err, (np.abs(got[q, :, :n] - ref)[keep] / ref[keep]).max())
     return err, base
 
