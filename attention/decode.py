@@ -53,7 +53,8 @@ from .device import (
     to_host,
 )
 from .pointers import is_cache_list, pointer_table
-from .warp import compensated_rescale_add, online_softmax_update, warp_sum_down
+from .warp import (compensated_rescale_add, online_softmax_update, softmax_finish,
+                   warp_sum_down)
 
 WARP = 32
 KERNEL_DEFECTS = ("stuck_rescale", "gqa_mod", "slot_off_by_one", "batch_max_len")
@@ -176,14 +177,13 @@ def batched_decode_kernel(chunks, defect=None, pointers=None):
                         p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
 
         # -- epilogue: normalise; an empty sequence gives zeros and -inf --
-        l = l - l_c
-        inv = float32(1.0) / l if l > float32(0.0) else float32(0.0)
+        inv, lse_h = softmax_finish(m, l - l_c)  # accurate 1 / l and log l
         for c in range(CH):
             d = lane + c * WARP
             if d < head_dim:
                 out[seq, head, d] = (acc[c] - acc_c[c]) * inv
         if lane == 0:
-            lse[seq, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
+            lse[seq, head] = lse_h
 
     kernel.__name__ = "batched_decode" + ("" if pointers is None else "_ptr") + (
         "" if defect is None else "_" + defect)

@@ -121,7 +121,7 @@ from .pdl import capable as pdl_capable
 from .pdl import grid_dependency_ops, is_graph_builder, launch_dependent
 from .rounding import chop_exp, round_bf16, round_fp16
 from .warp import FULL_MASK as FULL
-from .warp import batch_reference, group_sum, online_softmax_merge
+from .warp import batch_reference, group_sum, online_softmax_merge, softmax_finish
 
 WARP = 32
 N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
@@ -1060,11 +1060,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 head = head0 + h
                 if n_split == 1:
                     # -- one chunk: normalise; an empty sequence gives zeros, -inf --
-                    inv = float32(1.0) / l_all if l_all > float32(0.0) else float32(0.0)
+                    inv, lse_h = softmax_finish(m_all, l_all)  # accurate 1 / l, log l
                     out[seq, head, d] = a_all * inv
                     if d == 0:
-                        lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
-                                          else float32(-math.inf))
+                        lse[seq, head] = lse_h
                         if LSE_FP16:
                             lse[seq, head] = round_fp16(lse[seq, head])
                 else:
@@ -1230,14 +1229,13 @@ def combine_kernel(chunks, pdl=False, defect=None):
                 m_all, l_all = fold(m_buf, l_buf, a_buf, float32(-math.inf), float32(0.0),
                                     acc)
         if warp == 0:
-            inv = float32(1.0) / l_all if l_all > float32(0.0) else float32(0.0)
+            inv, lse_h = softmax_finish(m_all, l_all)  # accurate 1 / l and log l
             for c in range(CHD):
                 d = c * WARP + lane
                 if d < head_dim:
                     out[seq, head, d] = acc[c] * inv
             if lane == 0:
-                lse[seq, head] = (m_all + math.log(l_all) if l_all > float32(0.0)
-                                  else float32(-math.inf))
+                lse[seq, head] = lse_h
                 if LSE_FP16:
                     lse[seq, head] = round_fp16(lse[seq, head])
 

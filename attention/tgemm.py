@@ -48,7 +48,8 @@ tiles, so 16 independent mmas separate two dependent ones.
 
 The simulator runs the same kernel with one warp of one 16 x 8 tile and 8-k
 slices; there ``mma`` is a warp collective built from shuffles (each lane
-gathers its rows of ``a`` and columns of ``b``), ``cp_async16`` a copy.
+gathers its rows of ``a`` and columns of ``b``) whose sum truncates as the
+hardware's does (``round_rz``), ``cp_async16`` a copy.
 ``launch(..., plan=GPU_PLAN)`` runs the GPU's plan there too (one block of 256
 threads takes 40 to 60 s a 32-k slice).
 
@@ -170,6 +171,15 @@ def _gpu_intrinsics():
     return split, mma, cp_async16
 
 
+def round_rz(x):
+    """A float ``x`` to float32, truncated towards zero (the simulator's model of
+    the mma's own fp32 sum; ``validation.baselines`` ``tcP`` sums the same)."""
+    f = np.float32(x)
+    if abs(float(f)) > abs(x):
+        f = np.nextafter(f, np.float32(0.0))
+    return f
+
+
 def _sim_intrinsics():
     def split(x):
         def rnd(v):
@@ -200,8 +210,8 @@ def _sim_intrinsics():
         out = []
         for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
             acc = (c0, c1, c2, c3)[2 * r + c]
-            exact = sum(float(rows[r][k]) * float(cols[c][k]) for k in range(8))
-            out.append(np.float32(float(acc) + exact))
+            exact = float(acc) + sum(float(rows[r][k]) * float(cols[c][k]) for k in range(8))
+            out.append(round_rz(exact))  # the tensor core's fp32 sum truncates
         return tuple(out)
 
     def cp_async16(sm, word, arr, flat, nbytes):

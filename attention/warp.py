@@ -33,6 +33,13 @@ predicate loads and stores, never the collective itself.
 * ``batch_reference(m_max)``: the reference max for merging a batch of
   states at once (weights ``exp(m_j - ref)``, independent of each other): the
   batch's max, or 0 when every state is empty.
+* ``softmax_finish(m, l)``: the epilogue's ``(1 / l, m + log(l))`` with a
+  correctly rounded reciprocal and an accurate ``logf`` (libdevice's
+  ``frcp_rn`` and ``logf``), or ``(0, -inf)`` for an empty state. Under
+  ``fastmath=True`` a plain ``1.0 / l`` compiles to ``div.approx`` and
+  ``math.log`` to ``lg2.approx``: both cost an ulp or two on every output of a
+  head (the validation's mean rule saw it, validation/NOTES.md), for one
+  division and one log a head, so the epilogues take the accurate ones.
 * ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
   with Kahan compensation, for accumulators summed over many positions in
   sequence (the warp-per-head decode). The true sum is ``total - comp``. A
@@ -47,6 +54,8 @@ empty states returns factors 0 (never ``exp(-inf - -inf) = NaN``).
 import math
 
 from numba import cuda, float32
+
+from .device import SIMULATOR
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -174,3 +183,23 @@ def compensated_rescale_add(total, comp, alpha, y):
     y = y - comp * alpha
     t = scaled + y
     return t, (t - scaled) - y
+
+
+if SIMULATOR:  # libdevice's functions are stubs there: the same roundings in numpy
+    @cuda.jit(device=True, inline="always")
+    def softmax_finish(m, l):
+        """``(fl(1 / l), fl(m + fl(log l)))`` of a softmax state; ``(0, -inf)``
+        when empty (``l == 0``)."""
+        if l > float32(0.0):
+            return float32(float32(1.0) / float32(l)), float32(m + float32(math.log(l)))
+        return float32(0.0), float32(-math.inf)
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_finish(m, l):
+        """``(fl(1 / l), fl(m + fl(log l)))`` of a softmax state; ``(0, -inf)``
+        when empty (``l == 0``)."""
+        if l > float32(0.0):
+            return libdevice.frcp_rn(l), m + libdevice.logf(l)
+        return float32(0.0), float32(-math.inf)

@@ -15,9 +15,10 @@ The emulated GEMM follows ``attention.tgemm``: operands split into tf32 halves
 ``al bh``, ``ah bl``, ``ah bh`` (``terms`` 4 adds ``al bl`` first), each an mma
 ``part = round(part + sum of 8 exact products)``, and ``part`` added to the
 fp32 totals every ``part_k8`` k8 steps. ``round`` is the model of the tensor
-core's own sum: ``rn`` rounds to nearest (what the simulator's ``mma`` does),
+core's own sum: ``rn`` rounds to nearest,
 ``rz`` truncates towards zero (the hardware's behaviour: this model reproduces
-the H200's failures, e.g. at length 192 with 32-k partials). The rest of the
+the H200's failures, e.g. at length 192 with 32-k partials; the simulator's
+``mma`` and ``validation.baselines``' ``tcP`` order take it). The rest of the
 pipeline is float32 numpy: absorb, scale, softmax, decompress.
 
 MODEL: ``MODE:PART_K8[:TERMS]`` for both GEMMs, or ``SCORES/PV`` with one such

@@ -78,6 +78,8 @@ def test_decode_kernel_compiles_with_warp_shuffles(head_dim):
     assert "shfl.sync.idx.b32" in ptx, "lane 0's sum must be broadcast"
     assert "ex2.approx" in ptx
     assert ".local" not in ptx, "per-lane q/acc arrays spilled to local memory"
+    # the epilogue's 1 / l and log l are accurate (attention.warp.softmax_finish)
+    assert "rcp.rn" in ptx and "div.approx" not in ptx and "lg2.approx" not in ptx
 
 
 def test_host_views_get_plain_strides_before_the_copy():

@@ -353,6 +353,7 @@ def test_compile_ptx(kind, head_dim, want, q_kind):
            types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert want in ptx
+    assert_accurate_epilogue(ptx)  # the one-split epilogue
     assert "ld.local" not in ptx, "per-lane state spilled to local memory"
     # the group size is a constant of the kernel: a block finds its heads with
     # no integer division (each one a ~70-instruction routine on the GPU)
@@ -381,6 +382,16 @@ def test_compile_combine_ptx(head_dim):
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert ".local" not in ptx, "the combine's batch of partials spilled to local memory"
     assert "bar.sync" in ptx
+    assert_accurate_epilogue(ptx)
+
+
+def assert_accurate_epilogue(ptx):
+    """The epilogue's 1 / l and log l are the accurate ones
+    (``attention.warp.softmax_finish``), not fast-math's ``div.approx`` /
+    ``lg2.approx``, which cost every output of a head an ulp or two."""
+    assert "rcp.rn" in ptx, "the reciprocal 1 / l is not correctly rounded"
+    assert "div.approx" not in ptx and "div.full" not in ptx, "approximate division"
+    assert "lg2.approx" not in ptx, "the LSE takes fast-math's lg2.approx"
 
 
 @pytest.mark.compile

@@ -36,9 +36,19 @@ SUM (how the products of a dot product are added, ``dot``)
                      every GEMM of the path is summed so (absorb, scores, P.V,
                      decompress: ``blocked_matmul``), since the path runs each
                      of them through the same GEMM.
+    ``tcP``          ``blockedP`` as the tensor cores sum it (``attention.tgemm``):
+                     both operands split in tf32 halves (``hi = tf32(x)``,
+                     ``lo = tf32(x - hi)``), and per k8 step three mma terms
+                     ``lo_a hi_b``, ``hi_a lo_b``, ``hi_a hi_b`` in that order,
+                     each adding 8 exact products to the partial with one
+                     rounding **towards zero** (the mma's fp32 sum truncates;
+                     ``bench.tgemm_emu`` showed this model reproduces the
+                     H200's errors, validation/NOTES.md). The partials are
+                     added to the total with round to nearest, as in
+                     ``blockedP``.
     ``decode_fast``  resolved per case (``resolve``) to the fast decode's
                      ``lanesLxV`` (``attention.decode_fast.row_layout``).
-    ``mla_gemm``     resolved per case to ``blocked16`` where the attention GEMMs
+    ``mla_gemm``     resolved per case to ``tc16`` where the attention GEMMs
                      run on tensor cores (more heads than half a tile,
                      ``attention.tgemm``), else ``blocked64`` (``attention.sgemm``).
 
@@ -67,7 +77,9 @@ EXP (the exponential of the softmax)
     ``ex2lg2``       ``ex2`` and the LSE as fast-math kernels form it:
                      ``m + log(l)`` is ``lg2.approx(l)`` times fl32(ln 2) added
                      to ``m`` in one fused multiply-add (the PTX of
-                     ``x + math.log(y)`` under ``fastmath=True``).
+                     ``x + math.log(y)`` under ``fastmath=True``). No kernel
+                     forms it so now: the fast-math epilogues take an accurate
+                     reciprocal and log (``attention.warp.softmax_finish``).
 
 The FMA is emulated in float64 (``a * b`` of two float32 values is exact
 there, the add is rounded once to float64 and then to float32; a double
@@ -103,7 +115,7 @@ LN2 = F32(0.6931471805599453)
 LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
 _LANES = re.compile(r"^lanes(\d+)x(\d+)$")
-_BLOCKED = re.compile(r"^blocked(\d+)$")
+_BLOCKED = re.compile(r"^(blocked|tc)(\d+)$")
 
 
 def parse(label):
@@ -119,7 +131,8 @@ def parse(label):
     if (not ok_how or where not in SCALES or norm not in NORMS or exp not in EXPS
             or len(parts) > 4):
         raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
-                         f"matmul, fma, lanesLxV, interleaved4, blockedP, decode_fast, mla_gemm, "
+                         f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
+                         f"mla_gemm, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
     if how == "matmul" and (norm != "divide" or exp != "exp"):
         raise ValueError(f"baseline order: matmul is the oracle as written (NORM divide, "
@@ -139,7 +152,7 @@ def resolve(label, inputs, dtype):
         # more than half a block tile (``attention.tgemm.usable``), else sgemm's sums
         tensor = int(inputs["q_nope"].shape[1]) > tgemm.tile_shape()[0] // 2
         part = 8 * tgemm.PART_STEPS if tensor else sgemm.PART_K  # k8 mma steps a partial
-        return f"blocked{part}/{where}/{tail}"
+        return f"{'tc' if tensor else 'blocked'}{part}/{where}/{tail}"
     if how != "decode_fast":
         return label
     from attention.decode_fast import LANES, dtype_kind, row_layout
@@ -163,7 +176,7 @@ def dot(a, b, how):
     """float32 sum over the last axis of ``a * b`` (broadcast), summed ``how``.
 
     a: [..., n], b: [..., n] (broadcastable), float32. Returns [...] float32.
-    ``how``: ``fma``, ``lanesLxV``, ``interleaved4``, ``blockedP`` or
+    ``how``: ``fma``, ``lanesLxV``, ``interleaved4``, ``blockedP``, ``tcP`` or
     ``pairwise`` (numpy's ``sum`` of the rounded products; a test reference).
     """
     a, b = np.asarray(a, F32), np.asarray(b, F32)
@@ -205,8 +218,12 @@ def dot(a, b, how):
         return np.broadcast_to(((acc[0] + acc[1]) + (acc[2] + acc[3])).astype(F32),
                                shape[:-1]).astype(F32)
     blocked = _BLOCKED.match(how)
+    if blocked and blocked.group(1) == "tc":
+        return blocked_matmul(np.broadcast_to(a, shape)[..., None, :],
+                              np.broadcast_to(b, shape)[..., :, None], int(blocked.group(2)),
+                              tensor=True)[..., 0, 0]
     if blocked:
-        part = int(blocked.group(1))
+        part = int(blocked.group(2))
         total = None
         for k0 in range(0, n, part):
             sl = slice(k0, min(n, k0 + part))
@@ -214,7 +231,7 @@ def dot(a, b, how):
                          else b_t)
             total = p if total is None else (total + p).astype(F32)
         return np.broadcast_to(total, shape[:-1]).astype(F32)
-    raise ValueError(f"dot: how must be fma, lanesLxV, interleaved4, blockedP or pairwise, "
+    raise ValueError(f"dot: how must be fma, lanesLxV, interleaved4, blockedP, tcP or pairwise, "
                      f"got {how!r}")
 
 
@@ -350,7 +367,7 @@ def mla_order(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, label):
     if blocked:  # the GEMM path: every product of it in two-level sums (blocked_matmul):
         # the attention GEMMs with the label's partials, absorb and decompress with
         # sgemm's (they never take the tensor cores)
-        part = int(blocked.group(1))
+        part, tensor = int(blocked.group(2)), blocked.group(1) == "tc"
         from attention.sgemm import PART_K as other
         q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], other)[:, :, 0]  # [t_q, nh, r]
     else:
@@ -366,13 +383,13 @@ def mla_order(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, label):
         if vis == 0:
             continue
         if blocked:
-            scores = blocked_matmul(lat[i], rows[:vis].T, part)  # [nh, vis]
+            scores = blocked_matmul(lat[i], rows[:vis].T, part, tensor)  # [nh, vis]
         else:
             scores = dot(rows[None, :vis], lat[i][:, None, :], how)  # [nh, vis]
         scores = (scores * F32(scale)).astype(F32)
         if blocked:
             p, _ = attend(scores, None, norm, exp, weights_only=True)  # [nh, vis]
-            o_lat = blocked_matmul(p, c_kv[:vis], part)  # [nh, r]
+            o_lat = blocked_matmul(p, c_kv[:vis], part, tensor)  # [nh, r]
             out[i] = blocked_matmul(w_uv, o_lat[:, :, None], other)[:, :, 0]  # [nh, d_v]
             continue
         o_lat, _ = attend(scores, c_kv[:vis], norm, exp)  # [nh, r]
@@ -380,10 +397,12 @@ def mla_order(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, label):
     return out
 
 
-def blocked_matmul(a, b, part):
+def blocked_matmul(a, b, part, tensor=False):
     """``a @ b`` in float32 as the GEMM path sums: for each output, running FMA
     sums over ``part`` consecutive k (a fresh partial each), each partial added
-    to the total in turn. a [..., M, K], b [..., K, N] (leading axes
+    to the total in turn (``blockedP``); ``tensor``: the partials summed as the
+    tensor cores do (``tcP``: split tf32 halves, three mma terms a k8 step,
+    each rounded towards zero). a [..., M, K], b [..., K, N] (leading axes
     broadcast); returns [..., M, N] float32. Compiled for the CPU (numba),
     since a Python loop over k is too slow at the MLA shapes."""
     a, b = np.asarray(a, F32), np.asarray(b, F32)
@@ -393,7 +412,7 @@ def blocked_matmul(a, b, part):
         return np.zeros(lead + (m, n), F32)
     a3 = np.ascontiguousarray(np.broadcast_to(a, lead + (m, k))).reshape(-1, m, k)
     b3 = np.ascontiguousarray(np.broadcast_to(b, lead + (k, n))).reshape(-1, k, n)
-    out = _fma_blocked()(a3, b3, int(part))
+    out = (_tc_blocked() if tensor else _fma_blocked())(a3, b3, int(part))
     return out.reshape(lead + (m, n))
 
 
@@ -429,6 +448,71 @@ def _fma_blocked():
         return out
 
     return run
+
+
+def tf32_halves(x):
+    """(hi, lo) float64 arrays of float32 ``x``: ``hi = tf32(x)``, ``lo =
+    tf32(x - hi)``, each rounded to 11 significant bits half away from zero
+    (``attention.tgemm.split``: ``(bits + 0x1000) & 0xFFFFE000``)."""
+    x = np.asarray(x, F32)
+
+    def tf32(v):
+        bits = np.ascontiguousarray(v, dtype=F32).view(np.uint32)
+        return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(F32)
+
+    hi = tf32(x)
+    return hi.astype(F64), tf32((x - hi).astype(F32)).astype(F64)
+
+
+@functools.lru_cache(maxsize=None)
+def _tc_blocked():
+    """The compiled loop of ``blocked_matmul(tensor=True)``: a [Z, M, K], b
+    [Z, K, N] float32 -> [Z, M, N] float32, summed as ``tcP``."""
+    from numba import njit
+
+    @njit(cache=False)
+    def round_rz(s):
+        # float64 s to float32, truncated towards zero
+        f = np.float32(s)
+        if abs(np.float64(f)) > abs(s):
+            f = np.nextafter(f, np.float32(0.0))
+        return f
+
+    @njit(cache=False)
+    def run(a_hi, a_lo, b_hi, b_lo, part):
+        nz, m, k = a_hi.shape
+        n = b_hi.shape[2]
+        out = np.zeros((nz, m, n), np.float32)
+        acc = np.zeros(n, np.float32)
+        s = np.zeros(n, np.float64)
+        for z in range(nz):
+            for i in range(m):
+                total = out[z, i]
+                for k0 in range(0, k, part):
+                    acc[:] = np.float32(0.0)
+                    for k8 in range(k0, min(k, k0 + part), 8):
+                        for term in range(3):  # lo hi, hi lo, hi hi: small terms first
+                            xa = a_lo if term == 0 else a_hi
+                            xb = b_lo if term == 1 else b_hi
+                            for j in range(n):
+                                s[j] = np.float64(acc[j])
+                            for kk in range(k8, min(k, k8 + 8)):
+                                x = xa[z, i, kk]
+                                for j in range(n):
+                                    s[j] += x * xb[z, kk, j]  # exact: 11 x 11 bits
+                            for j in range(n):
+                                acc[j] = round_rz(s[j])
+                    for j in range(n):
+                        total[j] = np.float32(total[j] + acc[j])
+        return out
+
+    def call(a, b, part):
+        if part % 8:
+            raise ValueError(f"tcP: the partial must be whole k8 steps, got {part}")
+        (a_hi, a_lo), (b_hi, b_lo) = tf32_halves(a), tf32_halves(b)
+        return run(a_hi, a_lo, b_hi, b_lo, part)
+
+    return call
 
 
 def baseline(kind, inputs, label, plain=None):

@@ -262,12 +262,12 @@ class KernelSpec:
 
 
 # the warp kernels: lane j holds d = j + 32 c, an FMA sum a lane, then a shuffle
-# tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp and log
-# (attention.decode)
-WARP_ORDER = "lanes32x1/before/recip_after/ex2lg2"
+# tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp, and the
+# epilogue's reciprocal and log taken accurately (attention.warp.softmax_finish)
+WARP_ORDER = "lanes32x1/before/recip_after/ex2"
 # the split-KV warp kernel: the same chunks, merged by a combine compiled without
-# fast-math (an accurate log in the LSE)
-SPLIT_ORDER = "lanes32x1/before/recip_after/ex2"
+# fast-math (an accurate reciprocal and log)
+SPLIT_ORDER = WARP_ORDER
 
 KERNELS = (
     KernelSpec("decode", "decode", "decode", "attention.decode", "decode_attention",
@@ -287,7 +287,7 @@ KERNELS = (
     KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode_fast",
                "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
                "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads",
-               "decode_fast/before/recip_after/ex2lg2"),
+               "decode_fast/before/recip_after/ex2"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
