@@ -63,7 +63,8 @@ from .device import (
     to_device,
     to_host,
 )
-from .warp import online_softmax_merge, online_softmax_update, warp_sum_down
+from .warp import (compensated_rescale_add, online_softmax_merge, online_softmax_update,
+                   warp_sum_down)
 
 SPLIT_DEFECTS = KERNEL_DEFECTS
 METHODS = ("auto", "warp", "split", "fast")
@@ -117,13 +118,16 @@ def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
         # -- this lane's slice of q, pre-scaled --
         q_reg = cuda.local.array(CH, float32)
         acc = cuda.local.array(CH, float32)
+        acc_c = cuda.local.array(CH, float32)  # Kahan compensation of acc
         for c in range(CH):
             d = lane + c * WARP
             q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
             acc[c] = float32(0.0)
+            acc_c[c] = float32(0.0)
 
         m = float32(-math.inf)
         l = float32(0.0)
+        l_c = float32(0.0)
         for pos in range(start, stop):
             # -- score: q . k[pos], reduced across the warp --
             part = float32(0.0)
@@ -139,25 +143,28 @@ def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
                 m = m_new  # the old max is gone before the rescale reads it
                 alpha = math.exp(m - m_new)
                 p = math.exp(s - m_new)
-                l = l * alpha + p
             else:
-                m, l, alpha, p = online_softmax_update(m, l, s)
+                m, _, alpha, p = online_softmax_update(m, l, s)
 
-            # -- rescale what came before, add this position's value --
+            # -- rescale what came before, add this position's value; a chunk's
+            # sums run over its positions in turn, so they carry Kahan
+            # compensation as the warp kernel's do (attention.decode) --
+            l, l_c = compensated_rescale_add(l, l_c, alpha, p)
             for c in range(CH):
                 d = lane + c * WARP
                 if d < head_dim:
-                    acc[c] = acc[c] * alpha + p * float32(
-                        load(v_cache, slot, kv_head, pos, d, head_dim))
+                    acc[c], acc_c[c] = compensated_rescale_add(
+                        acc[c], acc_c[c], alpha,
+                        p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
 
         # -- epilogue: the partial state, unnormalised (empty: -inf, 0, zeros) --
         for c in range(CH):
             d = lane + c * WARP
             if d < head_dim:
-                part_acc[seq, head, split, d] = acc[c]
+                part_acc[seq, head, split, d] = acc[c] - acc_c[c]
         if lane == 0:
             part_max[seq, head, split] = m
-            part_sum[seq, head, split] = l
+            part_sum[seq, head, split] = l - l_c
 
     kernel.__name__ = "flash_decode_chunk" + ("" if pointers is None else "_ptr") + (
         "" if defect is None else "_" + defect)

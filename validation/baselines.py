@@ -420,31 +420,33 @@ def blocked_matmul(a, b, part, tensor=False):
 def _fma_blocked():
     """The compiled loop of ``blocked_matmul``: a [Z, M, K], b [Z, K, N] float32
     -> [Z, M, N] float32. The n loop is innermost (each output's sum still runs
-    over k in order), so the compiler can vectorise across outputs."""
-    from numba import njit
+    over k in order), so the compiler can vectorise across outputs; the rows
+    run in parallel threads (numba ``prange``: the 128-head MLA growth run
+    recomputes every step's GEMMs)."""
+    from numba import njit, prange
 
-    @njit(cache=False)
+    @njit(cache=False, parallel=True)
     def run(a, b, part):
         nz, m, k = a.shape
         n = b.shape[2]
         out = np.zeros((nz, m, n), np.float32)
-        acc = np.zeros(n, np.float32)
-        for z in range(nz):
-            for i in range(m):
-                total = out[z, i]
-                for k0 in range(0, k, part):
-                    acc[:] = np.float32(0.0)
-                    for kk in range(k0, min(k, k0 + part)):
-                        x = np.float64(a[z, i, kk])
-                        row = b[z, kk]
-                        for j in range(n):
-                            # one fused multiply-add: the exact product, one rounding
-                            acc[j] = np.float32(np.float64(acc[j]) + x * np.float64(row[j]))
-                    if k0 == 0:
-                        total[:] = acc
-                    else:
-                        for j in range(n):
-                            total[j] = np.float32(total[j] + acc[j])
+        for zi in prange(nz * m):
+            z, i = zi // m, zi % m
+            acc = np.zeros(n, np.float32)
+            total = out[z, i]
+            for k0 in range(0, k, part):
+                acc[:] = np.float32(0.0)
+                for kk in range(k0, min(k, k0 + part)):
+                    x = np.float64(a[z, i, kk])
+                    row = b[z, kk]
+                    for j in range(n):
+                        # one fused multiply-add: the exact product, one rounding
+                        acc[j] = np.float32(np.float64(acc[j]) + x * np.float64(row[j]))
+                if k0 == 0:
+                    total[:] = acc
+                else:
+                    for j in range(n):
+                        total[j] = np.float32(total[j] + acc[j])
         return out
 
     return run
@@ -468,7 +470,7 @@ def tf32_halves(x):
 def _tc_blocked():
     """The compiled loop of ``blocked_matmul(tensor=True)``: a [Z, M, K], b
     [Z, K, N] float32 -> [Z, M, N] float32, summed as ``tcP``."""
-    from numba import njit
+    from numba import njit, prange
 
     @njit(cache=False)
     def round_rz(s):
@@ -478,32 +480,32 @@ def _tc_blocked():
             f = np.nextafter(f, np.float32(0.0))
         return f
 
-    @njit(cache=False)
+    @njit(cache=False, parallel=True)
     def run(a_hi, a_lo, b_hi, b_lo, part):
         nz, m, k = a_hi.shape
         n = b_hi.shape[2]
         out = np.zeros((nz, m, n), np.float32)
-        acc = np.zeros(n, np.float32)
-        s = np.zeros(n, np.float64)
-        for z in range(nz):
-            for i in range(m):
-                total = out[z, i]
-                for k0 in range(0, k, part):
-                    acc[:] = np.float32(0.0)
-                    for k8 in range(k0, min(k, k0 + part), 8):
-                        for term in range(3):  # lo hi, hi lo, hi hi: small terms first
-                            xa = a_lo if term == 0 else a_hi
-                            xb = b_lo if term == 1 else b_hi
+        for zi in prange(nz * m):  # rows in parallel threads, as _fma_blocked
+            z, i = zi // m, zi % m
+            acc = np.zeros(n, np.float32)
+            s = np.zeros(n, np.float64)
+            total = out[z, i]
+            for k0 in range(0, k, part):
+                acc[:] = np.float32(0.0)
+                for k8 in range(k0, min(k, k0 + part), 8):
+                    for term in range(3):  # lo hi, hi lo, hi hi: small terms first
+                        xa = a_lo if term == 0 else a_hi
+                        xb = b_lo if term == 1 else b_hi
+                        for j in range(n):
+                            s[j] = np.float64(acc[j])
+                        for kk in range(k8, min(k, k8 + 8)):
+                            x = xa[z, i, kk]
                             for j in range(n):
-                                s[j] = np.float64(acc[j])
-                            for kk in range(k8, min(k, k8 + 8)):
-                                x = xa[z, i, kk]
-                                for j in range(n):
-                                    s[j] += x * xb[z, kk, j]  # exact: 11 x 11 bits
-                            for j in range(n):
-                                acc[j] = round_rz(s[j])
-                    for j in range(n):
-                        total[j] = np.float32(total[j] + acc[j])
+                                s[j] += x * xb[z, kk, j]  # exact: 11 x 11 bits
+                        for j in range(n):
+                            acc[j] = round_rz(s[j])
+                for j in range(n):
+                    total[j] = np.float32(total[j] + acc[j])
         return out
 
     def call(a, b, part):

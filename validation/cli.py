@@ -284,8 +284,9 @@ def build_units(args, device):
     modules += [m for m in args.suite_module if m not in modules]
     defect_units, broken = defects.units(modules, small=small, family_filter=dmatch)
 
-    # long units first, so worker processes overlap them with the many short cases
-    units = ([c for c in case_list if c.mutants] + growth_jobs + defect_units
+    # long units first (the growth runs are the longest), so worker processes
+    # overlap them with the many short cases
+    units = (growth_jobs + [c for c in case_list if c.mutants] + defect_units
              + [c for c in case_list if not c.mutants])
     config = {
         "command": " ".join(["scripts/validate"] + sys.argv[1:]),
