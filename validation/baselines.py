@@ -420,17 +420,18 @@ def blocked_matmul(a, b, part, tensor=False):
 def _fma_blocked():
     """The compiled loop of ``blocked_matmul``: a [Z, M, K], b [Z, K, N] float32
     -> [Z, M, N] float32. The n loop is innermost (each output's sum still runs
-    over k in order), so the compiler can vectorise across outputs; the rows
-    run in parallel threads (numba ``prange``: the 128-head MLA growth run
-    recomputes every step's GEMMs)."""
-    from numba import njit, prange
+    over k in order), so the compiler can vectorise across outputs. (Serial:
+    the validation's worker processes already fill the cores; ``prange`` rows
+    oversubscribed them and made the 128-head growth runs 6x slower on the
+    H200's 16-core host.)"""
+    from numba import njit
 
-    @njit(cache=False, parallel=True)
+    @njit(cache=False)
     def run(a, b, part):
         nz, m, k = a.shape
         n = b.shape[2]
         out = np.zeros((nz, m, n), np.float32)
-        for zi in prange(nz * m):
+        for zi in range(nz * m):
             z, i = zi // m, zi % m
             acc = np.zeros(n, np.float32)
             total = out[z, i]
@@ -470,7 +471,7 @@ def tf32_halves(x):
 def _tc_blocked():
     """The compiled loop of ``blocked_matmul(tensor=True)``: a [Z, M, K], b
     [Z, K, N] float32 -> [Z, M, N] float32, summed as ``tcP``."""
-    from numba import njit, prange
+    from numba import njit
 
     @njit(cache=False)
     def round_rz(s):
@@ -480,12 +481,12 @@ def _tc_blocked():
             f = np.nextafter(f, np.float32(0.0))
         return f
 
-    @njit(cache=False, parallel=True)
+    @njit(cache=False)
     def run(a_hi, a_lo, b_hi, b_lo, part):
         nz, m, k = a_hi.shape
         n = b_hi.shape[2]
         out = np.zeros((nz, m, n), np.float32)
-        for zi in prange(nz * m):  # rows in parallel threads, as _fma_blocked
+        for zi in range(nz * m):
             z, i = zi // m, zi % m
             acc = np.zeros(n, np.float32)
             s = np.zeros(n, np.float64)
