@@ -41,8 +41,9 @@ FINDINGS = (
         "combine takes an accurate log; its two failing cases sit at a mean margin of 1.03, "
         "which ex2.approx's own error in the chunk weights (not modelled either) would "
         "explain; not measured separately.",
-        "Kernel fix: take the LSE's log with an accurate logf in the epilogue (one log a "
-        "head and sequence, no measurable cost), then re-run."),
+        "Fixed after this report (e739ab8, ad567e3): the epilogues take libdevice's "
+        "frcp_rn and logf (attention.warp.softmax_finish), the split-KV chunks carry Kahan "
+        "compensation; a partial H200 run passes these cases; full re-run pending."),
     Finding(
         "position sums at all-equal scores, bf16 caches",
         ("decode_fast/d96/equal/*/bfloat16", "decode_fast/d111/equal/*/bfloat16",
@@ -57,8 +58,10 @@ FINDINGS = (
         "1.42e-9), while the baseline's drops (1.06e-9 to 0.85e-9) because float32 sums of "
         "bf16 values are mostly exact (82-99.7 % of the entries, numpy on the case's "
         "inputs); the kernel keeps an error the baseline does not have.",
-        "Open: find that error (the kernel's position-sum and merge order emulated on these "
-        "inputs); a compensated P.V sum, as the warp kernel has, is the candidate fix."),
+        "Found and fixed after this report (e739ab8): fast-math compiles the epilogue's "
+        "1 / l to div.approx, which scales a head's outputs by one inexact factor; the "
+        "epilogues take a correctly rounded reciprocal now. A partial H200 run passes the "
+        "seed-1 and seed-2 cases; full re-run pending."),
     Finding(
         "tensor-core sums truncate",
         ("mla_gemm/dsv3_q*_kv*/large/s0/float32", "growth/mla_gemm_decode/*"),
@@ -71,9 +74,10 @@ FINDINGS = (
         "the earlier single oracle-order baseline (BLAS sums, less accurate than 16-k FMA "
         "partials) the growth run passed and the q1_kv1025 case failed too (1.36 of its "
         "bound).",
-        "Either a baseline order that truncates as the mma does (bench.tgemm_emu's model), "
-        "or shorter partials (8-k: +17 % time, bench/NOTES.md run 20); the 16-bit "
-        "tensor-core work revisits this GEMM."),
+        "Judged differently after this report (e739ab8): the tensor-core path's baseline "
+        "sums as the mma does (tc16: split tf32 halves, truncating sums; bench.tgemm_emu's "
+        "model). A partial H200 run passes both large cases; the growth runs await the "
+        "full re-run."),
 )
 
 
