@@ -3,8 +3,9 @@
 Plain tests: the two rounding models do what they say (``rz`` truncates, a
 biased error on same-sign sums; ``rn`` rounds to nearest), ``split`` as
 tgemm's, the model parser. A ``sim`` test ties the model to the kernel: the
-simulator's ``mma`` rounds each sum to nearest, so tgemm run there must equal
-the ``rn`` model bit for bit, with the kernel's own partial length.
+simulator's ``mma`` truncates each sum as the hardware's does, so tgemm run
+there must equal the ``rz`` model bit for bit, with the kernel's own partial
+length.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def test_rn_model_is_the_simulators_tgemm(b_dtype):
     tgemm.launch(to_device(a), to_device(b), d_c, one, to_device(np.array([n], np.int32)),
                  to_device(np.array([k], np.int32)), 1.0, a_order="zmk", b_order="znk",
                  c_order="zmn", max_n=n, n_batch=1, stream=0)
-    want = E.tgemm_emu(a[0], b[0].astype(np.float32).T, tgemm.PART_STEPS, "rn")
+    want = E.tgemm_emu(a[0], b[0].astype(np.float32).T, tgemm.PART_STEPS, "rz")
     np.testing.assert_array_equal(to_host(d_c)[0], want)
 
 
@@ -83,7 +84,7 @@ def test_rn_model_is_the_simulators_tgemm(b_dtype):
 @pytest.mark.parametrize("b_dtype,b_order", [("float32", "znk"), ("float16", "zkn")])
 def test_partial_lengths_in_and_across_slices(part_steps, b_dtype, b_order, monkeypatch):
     """32-k slices (4 k8 steps): partials of 1 and 2 steps are added inside a
-    slice's k8 loop, 4 and 8 at slice ends; each sums as the ``rn`` model with
+    slice's k8 loop, 4 and 8 at slice ends; each sums as the ``rz`` model with
     that length (and differs from the others, so the length is in effect), for
     both operand paths (fp32 b split in halves, fp16 b whole) and layouts."""
     from attention import tgemm
@@ -107,9 +108,9 @@ def test_partial_lengths_in_and_across_slices(part_steps, b_dtype, b_order, monk
     finally:
         tgemm.tgemm_kernel.cache_clear()
     bt = b_nk.astype(np.float32).T
-    np.testing.assert_array_equal(got, E.tgemm_emu(a[0], bt, part_steps, "rn"))
+    np.testing.assert_array_equal(got, E.tgemm_emu(a[0], bt, part_steps, "rz"))
     others = [p for p in (1, 2, 4, 8) if p != part_steps]
-    assert all((E.tgemm_emu(a[0], bt, p, "rn") != got).any() for p in others)
+    assert all((E.tgemm_emu(a[0], bt, p, "rz") != got).any() for p in others)
 
 
 def test_sweep_case_near_tie():
