@@ -1,27 +1,27 @@
 """Decode, batched decode, split-KV and prefill attention kernels in Numba CUDA.
 
 Importing this package under ``NUMBA_ENABLE_CUDASIM=1`` adds the warp
-intrinsics the stock simulator lacks (``attention.simwarp``).
+intrinsics the stock simulator lacks (``attention.core.simwarp``).
 """
 
-from . import simwarp as _simwarp
+from attention.core import simwarp as _simwarp
 
 _simwarp.install()
 
-from .checks import (  # noqa: E402
+from attention.core.checks import (  # noqa: E402
     AttentionInputError,
     DTypeError,
     LayoutError,
     RangeError,
     ShapeError,
 )
-from .decode import batched_decode_attention, decode_attention  # noqa: E402
-from .decode_fast import batched_decode_attention_fast  # noqa: E402
-from .decode_graph import DecodeStep  # noqa: E402
-from .decode_state import DecodeBatch  # noqa: E402
-from .flash_decode import choose_decode_method, decode, flash_decode_attention  # noqa: E402
-from .kv_cache import batched_kv_scatter, kv_scatter  # noqa: E402
-from .prefill import prefill_attention  # noqa: E402
+from attention.reference.warp_decode import batched_decode_attention, decode_attention  # noqa: E402
+from attention.decode.fast import batched_decode_attention_fast  # noqa: E402
+from attention.decode.graph import DecodeStep  # noqa: E402
+from attention.decode.state import DecodeBatch  # noqa: E402
+from attention.reference.split_decode import choose_decode_method, decode, flash_decode_attention  # noqa: E402
+from attention.cache.scatter import batched_kv_scatter, kv_scatter  # noqa: E402
+from attention.prefill.kernels import prefill_attention  # noqa: E402
 
 __all__ = [
     "AttentionInputError",

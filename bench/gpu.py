@@ -11,7 +11,7 @@ from numba import cuda, float32, int32, int64
 # repeats evicts whatever the timed kernel read last time (~235 us) and leaves
 # only clean lines behind. A flush that writes leaves the L2 full of dirty
 # lines, which the timed kernel then writes back to memory as it evicts them:
-# 8-10 us added to every measurement (H200, bench/NOTES.md run 12: fp16 B 32
+# 8-10 us added to every measurement (H200, notes/bench.md run 12: fp16 B 32
 # L 1024 51.5 -> 41.5 us, torch SDPA 45.3 -> 36.7 us; fp16 B 32 L 4096 144.0
 # -> 132.7 us, where ncu, which invalidates the L2 before a profiled launch,
 # gives 129.3 us).
@@ -19,7 +19,7 @@ FLUSH_BYTES = 512 << 20
 # Host cover ("hold"): the start event must be reached by the GPU only after
 # the host has finished enqueuing the timed work, or the bracket measures host
 # time. A numba launch costs 60-100 us of host time, and 120-230 us once torch
-# is loaded in the same process (H200 machine, bench/NOTES.md run 11), so a
+# is loaded in the same process (H200 machine, notes/bench.md run 11), so a
 # flush alone does not cover it. Before the start event the GPU sleeps for
 # ``hold_us`` (one thread, ``nanosleep``); after the work is enqueued the timer
 # asks whether the start event has already completed, and if it has in any

@@ -1,8 +1,8 @@
-"""The tensor-core GEMM's partial length, measured (bench/NOTES.md, runs 19-20).
+"""The tensor-core GEMM's partial length, measured (notes/bench.md, runs 19-20).
 
     python -m bench.partials [--steps N] [PART_STEPS ...]      (GPU only)
 
-``attention.tgemm`` adds each warp's partial sums to its register totals every
+``attention.gemm.tgemm`` adds each warp's partial sums to its register totals every
 ``PART_STEPS`` k8 steps (a divisor of a slice's 4: inside the k8 loop, or a
 multiple: at slice ends). For each length given (default: 2, the kernel's,
 and 4), this rebuilds the GEMMs with it and prints
@@ -30,7 +30,7 @@ import numpy as np
 
 def measure(part_steps, steps, timer, data):
     """One line of results for ``tgemm.PART_STEPS = part_steps``."""
-    from attention import tgemm
+    from attention.gemm import tgemm
     from mla.decode_graph import MLADecodeGraph
     from validation.growth import GrowthJob, run_growth
 
@@ -71,8 +71,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 0:
         raise SystemExit(f"--steps: expected 0 or more growth steps, got {args.steps}")
-    from attention import tgemm
-    from attention.device import SIMULATOR
+    from attention.gemm import tgemm
+    from attention.core.device import SIMULATOR
 
     ks = tgemm.PLAN[4] // 8  # k8 steps a slice
     bad = [p for p in args.part_steps if p <= 0 or (p % ks and ks % p)]

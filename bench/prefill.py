@@ -1,4 +1,4 @@
-"""Prefill benchmark: the three methods of ``attention.prefill`` and torch SDPA.
+"""Prefill benchmark: the three methods of ``attention.prefill.kernels`` and torch SDPA.
 
 Shapes: T in {512, 2048, 4096}, H 32, H_kv 8, D 128, causal, float32.
 FLOP count: the two matrix products Q.K^T and P.V, 2 * 2 * T * T * H * D for
@@ -38,7 +38,7 @@ def prefill_flops(t_len, heads, head_dim, causal=True):
 def bench_prefill(timer, fma_tflops, torch, rows, log):
     from numba import cuda
 
-    from attention.prefill import prefill_attention
+    from attention.prefill.kernels import prefill_attention
 
     from .gpu import random_array
 

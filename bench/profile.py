@@ -31,7 +31,7 @@ import sys
 import numpy as np
 from numba import cuda
 
-from attention import decode_fast as F
+from attention.decode import fast as F
 
 from .gpu import random_array
 from .run import np_dtype

@@ -6,8 +6,8 @@ never fatal):
      tensor-core peaks (torch matmul, tf32 and bf16; when torch imports)
   2. decode kernels at B 32, H 32, H_kv 8, D 128, L in {1024, 4096, 16384} and
      B 1, L 32768, fp32 / fp16 / bf16: warp-per-head (fp32), split-KV
-     (attention.flash_decode, when present), the fast kernels
-     (attention.decode_fast), torch SDPA (when torch imports) on unexpanded
+     (attention.reference.split_decode, when present), the fast kernels
+     (attention.decode.fast), torch SDPA (when torch imports) on unexpanded
      K/V with ``enable_gqa``, labelled with the backend that ran
      (``torch_sdpa[math]``, bench/sdpa.py), and in fp32 also the
      memory-efficient backend on K/V expanded to all query heads
@@ -28,7 +28,7 @@ never fatal):
      for the fp16 einsum; and each row's max error against a float64 decode
      of every sequence of the batch (vectorised numpy) beside numpy float32's
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
-  5. prefill: the three attention.prefill methods and torch SDPA at T 512 / 2048 /
+  5. prefill: the three attention.prefill.kernels methods and torch SDPA at T 512 / 2048 /
      4096, H 32, H_kv 8, D 128, causal (bench/prefill.py; every row timed with
      its host work, GQA as in decode)
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, prefill.csv, summary.md}.
@@ -120,11 +120,11 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
-    from attention import decode_fast as F
-    from attention.decode import batched_decode_kernel, n_chunks
+    from attention.decode import fast as F
+    from attention.reference.warp_decode import batched_decode_kernel, n_chunks
 
     try:
-        from attention.flash_decode import flash_decode_attention
+        from attention.reference.split_decode import flash_decode_attention
     except Exception as exc:  # another module; optional here
         flash_decode_attention = None
         log(f"  split-KV flash_decode: skipped ({type(exc).__name__}: {exc})")
@@ -534,7 +534,7 @@ def einsum_mla_decode(torch, qn, qp, c, uk, uv, lat):
 def bench_step(step_rows):
     from numba import cuda
 
-    from attention.decode_graph import DecodeStep
+    from attention.decode.graph import DecodeStep
 
     from .gpu import random_array
 
@@ -676,7 +676,7 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
              "launch's host work is timed, except in rows that say they include it",
              "- `fast` rows with more than one split launch the combine as a programmatic "
              "dependent of the main kernel where the GPU has it (sm_90 and later: "
-             "`attention.pdl`)", "",
+             "`attention.core.pdl`)", "",
              "## Decode (GB/s counts K and V once per kv group, plus q, out, lse)", "",
              "| kernel | dtype | B | L | ms | GB/s | of copy |", "|---|---|---|---|---|---|---|"]
     for r in rows:

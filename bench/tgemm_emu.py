@@ -4,13 +4,13 @@
     python -m bench.tgemm_emu --case SHAPE/FIXTURE/sSEED MODEL [MODEL ...]
 
 Why: on the H200 the tensor-core MLA GEMMs' growth run failed with 64-k
-partials, nearly passed with 32-k ones (bench/NOTES.md, run 19) and passes with
+partials, nearly passed with 32-k ones (notes/bench.md, run 19) and passes with
 16-k ones, as this model foretold (run 20). This
 replays the same run (``validation.growth``'s inputs for ``mla_gemm_decode``,
 fp32 cache, seed 0: same generator, same draws) with the GEMMs emulated in
 numpy, so a change to the summation can be judged before it is built.
 
-The emulated GEMM follows ``attention.tgemm``: operands split into tf32 halves
+The emulated GEMM follows ``attention.gemm.tgemm``: operands split into tf32 halves
 (round to nearest on the bit pattern, as ``split``), per k8 step the terms
 ``al bh``, ``ah bl``, ``ah bh`` (``terms`` 4 adds ``al bl`` first), each an mma
 ``part = round(part + sum of 8 exact products)``, and ``part`` added to the
@@ -31,7 +31,7 @@ and worst err/bound.
 instead (GPU shapes, one query: e.g. ``dsv3_q1_kv1025/large/s0``) and prints
 each model's ratio and err/bound against the oracle-order baseline alone: how
 far legal fp32 summation orders move a case's verdict under a single baseline
-(validation/NOTES.md, near ties; the sweep itself takes the largest error of
+(notes/validation.md, near ties; the sweep itself takes the largest error of
 ``validation.baselines``' orders).
 """
 
@@ -51,7 +51,7 @@ def tf32(x):
 
 
 def split(x):
-    """(hi, lo) with hi = tf32(x), lo = tf32(x - hi), as ``attention.tgemm``."""
+    """(hi, lo) with hi = tf32(x), lo = tf32(x - hi), as ``attention.gemm.tgemm``."""
     hi = tf32(x)
     return hi, tf32((np.asarray(x, F32) - hi).astype(F32))
 

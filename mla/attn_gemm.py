@@ -3,7 +3,7 @@
 For queries ``q < Q`` over latent rows ``[c_kv | k_pe]`` (width ``W = r +
 d_rope``) of cache slot ``slot[q]``, attending the first ``vis[q] = len[q] -
 tail[q]`` rows (decode: ``tail = 0``), the whole attention is five launches,
-four of them ``attention.sgemm`` (register-tiled, two-level fp32 sums):
+four of them ``attention.gemm.sgemm`` (register-tiled, two-level fp32 sums):
 
 1. absorb   ``qc[q, h, :r] = q_nope[q, h, :] @ W_UK[h]``   (batch over heads)
    pack     ``qc[q, h, r:] = q_pe[q, h, :]``
@@ -36,9 +36,9 @@ build): the gross ``GROSS_DEFECTS`` (``tgemm.GROSS_DEFECTS``,
 written without the division by the row sum) and the ``PRECISION_MUTANTS``:
 
     tf32_single, no_partials, ring_stale   the attention GEMMs' kernel
-                                           (``attention.tgemm`` / ``sgemm``)
+                                           (``attention.gemm.tgemm`` / ``sgemm``)
     p_fp16, p_bf16    each probability written to S rounded to fp16 / bf16
-    exp_approx        the softmax's ``exp`` is ``attention.rounding.chop_exp``
+    exp_approx        the softmax's ``exp`` is ``attention.core.rounding.chop_exp``
     scale_fp16        each scaled score rounded to fp16 as the softmax reads it
     q_bf16            qc (absorbed query and packed q_pe) rounded to bf16
                       before the score GEMM
@@ -61,10 +61,12 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from attention import sgemm, tgemm
-from attention.device import SIMULATOR, device_empty, jit, launch_stream, to_device
-from attention.rounding import chop_exp, round_bf16, round_fp16
-from attention.warp import block_max, block_sum, warp_max, warp_sum
+from attention.gemm import sgemm
+
+from attention.gemm import tgemm
+from attention.core.device import SIMULATOR, device_empty, jit, launch_stream, to_device
+from attention.core.rounding import chop_exp, round_bf16, round_fp16
+from attention.core.warp import block_max, block_sum, warp_max, warp_sum
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
 SOFTMAX_MUTANTS = ("p_fp16", "p_bf16", "exp_approx", "scale_fp16")
@@ -247,7 +249,7 @@ def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
     ``j`` of block ``(h, q)`` holds positions ``j + threads i`` (``i < vals``,
     coalesced). The row is read once and written once (the warp-a-row kernel
     reads it three times). The row's max and sum are
-    ``attention.warp.block_max`` / ``block_sum`` (warp butterflies, then the
+    ``attention.core.warp.block_max`` / ``block_sum`` (warp butterflies, then the
     warps' values in warp order). Each thread's sum of its ``vals``
     exponentials is Kahan-compensated. ``defect``: one of ``SOFTMAX_SWITCHES``
     compiled in (module docstring), or None.
@@ -365,8 +367,8 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     scratch). ``d_vis`` (device int32 [Q], optional): read by the kernels in
     place of ``vis``, which then only sizes the launches (its entries must be
     upper bounds of ``d_vis``'s). ``tensor``: the score and P.V GEMMs on tensor
-    cores (``attention.tgemm``, split tf32) where ``tgemm.usable``; False:
-    ``attention.sgemm`` (fp32 FMAs) throughout. ``defect``: one of
+    cores (``attention.gemm.tgemm``, split tf32) where ``tgemm.usable``; False:
+    ``attention.gemm.sgemm`` (fp32 FMAs) throughout. ``defect``: one of
     ``GEMM_DEFECTS`` or ``KERNEL_SWITCHES`` (routed to its kernel as
     ``mutant_applies``), or None. Returns a dict for ``launch_prepared``; its
     ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] (device

@@ -8,7 +8,7 @@ Lengths are kept twice, in step: ``lengths`` on the host (what launchers use
 to size their work) and ``device_lengths`` (int32 ``[n_layers]``), written by
 the append kernel itself (``lengths[plane] = lo + n``). ``in_step()`` copies
 the device lengths back and compares. An append that would pass ``max_seq``
-raises ``attention.checks.RangeError`` before anything is copied or launched,
+raises ``attention.core.checks.RangeError`` before anything is copied or launched,
 and leaves both lengths unchanged.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from attention import checks
-from attention.device import device_fill, to_host
+from attention.core import checks
+from attention.core.device import device_fill, to_host
 
 from .dims import MlaDims
 from .kernels import CACHE_DTYPES, append_latent

@@ -3,10 +3,10 @@
 ``mla.pipeline.mla_decode`` validates, builds its index tables and launches
 its kernels from Python on every call: at B 64, 128 heads, L 4096 that host
 work takes about 1.2 ms before the first GEMM reaches the GPU
-(bench/NOTES.md, run 7). ``MLADecodeGraph`` does all of it once, for the
+(notes/bench.md, run 7). ``MLADecodeGraph`` does all of it once, for the
 cache's full capacity, and captures the launches of the GEMM path
 (``mla.attn_gemm``) as a CUDA graph through cuda.core, as
-``attention.decode_graph.DecodeStep`` does for decode attention. ``run()``
+``attention.decode.graph.DecodeStep`` does for decode attention. ``run()``
 replays it: one driver call, whatever the lengths.
 
 Buffers (device arrays, used in place: fill them between runs):
@@ -34,8 +34,8 @@ import functools
 import numpy as np
 from numba import cuda
 
-from attention import checks
-from attention.device import (
+from attention.core import checks
+from attention.core.device import (
     device_empty,
     host_ints,
     is_host_array,
@@ -43,7 +43,7 @@ from attention.device import (
     to_device,
     to_host,
 )
-from attention.graph import CapturedLaunches
+from attention.core.graph import CapturedLaunches
 
 from . import attn_gemm as G
 from . import kernels as K
@@ -86,7 +86,7 @@ class MLADecodeGraph:
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
     "plain") and ``fallback_reason`` (None, or why a graph was asked for and
     not built) record what ``run()`` launches; a failed capture on a GPU emits
-    a ``checks.FallbackWarning`` (``attention.graph``).
+    a ``checks.FallbackWarning`` (``attention.core.graph``).
     """
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,

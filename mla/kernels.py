@@ -1,6 +1,6 @@
 """MLA kernels in absorbed form, and their launchers.
 
-Kernels (Numba CUDA, ``attention.device.jit``; every planted defect is a
+Kernels (Numba CUDA, ``attention.core.device.jit``; every planted defect is a
 switch of the same source, chosen by the ``defect=`` argument of the
 ``*_kernel`` factories, for the falsification suite only):
 
@@ -69,8 +69,8 @@ import math
 import numpy as np
 from numba import cuda, float32, float64
 
-from attention import checks
-from attention.device import (
+from attention.core import checks
+from attention.core.device import (
     SIMULATOR,
     device_empty,
     device_fn,
@@ -82,7 +82,7 @@ from attention.device import (
     to_device,
     to_host,
 )
-from attention.warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
+from attention.core.warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
 
 WARP = 32
 ABSORB_DEFECTS = ("w_uk_transposed",)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attention import checks
+from attention.core import checks
 
 from .cache import LatentCache
 from .dims import MlaDims

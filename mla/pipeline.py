@@ -31,8 +31,8 @@ import warnings
 
 import numpy as np
 
-from attention import checks
-from attention.device import (
+from attention.core import checks
+from attention.core.device import (
     device_empty,
     finish,
     host_ints,

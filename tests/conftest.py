@@ -24,7 +24,7 @@ import pytest
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 import attention  # noqa: E402,F401  (installs the simulator's warp intrinsics)
-from attention.device import gpu_available  # noqa: E402
+from attention.core.device import gpu_available  # noqa: E402
 
 GPU = gpu_available()
 # ATTN_SMALL_SHAPES=1 on a GPU runs the device tests at the simulator's small
@@ -40,7 +40,7 @@ def small():
 
 
 def pytest_report_header(config):
-    from attention.device import device_name
+    from attention.core.device import device_name
 
     return f"attention test mode: {MODE} (device: {device_name()})"
 

@@ -140,7 +140,7 @@ def test_orders_resolve_to_the_kernel_layout():
     x["q"] = np.zeros((2, 4, 40), F32)
     assert baselines.resolve("decode_fast/before", x, np.float16) == "lanes16x1/before/divide"
     few = {"q_nope": np.zeros((1, 4, 8), F32)}
-    from attention import sgemm
+    from attention.gemm import sgemm
 
     assert baselines.resolve("mla_gemm/after/recip_first", few, F32) == \
         f"blocked{sgemm.PART_K}/after/recip_first"

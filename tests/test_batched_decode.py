@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.decode import batched_decode_attention
+from attention.core import checks
+from attention.reference.warp_decode import batched_decode_attention
 from attention.oracle import decode_attention_ref
 from tests.conftest import MODE
 from validation.tolerance import assert_matches
@@ -93,7 +93,7 @@ def test_pointer_list_validated_before_launch():
 @pytest.mark.device
 def test_pointer_list_needs_a_gpu():
     """Under the simulator a per-slot list is refused with a clear error."""
-    from attention.pointers import PointerTableUnavailable
+    from attention.core.pointers import PointerTableUnavailable
 
     if MODE != "sim":
         pytest.skip("the GPU reads pointer tables (test_pointer_tables_match_pool)")
@@ -142,7 +142,7 @@ def _gpu_lengths(rng, kind, m_count, max_seq):
 @pytest.mark.parametrize("case", GPU_CASES,
                          ids=lambda c: f"D{c[0]}-H{c[1]}-Hkv{c[2]}-M{c[3]}-S{c[4]}")
 def test_gpu_sweep(case, method):
-    from attention.flash_decode import decode
+    from attention.reference.split_decode import decode
 
     head_dim, n_heads, n_kv, m_count, max_seq, kind = case
     rng = np.random.default_rng(head_dim * 1000 + m_count)
@@ -161,7 +161,7 @@ def test_pointer_tables_match_pool(method, head_dim, n_heads, n_kv):
     """Per-slot allocations read through uint64 pointer tables give the pooled result."""
     from numba import cuda
 
-    from attention.flash_decode import decode
+    from attention.reference.split_decode import decode
 
     rng = np.random.default_rng(head_dim)
     max_seq = 2048

@@ -192,7 +192,7 @@ def test_bench_imports_without_torch():
 def test_partials_rejects_bad_lengths_and_needs_a_gpu():
     import pytest
 
-    from attention import tgemm
+    from attention.gemm import tgemm
     from bench import partials
 
     ks = tgemm.PLAN[4] // 8  # k8 steps a slice: a partial divides it or is whole slices

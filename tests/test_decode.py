@@ -9,8 +9,8 @@ float64 oracle at most twice the float32 baseline's, plus a few roundings).
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.decode import batched_decode_kernel, decode_attention, n_chunks
+from attention.core import checks
+from attention.reference.warp_decode import batched_decode_kernel, decode_attention, n_chunks
 from attention.oracle import decode_attention_ref, kv_head_of, softmax_attend
 from tests.conftest import MODE
 from validation.tolerance import assert_matches
@@ -78,7 +78,7 @@ def test_decode_kernel_compiles_with_warp_shuffles(head_dim):
     assert "shfl.sync.idx.b32" in ptx, "lane 0's sum must be broadcast"
     assert "ex2.approx" in ptx
     assert ".local" not in ptx, "per-lane q/acc arrays spilled to local memory"
-    # the epilogue's 1 / l and log l are accurate (attention.warp.softmax_finish)
+    # the epilogue's 1 / l and log l are accurate (attention.core.warp.softmax_finish)
     assert "rcp.rn" in ptx and "div.approx" not in ptx and "lg2.approx" not in ptx
 
 
@@ -86,7 +86,7 @@ def test_host_views_get_plain_strides_before_the_copy():
     """numpy gives ``x[None]`` a 0 stride; numba's host copy then walks the
     array element by element in Python (minutes for a KV cache). ``to_device``
     hands it a view with the plain C strides instead, sharing the memory."""
-    from attention.device import c_strides
+    from attention.core.device import c_strides
 
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     assert x[None].strides[0] == 0
@@ -129,7 +129,7 @@ def test_decode_kernel_keeps_its_kahan_compensation():
 def test_warp_helpers_emit_butterfly_shuffles():
     from numba import cuda
 
-    from attention.warp import warp_max, warp_sum
+    from attention.core.warp import warp_max, warp_sum
 
     def kernel(x, out):
         i = cuda.threadIdx.x

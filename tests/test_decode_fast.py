@@ -1,4 +1,4 @@
-"""Fast batched decode (attention.decode_fast) against the float64 oracle.
+"""Fast batched decode (attention.decode.fast) against the float64 oracle.
 
 Tolerance (derived, not tuned): the kernel's max error against the float64
 oracle must be at most 2x the error of a plain numpy implementation in float32
@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
+from attention.core import checks
 from attention.oracle import decode_attention_ref, kv_head_of
-from attention.device import SIMULATOR
+from attention.core.device import SIMULATOR
 from tests.conftest import MODE
 
 try:
@@ -74,7 +74,7 @@ def make_case(seed, m_count, n_heads, n_kv, head_dim, max_seq, dtype, lens=None)
 
 
 def check_against_oracle(q, k, v, lens, slots, **kw):
-    from attention.decode_fast import batched_decode_attention_fast
+    from attention.decode.fast import batched_decode_attention_fast
 
     scale = 1.0 / np.sqrt(q.shape[2])
     out, lse = batched_decode_attention_fast(q, k, v, lens, slots, return_lse=True, **kw)
@@ -116,7 +116,7 @@ SMALL_CASES = [
 def test_small_matches_oracle(case):
     seed, m, h, kv, d, s, dt, ns = case
     if seed == 9:  # the case is there for the reduce-scatter form (rows by the ring)
-        from attention import decode_fast as F
+        from attention.decode import fast as F
 
         name = F.plan(m, h, kv, d, s, "f16")["kernel"].py_func.__name__
         assert name.endswith(f"psa{F.ASYNC_STAGES}"), name
@@ -140,7 +140,7 @@ def test_rows_of_fewer_lanes_match_oracle(case, lanes, monkeypatch):
     """Several rows a warp (lanes per row 16 / 8), the layout of the 16-bit
     caches, for every dtype: group sums, the merge of a warp's lane groups,
     groups with nothing to attend (lengths 1 and 0)."""
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     seed, m, h, kv, d, s, dt, ns = case
     monkeypatch.setattr(F, "LANES", {kind: lanes for kind in F.LANES})
@@ -155,7 +155,7 @@ def test_rows_of_fewer_lanes_match_oracle(case, lanes, monkeypatch):
 def test_one_buffer_16bit_rows_match_oracle(case, monkeypatch):
     """16-bit vector rows without the pipeline (``plan(pipeline=False)``, the
     form fp32 always uses): the same check."""
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     seed, m, h, kv, d, s, dt, ns = case
     monkeypatch.setattr(F, "PIPELINE", False)
@@ -175,7 +175,7 @@ def test_pipeline_stages_match_oracle(case, stages, monkeypatch):
     more steps than stages, so the ring wraps. (The simulator copies at once:
     that a wait covers its copies is checked on a GPU, by these tests and the
     validation runner.)"""
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     seed, m, h, kv, d, s, dt, ns = case
     monkeypatch.setattr(F, "ASYNC_STAGES", stages)
@@ -196,7 +196,7 @@ def test_positive_control_wrong_scale_fails():
 def test_q_in_cache_dtype_fp16():
     q, k, v, lens, slots = make_case(8, 2, 2, 1, 32, 7, np.float16, lens=[7, 3])
     check_against_oracle(q.astype(np.float16).astype(np.float32), k, v, lens, slots)
-    from attention.decode_fast import batched_decode_attention_fast
+    from attention.decode.fast import batched_decode_attention_fast
 
     a = batched_decode_attention_fast(q.astype(np.float16), k, v, lens, slots)
     b = batched_decode_attention_fast(q.astype(np.float16).astype(np.float32), k, v, lens, slots)
@@ -219,7 +219,7 @@ def test_gpu_full_shape(dtype, max_seq):
 
 @pytest.mark.gpu
 def test_gpu_pdl_overlap():
-    """sm_90 and later: ``attention.pdl.launch_dependent`` really lets a
+    """sm_90 and later: ``attention.core.pdl.launch_dependent`` really lets a
     dependent start while its primary runs. The primary releases its
     dependents, then spins (at most ~2 ms) until a flag is set; the dependent
     sets the flag before its ``griddepcontrol.wait``. Launched as a dependent
@@ -228,7 +228,7 @@ def test_gpu_pdl_overlap():
     primary ends, so the primary must time out (the check can fail)."""
     from numba import cuda
 
-    from attention import pdl as P
+    from attention.core import pdl as P
 
     if not P.capable():
         pytest.skip("needs compute capability >= 9.0 and a cuda.core LaunchConfig with "
@@ -278,8 +278,8 @@ def test_gpu_pdl_combine():
     launch's and matches the oracle."""
     from numba import cuda
 
-    from attention import decode_fast as F
-    from attention import pdl as P
+    from attention.decode import fast as F
+    from attention.core import pdl as P
 
     if not P.capable():
         pytest.skip("needs compute capability >= 9.0 and a cuda.core LaunchConfig with "
@@ -337,7 +337,7 @@ def test_compile_ptx(kind, head_dim, want, q_kind):
 
     from numba import cuda, types
 
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}[kind]
     q_elem = types.float32 if q_kind == "f32" else elem
@@ -373,7 +373,7 @@ def test_compile_combine_ptx(head_dim):
     registers (no local memory), so a warp's loads of a batch are all in flight."""
     from numba import cuda, types
 
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     kern = F.combine_kernel(-(-head_dim // F.WARP))
     f32 = types.float32
@@ -387,7 +387,7 @@ def test_compile_combine_ptx(head_dim):
 
 def assert_accurate_epilogue(ptx):
     """The epilogue's 1 / l and log l are the accurate ones
-    (``attention.warp.softmax_finish``), not fast-math's ``div.approx`` /
+    (``attention.core.warp.softmax_finish``), not fast-math's ``div.approx`` /
     ``lg2.approx``, which cost every output of a head an ulp or two."""
     assert "rcp.rn" in ptx, "the reciprocal 1 / l is not correctly rounded"
     assert "div.approx" not in ptx and "div.full" not in ptx, "approximate division"
@@ -404,7 +404,7 @@ def test_compile_pdl_ptx():
 
     from numba import cuda, types
 
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     f32 = types.float32
     cache = types.Array(types.float16, 4, "C")
@@ -430,8 +430,8 @@ def test_compile_pdl_ptx():
 def test_launch_rejects_a_plan_of_another_group():
     """A plan's kernel has the group size H // H_kv built in: launching it on
     arrays of another group is an error naming q, before anything is launched."""
-    from attention import decode_fast as F
-    from attention.checks import ShapeError
+    from attention.decode import fast as F
+    from attention.core.checks import ShapeError
 
     pl = F.plan(2, 8, 2, 128, 64, "f32")  # group 4
     q = np.zeros((2, 4, 128), np.float32)  # group 2 with the same cache
@@ -456,8 +456,8 @@ def test_misaligned_device_arrays_are_refused():
     view that does not start on 16 bytes is an error naming it (before any
     launch); an aligned one passes the check, and so does a misaligned one
     where rows are read element-wise (D 40)."""
-    from attention import decode_fast as F
-    from attention.checks import LayoutError
+    from attention.decode import fast as F
+    from attention.core.checks import LayoutError
 
     k = np.zeros((2, 2, 64, 128), np.float32)
     lens = np.array([3, 5])
@@ -476,7 +476,7 @@ def test_split_count_fills_waves():
     """The default split count: the fewest waves filled to WAVE_FILL, the most
     splits in them; never chunks under MIN_CHUNK; a zero-length batch still
     gets one split."""
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     wave = F.RESIDENT_BLOCKS[False] * F.N_SMS
     assert F.split_count(8, 32768) == wave // 8  # B 1, H_kv 8: one wave
@@ -501,7 +501,7 @@ def test_plan_trims_empty_splits():
     """A default split count is lowered to the chunks that hold a position
     (chunks are rounded up to whole steps, which can leave the last splits
     empty); an explicit count is kept as given."""
-    from attention import decode_fast as F
+    from attention.decode import fast as F
 
     for m, max_len in [(1, 32768), (1, 1000), (2, 4500), (4, 16384), (32, 1024)]:
         pl = F.plan(m, 32, 8, 128, max_len, "f16")
@@ -517,8 +517,8 @@ def test_pdl_off_without_sm90():
     """Programmatic dependent launch is chosen only on a GPU that has it: the
     simulator and compile-only runs plan plain launches, and their kernels get
     empty stand-ins for the ``griddepcontrol`` instructions."""
-    from attention import decode_fast as F
-    from attention import pdl as P
+    from attention.decode import fast as F
+    from attention.core import pdl as P
 
     if MODE in ("sim", "cpu"):
         assert not P.capable()
@@ -534,7 +534,7 @@ def test_pdl_off_without_sm90():
 # ---- bad input: named errors before any launch --------------------------------
 
 def test_bad_input_raises_named_errors():
-    from attention.decode_fast import batched_decode_attention_fast as f
+    from attention.decode.fast import batched_decode_attention_fast as f
 
     q = np.zeros((2, 4, 32), np.float32)
     k = np.zeros((2, 2, 8, 32), np.float32)

@@ -1,4 +1,4 @@
-"""Planted defects and precision mutants of the fast decode (attention.decode_fast).
+"""Planted defects and precision mutants of the fast decode (attention.decode.fast).
 
 Compile-only (plain process): the production kernels carry none of the
 mutants' roundings (no fp32 -> fp16 conversion, no ``chop_exp`` mask) while a
@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from attention import decode_fast as F
+from attention.decode import fast as F
 from attention.oracle import decode_attention_ref
 from validation import tolerance
 
@@ -151,7 +151,7 @@ FP16_ROUNDING = re.compile(r"cvt\.rn(\.ftz)?\.f16\.f32")
 
 
 def _chop_mask():
-    from attention.rounding import CHOP_BITS
+    from attention.core.rounding import CHOP_BITS
 
     return re.compile(rf"and\.b32\s+%r\d+,\s*%r\d+,\s*{-(1 << CHOP_BITS)};")
 

@@ -1,4 +1,4 @@
-"""The prebuilt decode step (attention.decode_graph.DecodeStep).
+"""The prebuilt decode step (attention.decode.graph.DecodeStep).
 
 A step scatters each sequence's new K/V row, sets seq_lens = positions + 1,
 advances positions and runs the fast attention. Checked against a numpy
@@ -14,13 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.device import gpu_available
+from attention.core import checks
+from attention.core.device import gpu_available
 from attention.oracle import decode_attention_ref
 
 
 def run_steps(n_steps, dtype=np.float32, m=2, h=4, kv=2, d=32, cap=12, use_graph=True):
-    from attention.decode_graph import DecodeStep
+    from attention.decode.graph import DecodeStep
 
     rng = np.random.default_rng(5)
     slots = np.array([2, 0][:m], np.int32)
@@ -81,7 +81,7 @@ def test_gpu_graph_is_built_and_replays():
 
 
 def test_bad_positions_raise_before_launch():
-    from attention.decode_graph import DecodeStep
+    from attention.decode.graph import DecodeStep
 
     q = np.zeros((2, 4, 32), np.float32)
     k = np.zeros((2, 2, 8, 32), np.float32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.decode_state import DecodeBatch
+from attention.core import checks
+from attention.decode.state import DecodeBatch
 from attention.oracle import decode_attention_ref
 from validation.tolerance import assert_matches
 

@@ -3,10 +3,10 @@
 * ``mla.pipeline.choose_method``: "auto" switching to the tiled "flash" path
   (scratch over ``GEMM_WORKSPACE_LIMIT``) emits a ``FallbackWarning``; the GEMM
   path, an explicit method and flash-only options do not.
-* ``attention.graph.CapturedLaunches``: a failed capture on a GPU records
+* ``attention.core.graph.CapturedLaunches``: a failed capture on a GPU records
   ``path`` "plain" with the reason and warns; ``graph=False`` and the
   simulator record without warning; a built graph records "graph".
-* ``attention.pdl.status``: PDL off is recorded with its reason (no warning).
+* ``attention.core.pdl.status``: PDL off is recorded with its reason (no warning).
 * Capacity: ``DecodeStep`` (graph / step path) raises ``RangeError`` through
   its device flag at ``check()`` and ``step(sync=True)``, naming the sequence
   and ``max_seq``; the eager paths (``DecodeBatch.step``,
@@ -24,8 +24,8 @@ import warnings
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.checks import FallbackWarning
+from attention.core import checks
+from attention.core.checks import FallbackWarning
 
 
 @contextlib.contextmanager
@@ -62,7 +62,7 @@ def test_auto_gemm_and_explicit_choices_are_quiet():
 # -- PDL: recorded only ---------------------------------------------------
 
 def test_pdl_status_records_path_and_reason():
-    from attention import pdl
+    from attention.core import pdl
 
     record = pdl.status()
     assert record["path"] in ("pdl", "plain") and record["reason"]
@@ -80,7 +80,7 @@ def _failing_capture(self, enqueue, warm):
 
 @pytest.mark.device
 def test_failed_capture_warns_and_records(monkeypatch):
-    from attention import graph as gr
+    from attention.core import graph as gr
 
     monkeypatch.setattr(gr, "gpu_available", lambda: True)
     monkeypatch.setattr(gr, "SIMULATOR", False)
@@ -93,8 +93,8 @@ def test_failed_capture_warns_and_records(monkeypatch):
 
 @pytest.mark.device
 def test_plain_by_request_or_without_graphs_is_quiet():
-    from attention import graph as gr
-    from attention.device import SIMULATOR
+    from attention.core import graph as gr
+    from attention.core.device import SIMULATOR
 
     with quiet():
         cap = gr.CapturedLaunches(lambda s: None, lambda: None, enabled=False)
@@ -105,7 +105,7 @@ def test_plain_by_request_or_without_graphs_is_quiet():
 
 
 def _decode_step(cap=4, pos=(2, 0), graph=True, advance=True):
-    from attention.decode_graph import DecodeStep
+    from attention.decode.graph import DecodeStep
 
     rng = np.random.default_rng(9)
     m, h, kv, d = 2, 4, 2, 32
@@ -120,7 +120,7 @@ def _decode_step(cap=4, pos=(2, 0), graph=True, advance=True):
 
 @pytest.mark.device
 def test_decode_step_failed_capture_warns_and_still_steps(monkeypatch):
-    from attention import graph as gr
+    from attention.core import graph as gr
 
     monkeypatch.setattr(gr, "gpu_available", lambda: True)
     monkeypatch.setattr(gr, "SIMULATOR", False)
@@ -134,7 +134,7 @@ def test_decode_step_failed_capture_warns_and_still_steps(monkeypatch):
 
 @pytest.mark.device
 def test_decode_step_records_its_path_quietly():
-    from attention.device import SIMULATOR
+    from attention.core.device import SIMULATOR
 
     with quiet():
         step = _decode_step()
@@ -202,7 +202,7 @@ def test_decode_step_position_filled_out_of_range_raises():
 
 @pytest.mark.device
 def test_decode_batch_past_capacity_raises_before_writing():
-    from attention.decode_state import DecodeBatch
+    from attention.decode.state import DecodeBatch
 
     batch = DecodeBatch(2, 2, 1, 8, 2)
     k_new = np.ones((2, 1, 8), np.float32)
@@ -217,7 +217,7 @@ def test_decode_batch_past_capacity_raises_before_writing():
 
 
 def test_batched_scatter_past_capacity_raises_before_launching():
-    from attention.kv_cache import batched_kv_scatter
+    from attention.cache.scatter import batched_kv_scatter
 
     cache = np.zeros((2, 1, 4, 8), np.float32)
     rows = np.ones((2, 1, 8), np.float32)

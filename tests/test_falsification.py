@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention.decode import KERNEL_DEFECTS
-from attention.flash_decode import decode
+from attention.reference.warp_decode import KERNEL_DEFECTS
+from attention.reference.split_decode import decode
 from tests.conftest import MODE, small
 from validation import suite_batched_decode as suite
 from validation.suite import caught

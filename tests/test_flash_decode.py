@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.flash_decode import (
+from attention.core import checks
+from attention.reference.split_decode import (
     MIN_CHUNK,
     choose_decode_method,
     decode,
@@ -95,8 +95,8 @@ def test_bad_input_raises_before_launch():
 def test_split_kernels_compile(head_dim):
     from numba import cuda, float32
 
-    from attention.decode import n_chunks
-    from attention.flash_decode import flash_decode_combine_kernel
+    from attention.reference.warp_decode import n_chunks
+    from attention.reference.split_decode import flash_decode_combine_kernel
     from validation.ptx_check import kernel_ptx
 
     chunk_ptx = kernel_ptx("flash_decode_chunk", head_dim=head_dim)

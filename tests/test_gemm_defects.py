@@ -1,5 +1,5 @@
-"""Planted switches of the MLA GEMM path's kernels (``attention.tgemm``,
-``attention.sgemm``, the softmax kernels of ``mla.attn_gemm``), and the GPU's
+"""Planted switches of the MLA GEMM path's kernels (``attention.gemm.tgemm``,
+``attention.gemm.sgemm``, the softmax kernels of ``mla.attn_gemm``), and the GPU's
 plans of those kernels run on the simulator.
 
 * plain process, no kernel run: the switch names, their routing
@@ -32,7 +32,9 @@ import re
 import numpy as np
 import pytest
 
-from attention import sgemm, tgemm
+from attention.gemm import sgemm
+
+from attention.gemm import tgemm
 from mla import attn_gemm as G
 
 F16_CVT = "cvt.rn.f16.f32"  # round_fp16's narrowing
@@ -216,7 +218,7 @@ def _gemm_case(k, m, n, seed, positive=False):
 
 def _run_gemm(module, a, b, plan=None, defect=None):
     """c = a[0] @ b[0].T through ``module.launch`` ("zmk", "znk", "zmn")."""
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
 
     z_n, m, k = a.shape
     n = b.shape[1]
@@ -269,7 +271,7 @@ def _softmax_case(width, n_head, seed):
 
 
 def _run_softmax(s, vis, defect=None, threads=G.RESIDENT_THREADS):
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
 
     p = {"n_q": s.shape[0], "nh": s.shape[1], "s": to_device(s.copy()), "vis": to_device(vis),
          "lse": to_device(np.full(s.shape[:2], np.nan, np.float32))}

@@ -9,8 +9,8 @@ exactly representable in fewer bits, so a conversion on the way shows up too.
 import numpy as np
 import pytest
 
-from attention import checks
-from attention.kv_cache import kv_scatter
+from attention.core import checks
+from attention.cache.scatter import kv_scatter
 from tests.conftest import MODE
 
 CANARY = np.uint32(0x7FC0DEAD)  # a quiet NaN with a payload no kernel produces

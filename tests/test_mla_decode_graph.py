@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
+from attention.core import checks
 from mla.dims import SMALL_SHAPES
 from tests.conftest import MODE, small
 
@@ -75,7 +75,7 @@ def test_runs_match_mla_decode_and_follow_buffers(dtype):
     d_lens.copy_to_device(lens2)
     g.d_q_nope.copy_to_device(q2)
     # no synchronize: the replay stream is ordered after these default-stream
-    # writes (attention.graph)
+    # writes (attention.core.graph)
     g.run(sync=True)
     got2 = g.out.copy_to_host()
     rows = cache.astype(np.float32)

@@ -1,4 +1,4 @@
-"""The MLA GEMM path: ``attention.sgemm`` and ``mla.attn_gemm`` (``method="gemm"``).
+"""The MLA GEMM path: ``attention.gemm.sgemm`` and ``mla.attn_gemm`` (``method="gemm"``).
 
 * plain process: PTX of the GEMM (no local memory; the fragment loads are
   16-byte vector loads, which the uint64 indices make possible), of the
@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from attention import checks
-from attention import sgemm
+from attention.core import checks
+from attention.gemm import sgemm
 from mla import attn_gemm as G
 from mla.dims import DEEPSEEK_V3, NOPE_64x256, SMALL_SHAPES
 from tests.conftest import MODE, small
@@ -138,7 +138,7 @@ def test_sgemm_matches_numpy(a_order, b_order, c_order):
     bounded one (plan (4, 2, 2) here: 8 x 8 tiles, 16-k slices). Batch 0's
     K = 150 spans three partials (``PART_K`` = 64 k each, the last one of 22 k,
     added at the last slice); batch 1's one slice makes one partial."""
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
 
     rng = np.random.default_rng(11)
     z_n, m, n, k = 3, 19, 21, 150
@@ -187,7 +187,7 @@ def test_softmax_rows_forms(form, monkeypatch):
     entries past a length untouched, LSE -inf for an empty row. Tolerance:
     4x the float32 numpy softmax's error against the same float64 softmax
     (exp, a sum and a division, each within a few ulp) plus 1e-7."""
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
 
     if form == "warp":
         monkeypatch.setattr(G, "RESIDENT_VALS", ())
@@ -251,7 +251,7 @@ def test_gemm_path_tensor_cores(cache_dtype, monkeypatch):
     P.V GEMMs of method "gemm" go to tensor cores (both calls seen), those of
     "gemm_fma" do not; both pass the oracle tolerance, and they differ (the
     paths really are two)."""
-    from attention import tgemm
+    from attention.gemm import tgemm
     from mla.dims import MlaDims
     from mla.pipeline import mla_decode
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
+from attention.core import checks
 from mla import kernels as K
 from mla import oracle
 from mla.dims import DEEPSEEK_V3, NOPE_64x256, SMALL_SHAPES
@@ -124,7 +124,7 @@ def test_compile_attn_absorbed(dims, cache_dtype):
         K.attn_absorbed_kernel(dims.kv_rank, dims.d_rope, tile, hg).py_func,
         (arr(f32, 3), arr(f32, 3), arr(getattr(types, cache_dtype), 3), arr(i32, 1),
          arr(i32, 1), arr(i32, 1), f32, arr(f32, 3), arr(f32, 2)), cc=(9, 0))
-    assert "shfl.sync.bfly.b32" in ptx  # warp_max / warp_sum of attention.warp
+    assert "shfl.sync.bfly.b32" in ptx  # warp_max / warp_sum of attention.core.warp
     assert "bar.sync" in ptx and "bar.warp.sync" in ptx
     assert ".shared" in ptx
 
@@ -332,7 +332,7 @@ def test_prefill_fp16_latent_rows():
 def test_explicit_scale_and_device_arrays():
     """A caller's scale (e.g. DeepSeek's mscale^2 factor) is honoured; device inputs
     give device outputs."""
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
     from mla.pipeline import mla_attend
 
     dims = SMALL_SHAPES[0]
@@ -373,7 +373,7 @@ def test_decode_stepwise_through_cache(dims):
     # bit-exact against the host layout, and the unused rows are still NaN
     plane = cache.rows(1)
     np.testing.assert_array_equal(plane.view(np.uint32), rows[:prefill].view(np.uint32))
-    from attention.device import to_host
+    from attention.core.device import to_host
     full = to_host(cache.buffer)
     assert np.isnan(full[1, prefill:]).all() and np.isnan(full[0]).all()
     assert cache.lengths == [0, prefill] and cache.in_step()

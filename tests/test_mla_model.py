@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention import checks
+from attention.core import checks
 from mla.micro_model import SIM_CONFIG, MicroConfig, MicroMlaModel
 from tests.conftest import small
 

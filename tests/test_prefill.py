@@ -1,4 +1,4 @@
-"""Multi-head prefill attention (``attention.prefill``): per_head, batched, fused.
+"""Multi-head prefill attention (``attention.prefill.kernels``): per_head, batched, fused.
 
 Every method is held to the float64 oracle with the derived budget of
 ``validation.tolerance`` (at most 2x the error of the same oracle code run in
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 
-import attention.prefill as prefill_mod
-from attention import checks
+import attention.prefill.kernels as prefill_mod
+from attention.core import checks
 from attention.oracle import prefill_attention_ref
-from attention.prefill import (
+from attention.prefill.kernels import (
     FUSED_WARPS,
     METHODS,
     PREFILL_DEFECTS,
@@ -227,7 +227,7 @@ def test_fused_kernel_compiles(head_dim, causal):
 def test_softmax_kernel_compiles_with_shuffles(defect):
     from numba import float32, int32
 
-    from attention.softmax import softmax_kernel
+    from attention.prefill.softmax import softmax_kernel
 
     ptx = _ptx(softmax_kernel(defect).py_func, (float32[:, :, ::1], int32, float32[:, ::1]))
     assert "shfl.sync" in ptx
@@ -238,7 +238,9 @@ def test_softmax_kernel_compiles_with_shuffles(defect):
 def test_layout_and_gemm_kernels_compile():
     from numba import float32, int32
 
-    from attention import gemm, layout
+    from attention.gemm import tiled as gemm
+
+    from attention.prefill import layout
 
     a2, a3 = float32[:, ::1], float32[:, :, ::1]
     assert "ld.global" in _ptx(layout._gather_heads, (a2, int32, a3))
@@ -284,8 +286,8 @@ def test_single_token(method):
 @pytest.mark.device
 def test_batched_gemm_crosses_tiles_and_shares_b():
     """M 67 > 64 (two row tiles), K 20 > 16 (a partial K slice), B_a 2 on B_b 1."""
-    from attention.device import to_device, to_host
-    from attention.gemm import batched_gemm
+    from attention.core.device import to_device, to_host
+    from attention.gemm.tiled import batched_gemm
 
     rng = np.random.default_rng(5)
     a = rng.standard_normal((2, 67, 20)).astype(np.float32)
@@ -302,8 +304,8 @@ def test_batched_gemm_crosses_tiles_and_shares_b():
 def test_layout_kernels_are_exact():
     """gather / scatter of heads and the tiled transpose copy bit-exactly,
     across a partial 32 x 32 tile (33 x 35), and touch nothing else."""
-    from attention.device import to_device, to_host
-    from attention.layout import batched_transpose, gather_heads, scatter_heads
+    from attention.core.device import to_device, to_host
+    from attention.prefill.layout import batched_transpose, gather_heads, scatter_heads
 
     rng = np.random.default_rng(6)
     t_len, n_heads, head_dim = 33, 3, 35
@@ -354,11 +356,11 @@ def test_device_arrays_and_stream():
 def test_debug_switch_logs_head_zero(method, monkeypatch, caplog):
     q, k, v = make_qkv(5, 2, 1, 8, seed=8)
     monkeypatch.delenv("ATTN_PREFILL_DEBUG", raising=False)
-    with caplog.at_level(logging.INFO, logger="attention.prefill"):
+    with caplog.at_level(logging.INFO, logger="attention.prefill.kernels"):
         quiet = prefill_attention(q, k, v, 2, n_kv_heads=1, causal=True, method=method)
     assert not caplog.records  # positive control: silent without the switch
     monkeypatch.setenv("ATTN_PREFILL_DEBUG", "1")
-    with caplog.at_level(logging.INFO, logger="attention.prefill"):
+    with caplog.at_level(logging.INFO, logger="attention.prefill.kernels"):
         loud = prefill_attention(q, k, v, 2, n_kv_heads=1, causal=True, method=method)
     text = "\n".join(r.getMessage() for r in caplog.records)
     for word in ("head 0", "Q mean", "K mean", "V mean", "scores", "row sums", "output"):

@@ -96,7 +96,7 @@ def test_combine_kernel_has_nothing_to_inspect():
     the property's shape: the check says so rather than passing it."""
     from numba import cuda, float32
 
-    from attention.flash_decode import flash_decode_combine_kernel
+    from attention.reference.split_decode import flash_decode_combine_kernel
 
     kernel = flash_decode_combine_kernel(4)
     ptx, _ = cuda.compile_ptx(kernel.py_func, (

@@ -1,4 +1,4 @@
-"""The simulator's warp intrinsics (attention.simwarp) against numpy expectations.
+"""The simulator's warp intrinsics (attention.core.simwarp) against numpy expectations.
 
 Blocks of several warps (and a partial last warp) are used throughout, so a
 shuffle that mixed lanes of different warps, or assumed 32 threads per block,
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from attention.simwarp import WarpSyncError
+from attention.core.simwarp import WarpSyncError
 
 pytestmark = pytest.mark.sim
 
@@ -183,8 +183,8 @@ def test_syncthreads_and_shuffles_together():
 
 
 def test_warp_helpers_reduce_every_lane():
-    """attention.warp's helpers on the simulator: the sums and max land in every lane."""
-    from attention.warp import warp_max, warp_sum, warp_sum_down
+    """attention.core.warp's helpers on the simulator: the sums and max land in every lane."""
+    from attention.core.warp import warp_max, warp_sum, warp_sum_down
 
     @cuda.jit
     def reduce(vals, s, m, sd):
@@ -204,14 +204,14 @@ def test_warp_helpers_reduce_every_lane():
 
 
 def test_block_helpers_reduce_every_thread_and_reuse_their_scratch():
-    """attention.warp.block_max / block_sum over a block of 4 warps: the block's
+    """attention.core.warp.block_max / block_sum over a block of 4 warps: the block's
     max and sum in every thread, three reductions in a row through the same
     shared array. (The simulator's threads rarely interleave enough to expose a
     missing barrier before a reuse; racecheck on the GPU covers that, through
     the MLA softmax tests.)"""
     from numba import float64
 
-    from attention.warp import block_max, block_sum
+    from attention.core.warp import block_max, block_sum
 
     @cuda.jit
     def reduce(vals, m, s, m2):

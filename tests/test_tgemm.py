@@ -1,4 +1,4 @@
-"""The tensor-core GEMM (``attention.tgemm``): split-tf32 products, cp.async ring.
+"""The tensor-core GEMM (``attention.gemm.tgemm``): split-tf32 products, cp.async ring.
 
 * plain process: PTX (three mmas a tile and k8 step with an fp32 ``b``, two
   with fp16; 16-byte ``cp.async`` copies; one barrier a slice; no local
@@ -24,7 +24,9 @@ import re
 import numpy as np
 import pytest
 
-from attention import sgemm, tgemm
+from attention.gemm import sgemm
+
+from attention.gemm import tgemm
 from tests.conftest import MODE
 
 PART_K = 8 * tgemm.PART_STEPS
@@ -62,7 +64,7 @@ def test_compile_tgemm(b_order, dtype):
 
 @pytest.mark.device
 def test_usable_and_bad_input():
-    from attention.device import device_empty
+    from attention.core.device import device_empty
 
     bm = tgemm.tile_shape()[0]
     m = bm // 2 + 1
@@ -98,7 +100,7 @@ def test_tgemm_matches_float64(b_order, b_dtype):
     """Batch 0: full extents, its last row tile partial, K over two partials
     (the second short; the whole-slice copies, then the bounded last slice);
     batches 1, 2: ragged N and K (bounded copies, partial 16-byte chunks)."""
-    from attention.device import to_device, to_host
+    from attention.core.device import to_device, to_host
 
     rng = np.random.default_rng(7)
     bm, bn = tgemm.tile_shape()

@@ -63,8 +63,8 @@ def test_parse_model():
 @pytest.mark.sim
 @pytest.mark.parametrize("b_dtype", ["float32", "float16"])
 def test_rn_model_is_the_simulators_tgemm(b_dtype):
-    from attention import tgemm
-    from attention.device import to_device, to_host
+    from attention.gemm import tgemm
+    from attention.core.device import to_device, to_host
 
     rng = np.random.default_rng(3)
     m, n, k = 16, 8, 8 * tgemm.PART_STEPS + 24  # two partials, the second short; 16-byte rows
@@ -87,8 +87,8 @@ def test_partial_lengths_in_and_across_slices(part_steps, b_dtype, b_order, monk
     slice's k8 loop, 4 and 8 at slice ends; each sums as the ``rz`` model with
     that length (and differs from the others, so the length is in effect), for
     both operand paths (fp32 b split in halves, fp16 b whole) and layouts."""
-    from attention import tgemm
-    from attention.device import to_device, to_host
+    from attention.gemm import tgemm
+    from attention.core.device import to_device, to_host
 
     plan = (1, 1, 1, 1, 32, 2)
     monkeypatch.setattr(tgemm, "PART_STEPS", part_steps)

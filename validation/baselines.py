@@ -21,7 +21,7 @@ SUM (how the products of a dot product are added, ``dot``)
     ``lanesLxV``     the warp layout of the decode kernels: element ``d`` is in
                      lane ``(d // V) % L``; each lane runs an FMA sum over its
                      elements in increasing ``d``; then a butterfly over the
-                     ``L`` lanes (``attention.warp.group_sum``; the shuffle-down
+                     ``L`` lanes (``attention.core.warp.group_sum``; the shuffle-down
                      tree of ``warp_sum_down`` adds the same pairs). The warp
                      kernels are ``lanes32x1``; the fast decode's layout
                      depends on the cache dtype and D (``decode_fast``, below).
@@ -31,26 +31,26 @@ SUM (how the products of a dot product are added, ``dot``)
                      (``mla.kernels``).
     ``blockedP``     two levels: running FMA sums of ``P`` consecutive products
                      (a fresh partial each), added one after the other into the
-                     total: the MLA GEMM path (``attention.tgemm``:
-                     16-k partials; ``attention.sgemm``: 64-k partials). In MLA
+                     total: the MLA GEMM path (``attention.gemm.tgemm``:
+                     16-k partials; ``attention.gemm.sgemm``: 64-k partials). In MLA
                      every GEMM of the path is summed so (absorb, scores, P.V,
                      decompress: ``blocked_matmul``), since the path runs each
                      of them through the same GEMM.
-    ``tcP``          ``blockedP`` as the tensor cores sum it (``attention.tgemm``):
+    ``tcP``          ``blockedP`` as the tensor cores sum it (``attention.gemm.tgemm``):
                      both operands split in tf32 halves (``hi = tf32(x)``,
                      ``lo = tf32(x - hi)``), and per k8 step three mma terms
                      ``lo_a hi_b``, ``hi_a lo_b``, ``hi_a hi_b`` in that order,
                      each adding 8 exact products to the partial with one
                      rounding **towards zero** (the mma's fp32 sum truncates;
                      ``bench.tgemm_emu`` showed this model reproduces the
-                     H200's errors, validation/NOTES.md). The partials are
+                     H200's errors, notes/validation.md). The partials are
                      added to the total with round to nearest, as in
                      ``blockedP``.
     ``decode_fast``  resolved per case (``resolve``) to the fast decode's
-                     ``lanesLxV`` (``attention.decode_fast.row_layout``).
+                     ``lanesLxV`` (``attention.decode.fast.row_layout``).
     ``mla_gemm``     resolved per case to ``tc16`` where the attention GEMMs
                      run on tensor cores (more heads than half a tile,
-                     ``attention.tgemm``), else ``blocked64`` (``attention.sgemm``).
+                     ``attention.gemm.tgemm``), else ``blocked64`` (``attention.gemm.sgemm``).
 
 SCALE
     ``after``        the scores are multiplied by the scale (the oracle's choice,
@@ -79,7 +79,7 @@ EXP (the exponential of the softmax)
                      to ``m`` in one fused multiply-add (the PTX of
                      ``x + math.log(y)`` under ``fastmath=True``). No kernel
                      forms it so now: the fast-math epilogues take an accurate
-                     reciprocal and log (``attention.warp.softmax_finish``).
+                     reciprocal and log (``attention.core.warp.softmax_finish``).
 
 The FMA is emulated in float64 (``a * b`` of two float32 values is exact
 there, the add is rounded once to float64 and then to float32; a double
@@ -146,16 +146,17 @@ def resolve(label, inputs, dtype):
     how, where, norm, exp = parse(label)
     tail = f"{norm}/{exp}" if exp != "exp" else norm
     if how == "mla_gemm":
-        from attention import sgemm, tgemm
+        from attention.gemm import sgemm
+        from attention.gemm import tgemm
 
         # the attention GEMMs (scores, P.V) take the tensor cores when the heads fill
-        # more than half a block tile (``attention.tgemm.usable``), else sgemm's sums
+        # more than half a block tile (``attention.gemm.tgemm.usable``), else sgemm's sums
         tensor = int(inputs["q_nope"].shape[1]) > tgemm.tile_shape()[0] // 2
         part = 8 * tgemm.PART_STEPS if tensor else sgemm.PART_K  # k8 mma steps a partial
         return f"{'tc' if tensor else 'blocked'}{part}/{where}/{tail}"
     if how != "decode_fast":
         return label
-    from attention.decode_fast import LANES, dtype_kind, row_layout
+    from attention.decode.fast import LANES, dtype_kind, row_layout
 
     kind = dtype_kind(np.dtype(dtype))
     lanes = LANES[kind]
@@ -368,7 +369,7 @@ def mla_order(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, label):
         # the attention GEMMs with the label's partials, absorb and decompress with
         # sgemm's (they never take the tensor cores)
         part, tensor = int(blocked.group(2)), blocked.group(1) == "tc"
-        from attention.sgemm import PART_K as other
+        from attention.gemm.sgemm import PART_K as other
         q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], other)[:, :, 0]  # [t_q, nh, r]
     else:
         # q_lat[t, h, l] = sum_p w_uk[h, p, l] q_nope[t, h, p]: the sum over p last
@@ -456,7 +457,7 @@ def _fma_blocked():
 def tf32_halves(x):
     """(hi, lo) float64 arrays of float32 ``x``: ``hi = tf32(x)``, ``lo =
     tf32(x - hi)``, each rounded to 11 significant bits half away from zero
-    (``attention.tgemm.split``: ``(bits + 0x1000) & 0xFFFFE000``)."""
+    (``attention.gemm.tgemm.split``: ``(bits + 0x1000) & 0xFFFFE000``)."""
     x = np.asarray(x, F32)
 
     def tf32(v):

@@ -154,7 +154,7 @@ def select_device(choice):
     if choice == "gpu":
         if sim_env:
             _usage("--device gpu, but NUMBA_ENABLE_CUDASIM=1 is set")
-        from attention.device import gpu_available
+        from attention.core.device import gpu_available
 
         if not gpu_available():
             _usage("--device gpu: no usable CUDA GPU here (try --device sim)")
@@ -162,7 +162,7 @@ def select_device(choice):
     if sim_env:
         return "sim"
     if numba_loaded:
-        from attention.device import gpu_available
+        from attention.core.device import gpu_available
 
         return "gpu" if gpu_available() else _usage("no GPU and numba already imported "
                                                     "without the simulator")

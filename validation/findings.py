@@ -8,7 +8,7 @@ Each finding names the cases it covers by glob over their ids
 the output and rule that fail, what was found, and what would close it. Any
 failure no finding covers is listed as **unexplained**.
 
-Findings are written from a report's numbers (``validation/NOTES.md`` has the
+Findings are written from a report's numbers (``notes/validation.md`` has the
 measurements) and must be re-read when the kernels or the rule change.
 """
 
@@ -42,7 +42,7 @@ FINDINGS = (
         "which ex2.approx's own error in the chunk weights (not modelled either) would "
         "explain; not measured separately.",
         "Fixed after this report (e739ab8, ad567e3): the epilogues take libdevice's "
-        "frcp_rn and logf (attention.warp.softmax_finish), the split-KV chunks carry Kahan "
+        "frcp_rn and logf (attention.core.warp.softmax_finish), the split-KV chunks carry Kahan "
         "compensation; a partial H200 run passes these cases; full re-run pending."),
     Finding(
         "position sums at all-equal scores, bf16 caches",
@@ -67,7 +67,7 @@ FINDINGS = (
         ("mla_gemm/dsv3_q*_kv*/large/s0/float32", "growth/mla_gemm_decode/*"),
         "out, max rule (margin up to 1.73) and mean rule",
         "The baseline of the tensor-core path sums 16-k partials with round-to-nearest FMAs; "
-        "the mma's own fp32 sums truncate towards zero (attention/tgemm.py; bench.tgemm_emu "
+        "the mma's own fp32 sums truncate towards zero (attention/gemm/tgemm.py; bench.tgemm_emu "
         "models both and reproduces the H200's errors). At the large fixture's near ties "
         "(|score| ~ 1e4, one float32 ulp ~ 1e-3) and over the 128-head growth run that "
         "difference shows. The same cases pass through the FMA GEMMs (mla_gemm_fma). Under "

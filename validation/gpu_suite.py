@@ -48,7 +48,7 @@ def main(argv=None):
     if args.from_log:
         return from_log(args)
 
-    from attention.device import gpu_available
+    from attention.core.device import gpu_available
 
     if not gpu_available():
         print("gpu_suite: no CUDA GPU on this machine; nothing to run", file=sys.stderr)

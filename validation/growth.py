@@ -18,12 +18,12 @@ Runs (``GROWTH_KERNELS``):
   different starting lengths in shuffled slots of a NaN-filled pool;
 * ``flash_decode``: the same with ``method="split"`` and a fixed chunk so the
   context crosses many chunks;
-* ``fast_decode``: the same with ``method="fast"`` (``attention.decode_fast``);
+* ``fast_decode``: the same with ``method="fast"`` (``attention.decode.fast``);
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
   GPU with DeepSeek-V3's 128 heads, so that its score and P.V GEMMs run on tensor
-  cores (``attention.tgemm`` takes more than 64 rows);
+  cores (``attention.gemm.tgemm`` takes more than 64 rows);
 * ``mla_gemm_fma_decode``: the GEMM path with fp32 FMA GEMMs only (``gemm_fma``).
 
 A step passes under the sweep's rule (``validation.metrics.judge``); the run
@@ -46,7 +46,7 @@ GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode",
 DEFAULT_GPU = GROWTH_KERNELS
 MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_decode": "gemm_fma"}
 # heads of the GPU runs (DeepSeek-V3 widths): 16 keep the float64 recompute cheap; the
-# tensor-core GEMM path needs more than 64 (``attention.tgemm.usable``), so it gets 128
+# tensor-core GEMM path needs more than 64 (``attention.gemm.tgemm.usable``), so it gets 128
 MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
@@ -75,9 +75,9 @@ DECODE_GEOMETRY = {
     False: dict(m=3, h=8, h_kv=2, d=128, start=(0, 17, 100), kv_slots=5, chunk=128),
 }
 MLA_START = {True: 3, False: 16}
-MODULES = {"batched_decode": ("attention.decode_state", "attention.oracle"),
-           "flash_decode": ("attention.decode_state", "attention.oracle"),
-           "fast_decode": ("attention.decode_state", "attention.decode_fast", "attention.oracle"),
+MODULES = {"batched_decode": ("attention.decode.state", "attention.oracle"),
+           "flash_decode": ("attention.decode.state", "attention.oracle"),
+           "fast_decode": ("attention.decode.state", "attention.decode.fast", "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
@@ -118,7 +118,7 @@ def _record_step(series, step, length, judged):
 
 
 def _decode_growth(job, method):
-    from attention.decode_state import DecodeBatch
+    from attention.decode.state import DecodeBatch
     from attention.oracle import decode_attention_ref
 
     g = DECODE_GEOMETRY[job.small]
@@ -261,8 +261,8 @@ def run_growth(job):
     if status != "ok":
         rec.update(status=status, detail=str(why)[-2000:])
         return rec
-    from attention.checks import DTypeError
-    from attention.device import SIMULATOR
+    from attention.core.checks import DTypeError
+    from attention.core.device import SIMULATOR
 
     if job.dtype == "bfloat16" and SIMULATOR:
         rec.update(status="unsupported", detail="the CUDA simulator has no bfloat16")

@@ -92,7 +92,7 @@ def versions():
 
 
 def provenance(**extra):
-    from attention.device import device_name
+    from attention.core.device import device_name
 
     rec = {
         "git_commit": git_commit(),

@@ -125,15 +125,15 @@ KINDS = ("batched_decode", "flash_decode_chunk")
 def kernel_ptx(kind="batched_decode", defect=None, head_dim=128, pointers=False):
     """PTX (sm_90, fastmath) of one of our decode kernels, compiled with no GPU.
 
-    kind: "batched_decode" (``attention.decode.batched_decode_kernel``) or
-    "flash_decode_chunk" (``attention.flash_decode.flash_decode_chunk_kernel``);
+    kind: "batched_decode" (``attention.reference.warp_decode.batched_decode_kernel``) or
+    "flash_decode_chunk" (``attention.reference.split_decode.flash_decode_chunk_kernel``);
     defect: a planted defect of that kernel; pointers: the per-slot pointer-table
     variant (H_kv 2, max_seq 2048).
     """
     from numba import cuda, float32, int32, uint64
 
-    from attention.decode import batched_decode_kernel, n_chunks
-    from attention.flash_decode import flash_decode_chunk_kernel
+    from attention.reference.warp_decode import batched_decode_kernel, n_chunks
+    from attention.reference.split_decode import flash_decode_chunk_kernel
 
     if cuda.compile_ptx is None:
         raise RuntimeError("kernel_ptx: compile_ptx is unavailable under the CUDA simulator")

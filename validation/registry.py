@@ -263,39 +263,39 @@ class KernelSpec:
 
 # the warp kernels: lane j holds d = j + 32 c, an FMA sum a lane, then a shuffle
 # tree over the warp; q pre-scaled; out = acc * (1 / l); fast-math exp, and the
-# epilogue's reciprocal and log taken accurately (attention.warp.softmax_finish)
+# epilogue's reciprocal and log taken accurately (attention.core.warp.softmax_finish)
 WARP_ORDER = "lanes32x1/before/recip_after/ex2"
 # the split-KV warp kernel: the same chunks, merged by a combine compiled without
 # fast-math (an accurate reciprocal and log)
 SPLIT_ORDER = WARP_ORDER
 
 KERNELS = (
-    KernelSpec("decode", "decode", "decode", "attention.decode", "decode_attention",
+    KernelSpec("decode", "decode", "decode", "attention.reference.warp_decode", "decode_attention",
                _run_single, ("k_cache", "v_cache"),
                "warp-per-head decode of one sequence (called per sequence)",
                WARP_ORDER),
-    KernelSpec("batched_decode", "batched_decode", "decode", "attention.decode",
+    KernelSpec("batched_decode", "batched_decode", "decode", "attention.reference.warp_decode",
                "batched_decode_attention", _run_batched, ("k_cache", "v_cache"),
                "warp per (head, sequence) over a pooled cache with a slot table", WARP_ORDER),
-    KernelSpec("flash_decode", "batched_decode", "decode", "attention.flash_decode",
+    KernelSpec("flash_decode", "batched_decode", "decode", "attention.reference.split_decode",
                "flash_decode_attention", _run_flash(None), ("k_cache", "v_cache"),
                "split-KV decode, split count from the heuristic", SPLIT_ORDER),
-    KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.flash_decode",
+    KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.reference.split_decode",
                "flash_decode_attention", _run_flash(3), ("k_cache", "v_cache"),
                "split-KV decode forced to 3 splits (empty chunks on short sequences)",
                SPLIT_ORDER),
-    KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode_fast",
+    KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode.fast",
                "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
                "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads",
                "decode_fast/before/recip_after/ex2"),
-    KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill", "prefill_attention",
+    KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
-    KernelSpec("prefill_batched", "prefill", "prefill", "attention.prefill",
+    KernelSpec("prefill_batched", "prefill", "prefill", "attention.prefill.kernels",
                "prefill_attention", _run_prefill("batched"), ("k", "v"),
                "all heads per launch: transpose, GEMM, softmax, GEMM",
                "fma/after/recip_first"),
-    KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill",
+    KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill.kernels",
                "prefill_attention", _run_prefill("per_head"), ("k", "v"),
                "one head at a time through the same small kernels",
                "fma/after/recip_first"),
@@ -319,7 +319,7 @@ KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 # product kernels, passed as ``defect=``; kernel name -> (module, the method its
 # ``mutant_applies`` is asked about, or None for the module's own tuple)
 MUTANT_SOURCES = {
-    "decode_fast": ("attention.decode_fast", None),
+    "decode_fast": ("attention.decode.fast", None),
     "mla_gemm": ("mla.attn_gemm", "gemm"),
     "mla_gemm_fma": ("mla.attn_gemm", "gemm_fma"),
 }

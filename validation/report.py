@@ -498,7 +498,7 @@ def findings_section(report):
             groups.setdefault(f.name, (f, []))[1].append(unit_id)
     L = ["## Findings", "",
          "Every failure stays a failure; these are the ones looked into "
-         "(`validation/findings.py`, measurements in `validation/NOTES.md`).", ""]
+         "(`validation/findings.py`, measurements in `notes/validation.md`).", ""]
     for name, (f, ids) in groups.items():
         L.append(f"**{name}** ({len(ids)}: {f.rule}). {f.what} *Next:* {f.next_step}")
         L.append("")

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attention.decode import KERNEL_DEFECTS
-from attention.decode_state import ALL_DEFECTS, DecodeBatch
-from attention.device import SIMULATOR, can_execute
-from attention.flash_decode import decode
+from attention.reference.warp_decode import KERNEL_DEFECTS
+from attention.decode.state import ALL_DEFECTS, DecodeBatch
+from attention.core.device import SIMULATOR, can_execute
+from attention.reference.split_decode import decode
 from attention.oracle import decode_attention_ref, kv_head_of
 from validation import tolerance
 from validation.suite import Check

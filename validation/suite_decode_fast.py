@@ -1,8 +1,8 @@
-"""Falsification suite of the fast decode (``attention.decode_fast``): kernel and combine.
+"""Falsification suite of the fast decode (``attention.decode.fast``): kernel and combine.
 
 Contract: ``validation/suite.py``. ``run_suite(None)`` passes; ``run_suite(d)``
 fails for every planted defect ``d`` in ``DEFECTS``
-(``attention.decode_fast.GROSS_DEFECTS``), reached through the public
+(``attention.decode.fast.GROSS_DEFECTS``), reached through the public
 ``batched_decode_attention_fast(..., defect=d)``. The precision mutants of
 the module (``PRECISION_MUTANTS``) are for precision tests, not this suite.
 
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attention import decode_fast
-from attention.device import BFLOAT16, SIMULATOR, can_execute
+from attention.decode import fast as decode_fast
+from attention.core.device import BFLOAT16, SIMULATOR, can_execute
 from attention.oracle import decode_attention_ref, kv_head_of
 from validation.suite import Check
 from validation.suite_batched_decode import (

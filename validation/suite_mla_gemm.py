@@ -6,8 +6,8 @@ plus two checks that reach the kernels the small shapes leave out:
 
 * tensor cores: a chunked prefill through method "gemm" at more heads than
   half a ``tgemm`` tile and 16-byte latent rows, so the score and P.V GEMMs
-  run on ``attention.tgemm`` (the check fails if they would not qualify);
-* FMA GEMMs: a chunked prefill through method "gemm_fma" (``attention.sgemm``
+  run on ``attention.gemm.tgemm`` (the check fails if they would not qualify);
+* FMA GEMMs: a chunked prefill through method "gemm_fma" (``attention.gemm.sgemm``
   throughout).
 
 Planted defects (``DEFECTS``): the GEMM path's own glue (``GEMM_DEFECTS``:
@@ -24,7 +24,7 @@ calls of its method.
 
 from __future__ import annotations
 
-from attention import tgemm
+from attention.gemm import tgemm
 from mla import attn_gemm as G
 from mla.attn_gemm import GEMM_DEFECTS, GROSS_DEFECTS
 from mla.dims import MlaDims, SMALL_SHAPES

@@ -1,4 +1,4 @@
-"""Falsification suite for multi-head prefill attention (``attention.prefill``).
+"""Falsification suite for multi-head prefill attention (``attention.prefill.kernels``).
 
 The contract is ``validation/suite.py``'s: ``run_suite(None)`` returns only
 passing checks, ``run_suite(d)`` for each planted defect ``d`` in ``DEFECTS``
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attention.device import can_execute
+from attention.core.device import can_execute
 from attention.oracle import prefill_attention_ref
-from attention.prefill import METHODS, PREFILL_DEFECTS, prefill_attention
+from attention.prefill.kernels import METHODS, PREFILL_DEFECTS, prefill_attention
 
 from . import tolerance
 from .suite import Check

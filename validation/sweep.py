@@ -40,7 +40,7 @@ FAILING = ("fail", "error", "broken")
 
 
 def _simulator():
-    from attention.device import SIMULATOR
+    from attention.core.device import SIMULATOR
 
     return SIMULATOR
 
@@ -62,7 +62,7 @@ def call_with_dtype(spec, fn, inputs, dtype):
     """Run the kernel on inputs stored in ``dtype``: the storage inputs first, then
     every floating input. Returns (outputs, inputs used, cast mode); raises
     ``checks.DTypeError`` when the kernel rejects both."""
-    from attention.checks import DTypeError
+    from attention.core.checks import DTypeError
 
     if dtype == "float32":
         return spec.run(fn, inputs), inputs, "none"
@@ -128,7 +128,7 @@ def run_case(case):
         rec.update(status="unsupported", detail="the CUDA simulator has no bfloat16")
         return rec
     inputs = registry.make_inputs(spec.kind, shape, case.fixture, case.seed)
-    from attention.checks import DTypeError
+    from attention.core.checks import DTypeError
 
     start = time.perf_counter()
     try:

@@ -5,7 +5,7 @@ One decode step over a pooled cache (ARCHITECTURE.md, "Data flow"):
     1. batched KV scatter   cache[slot_table[m], :, positions[m], :] = k_new[m], v_new[m]
     2. lengths              seq_lens[m] = positions[m] + 1   (then positions[m] += 1
                             when ``advance``, so the next step writes the next row)
-    3. fast attention       ``attention.decode_fast`` (split-KV kernel + combine)
+    3. fast attention       ``attention.decode.fast`` (split-KV kernel + combine)
 
 Capacity: a sequence whose position is outside [0, max_seq) at a step (it has
 run past the cache's capacity, or ``positions`` was filled out of range) is
@@ -15,7 +15,7 @@ an error flag on the device (the step itself never syncs with the host, so a
 replayed graph stays free of host round trips). ``check()``, and every
 ``step(sync=True)`` / ``step_plain(sync=True)``, read the flag and raise
 ``checks.RangeError`` naming the first such sequence and the capacity. Nothing
-is clamped. (``attention.decode_state.DecodeBatch``, whose lengths live on the
+is clamped. (``attention.decode.state.DecodeBatch``, whose lengths live on the
 host, raises before launching instead.)
 
 ``DecodeStep`` validates and allocates once, plans the attention for the
@@ -27,9 +27,9 @@ the step holds. ``step_plain()`` runs the same launches through numba's
 ordinary launch path, for comparison (and where no graph can be built, e.g.
 the simulator, ``step()`` falls back to it). ``path`` ("graph" / "plain") and
 ``fallback_reason`` record which one ``step()`` runs and why; a failed capture
-on a GPU emits a ``checks.FallbackWarning`` (``attention.graph``). ``pdl``
+on a GPU emits a ``checks.FallbackWarning`` (``attention.core.graph``). ``pdl``
 records whether the combine is a programmatic dependent launch and why
-(``attention.pdl.status``; inside a graph it is launched plainly).
+(``attention.core.pdl.status``; inside a graph it is launched plainly).
 
 Buffers (all device arrays; read or fill them between steps):
     q           [M, H, D]                     float32 or the cache dtype
@@ -50,9 +50,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-from . import checks
-from .decode_fast import check_fast, launch, plan, scratch
-from .device import (
+from attention.core import checks
+from attention.decode.fast import check_fast, launch, plan, scratch
+from attention.core.device import (
     device_empty,
     host_ints,
     is_host_array,
@@ -60,9 +60,9 @@ from .device import (
     to_device,
     to_host,
 )
-from .graph import CapturedLaunches
-from .kv_cache import scatter_kernel
-from .pdl import status as pdl_status
+from attention.core.graph import CapturedLaunches
+from attention.cache.scatter import scatter_kernel
+from attention.core.pdl import status as pdl_status
 
 
 # flag[0]: nonzero once a kernel of a step met a position out of capacity since

@@ -1,19 +1,19 @@
 """Split-KV ("flash-decoding") batched decode attention: chunk kernel + LSE combine.
 
-The warp-per-head kernel of ``attention.decode`` gives one warp a whole
+The warp-per-head kernel of ``attention.reference.warp_decode`` gives one warp a whole
 sequence: with few sequences and a long context, H*M warps cannot keep the
 GPU busy. Here each (head, sequence) is cut into chunks of ``chunk``
 positions and every chunk gets its own warp:
 
 1. ``flash_decode_chunk_kernel``: grid ``(H, M, n_splits)``, block 32. Warp
-   ``(h, m, s)`` runs the online softmax of ``attention.warp`` over positions
+   ``(h, m, s)`` runs the online softmax of ``attention.core.warp`` over positions
    ``s*chunk .. min((s+1)*chunk, seq_lens[m]) - 1`` and writes its partial
    state: running max ``part_max[m, h, s]``, running sum ``part_sum[m, h, s]``
    and the unnormalised accumulator ``part_acc[m, h, s, :]``. A chunk past the
    sequence's end writes the empty state (``-inf``, 0, zeros).
 2. ``flash_decode_combine_kernel``: grid ``(H, M)``, block 32 (lanes over D).
    Merges the ``n_splits`` partial states with
-   ``attention.warp.online_softmax_merge`` (empty states get factor 0, never
+   ``attention.core.warp.online_softmax_merge`` (empty states get factor 0, never
    NaN), then normalises: ``out = acc / l``, ``lse = max + log(l)``; a
    zero-length sequence gives zeros and ``-inf``.
 
@@ -27,7 +27,7 @@ Layouts (C-contiguous), as ``batched_decode_attention``:
     out         [M, H, D] float32,  lse [M, H] float32
 
 Planted defects (``defect=``, falsification suite only), the switches of
-``attention.decode`` applied to the chunk kernel: "stuck_rescale",
+``attention.reference.warp_decode`` applied to the chunk kernel: "stuck_rescale",
 "gqa_mod", "slot_off_by_one", "batch_max_len".
 
 ``choose_decode_method`` is the heuristic between the two paths and
@@ -42,9 +42,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from . import checks
-from .pointers import is_cache_list
-from .decode import (
+from attention.core import checks
+from attention.core.pointers import is_cache_list
+from attention.reference.warp_decode import (
     KERNEL_DEFECTS,
     WARP,
     batched_decode_attention,
@@ -54,7 +54,7 @@ from .decode import (
     n_chunks,
     stage_caches,
 )
-from .device import (
+from attention.core.device import (
     device_empty,
     finish,
     is_host_array,
@@ -63,7 +63,7 @@ from .device import (
     to_device,
     to_host,
 )
-from .warp import (compensated_rescale_add, online_softmax_merge, online_softmax_update,
+from attention.core.warp import (compensated_rescale_add, online_softmax_merge, online_softmax_update,
                    warp_sum_down)
 
 SPLIT_DEFECTS = KERNEL_DEFECTS
@@ -75,7 +75,7 @@ TARGET_WARPS = 2 * 132  # default split count aims for this many warps (two per 
 @functools.lru_cache(maxsize=None)
 def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
     """Chunk kernel for ``chunks = ceil(D/32)``; ``defect`` / ``pointers`` as
-    ``attention.decode.batched_decode_kernel``.
+    ``attention.reference.warp_decode.batched_decode_kernel``.
 
     Arguments: q [M, H, D] f32, k_cache / v_cache [KV_SLOTS, H_kv, max_seq, D]
     f32 (or uint64 [KV_SLOTS] pointer tables), seq_lens [M] i32, slot_table
@@ -148,7 +148,7 @@ def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
 
             # -- rescale what came before, add this position's value; a chunk's
             # sums run over its positions in turn, so they carry Kahan
-            # compensation as the warp kernel's do (attention.decode) --
+            # compensation as the warp kernel's do (attention.reference.warp_decode) --
             l, l_c = compensated_rescale_add(l, l_c, alpha, p)
             for c in range(CH):
                 d = lane + c * WARP
@@ -336,7 +336,7 @@ def decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, method="auto", **k
     if method == "split":
         return flash_decode_attention(q, k_cache, v_cache, seq_lens, slot_table, **kwargs)
     if method == "fast":
-        from .decode_fast import batched_decode_attention_fast
+        from attention.decode.fast import batched_decode_attention_fast
 
         if kwargs.pop("defect", None) is not None:
             raise checks.AttentionInputError(

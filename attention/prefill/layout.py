@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from .device import SIMULATOR, jit
+from attention.core.device import SIMULATOR, jit
 
 TILE = 32  # transpose tile edge
 TILE_STRIDE = TILE + 1  # padded row: a column of the tile spans all 32 banks

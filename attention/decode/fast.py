@@ -1,6 +1,6 @@
 """Fast batched decode attention: one block per (split, kv group, sequence).
 
-Same contract as ``attention.decode.batched_decode_attention`` (read its
+Same contract as ``attention.reference.warp_decode.batched_decode_attention`` (read its
 docstring), built for bandwidth:
 
 * **A block per (KV chunk, kv group, sequence).** The ``GB`` query heads of a
@@ -11,16 +11,16 @@ docstring), built for bandwidth:
   ``32 / LPR`` rows at once: lane ``j`` of a group holds elements
   ``c*LPR*VEC + j*VEC + v`` (``v < VEC``, ``c < CH``) of its row, read with
   16-byte loads at D=128 (fp32 ``VEC=4``, fp16/bf16 ``VEC=8``). A score is a
-  butterfly over its group (``attention.warp.group_sum``; with 16 lanes, 4
+  butterfly over its group (``attention.core.warp.group_sum``; with 16 lanes, 4
   shuffles reduce two rows' scores), and the groups of a warp merge their
   softmax states by shuffles at the end. Loads go through ``load_row_vec``
   (an LLVM vector load; on the simulator a plain loop). Head sizes that are
   not a multiple of ``LPR*VEC`` use scalar, predicated loads.
 * **Several positions per warp at once.** Each lane group loads ``U`` K and
   V rows (``R`` apart) before it uses any (``2*U`` independent loads in flight), forms
-  ``U*GB`` scores with ``attention.warp.group_sum``, takes the tile's softmax
+  ``U*GB`` scores with ``attention.core.warp.group_sum``, takes the tile's softmax
   (max over its ``U`` scores, ``U`` exponentials) and folds the tile into its
-  running state with ``attention.warp.online_softmax_merge``: two
+  running state with ``attention.core.warp.online_softmax_merge``: two
   exponentials per tile and head instead of two per position.
 * **16-bit rows pipelined** (``PIPELINE``): fp16/bf16 rows stay packed in
   registers, two elements a word, and each warp loads its next step's rows
@@ -33,7 +33,7 @@ docstring), built for bandwidth:
   dynamic shared memory that its lanes fill with ``cp.async`` (inline PTX) 3
   steps ahead and read back themselves, so 12 KB a warp are in flight
   without registers (161 a thread). H200, fp16 B 32: L 4096 150.9 -> 142.6
-  us, L 16384 546.0 -> 502.7 us (bench/NOTES.md run 10; torch SDPA 134.8 /
+  us, L 16384 546.0 -> 502.7 us (notes/bench.md run 10; torch SDPA 134.8 /
   486.4 us).
 * **fp16 / bf16 caches, fp32 accumulation.** Rows are converted to float32
   as they are loaded (bf16 by a 16-bit shift, fp16 by ``cvt.f32.f16``).
@@ -42,13 +42,13 @@ docstring), built for bandwidth:
   ``M * H_kv`` is small (``split_count``); each block writes an unnormalised partial (acc, m, l) and a
   combine kernel merges the partials in batches of ``COMBINE_BATCH``. With
   one chunk the block writes the final output directly (one launch).
-* **The combine as a programmatic dependent** (``attention.pdl``, sm_90 and
+* **The combine as a programmatic dependent** (``attention.core.pdl``, sm_90 and
   later): every block of the main kernel releases the combine as it starts,
   the combine is launched with programmatic stream serialization and waits
   for the main grid (``griddepcontrol.wait``) before it reads a partial, so
   its launch and ramp overlap the main kernel. H200, B 1, L 32768 (with the
   split count trimmed to the chunks that hold positions, 33 -> 32): fp16
-  45.7 -> 43.8 us, bf16 45.5 -> 43.8, fp32 77.1 -> 75.2 (bench/NOTES.md run 13).
+  45.7 -> 43.8 us, bf16 45.5 -> 43.8, fp32 77.1 -> 75.2 (notes/bench.md run 13).
 
 Within a block the ``NW`` warps take tiles ``U`` positions apart in turn and
 merge their states through shared memory at the end, as one batch a head
@@ -63,7 +63,7 @@ one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
     "slot_off_by_one"      reads slot ``(slot_table[m] + 1) % KV_SLOTS``
     "one_short"            each sequence attends its first ``length - 1`` positions
     "combine_drops_split"  the combine ignores the last split
-``PRECISION_MUTANTS`` (roundings by ``attention.rounding``):
+``PRECISION_MUTANTS`` (roundings by ``attention.core.rounding``):
     "p_fp16" / "p_bf16"    every softmax weight multiplied into V (``p``, or
                            ``p * beta`` in the pipelined forms) rounded to fp16 / bf16
     "q_bf16"               q's elements rounded to bf16 as they are loaded
@@ -100,8 +100,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from . import checks
-from .device import (
+from attention.core import checks
+from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
     device_empty,
@@ -117,11 +117,11 @@ from .device import (
     to_device,
     to_host,
 )
-from .pdl import capable as pdl_capable
-from .pdl import grid_dependency_ops, is_graph_builder, launch_dependent
-from .rounding import chop_exp, round_bf16, round_fp16
-from .warp import FULL_MASK as FULL
-from .warp import batch_reference, group_sum, online_softmax_merge, softmax_finish
+from attention.core.pdl import capable as pdl_capable
+from attention.core.pdl import grid_dependency_ops, is_graph_builder, launch_dependent
+from attention.core.rounding import chop_exp, round_bf16, round_fp16
+from attention.core.warp import FULL_MASK as FULL
+from attention.core.warp import batch_reference, group_sum, online_softmax_merge, softmax_finish
 
 WARP = 32
 N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
@@ -129,7 +129,7 @@ N_SMS = 132  # H200 / H100 SXM; only a sizing hint for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
                      if d is not None)
 
-# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; bench/NOTES.md, runs 5-7): 4
+# default tuning (H200, B 32 / H 32 / H_kv 8 / D 128; notes/bench.md, runs 5-7): 4
 # warps per block; rows over 16 lanes for 16-bit caches (16-byte loads, half the
 # shuffles a score), over 32 lanes for fp32 (16-byte loads already; 16 lanes
 # changed its order of additions for no speed); 4 positions per lane group and
@@ -142,7 +142,7 @@ PIPELINE = True  # 16-bit rows: packed, double-buffered (fast_decode_kernel)
 SCATTERED = True  # pipelined kernels with GB * U == LPR: one score a lane (ditto)
 # pipelined kernels: stages of the shared-memory ring a warp's rows arrive in by
 # cp.async (sm_80 and later; 0: two register buffers). H200, fp16 B 32: L 4096
-# 150.9 -> 142.6 us at 4 stages (3: 144.5, 6: 148.0); bench/NOTES.md run 10
+# 150.9 -> 142.6 us at 4 stages (3: 144.5, 6: 148.0); notes/bench.md run 10
 ASYNC_STAGES = 4
 RING_LIMIT = 96 * 1024  # most ring bytes a block (fewer stages where a stage is larger)
 MIN_CHUNK = 256  # fewest positions a split-KV block is given
@@ -534,7 +534,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     scatter: with the pipeline, one score a lane where ``GB * U == LPR``,
     stages: with the pipeline, the stages of a warp's shared-memory ring (0:
     two register buffers; see below), pdl: every block releases the combine
-    launched after it as it starts (``attention.pdl``; sm_90 and later),
+    launched after it as it starts (``attention.core.pdl``; sm_90 and later),
     defect: None or a planted switch of ``DEFECTS`` (module docstring; the
     combine's own switches leave this kernel unchanged).
 
@@ -1114,7 +1114,7 @@ def combine_kernel(chunks, pdl=False, defect=None):
 
     ``pdl``: the kernel waits for the main kernel's grid (``griddepcontrol.wait``)
     before it reads a partial, so it may be launched as a programmatic
-    dependent (``attention.pdl``: its launch and ramp overlap the main kernel).
+    dependent (``attention.core.pdl``: its launch and ramp overlap the main kernel).
 
     ``defect``: None or a planted switch of ``DEFECTS`` (module docstring);
     ``combine_drops_split``, ``combine_no_max``, ``exp_approx`` and
@@ -1286,7 +1286,7 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
     longer blocks cost less (per-block set-up, partials, the combine), and a
     last wave of a few blocks costs as much as a full one. No split is shorter
     than ``MIN_CHUNK`` positions (that many splits are taken when no count up
-    to it fills a wave that well). H200 sweep (bench/NOTES.md, run 7), fp16:
+    to it fills a wave that well). H200 sweep (notes/bench.md, run 7), fp16:
     B 1, L 32768: 1024 blocks (the earlier rule, ~16 blocks a SM) 74.3 us,
     792 blocks 66.9 us, 392 blocks 59.4 us; B 32, L 1024: 1024 -> 768 blocks,
     72.1 -> 65.0 us.
@@ -1319,7 +1319,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     ``n_split`` (default: ``split_count``) cuts each sequence into that many
     chunks of whole warp steps; a default count is then lowered to the chunks
     that hold a position (rounding chunks up to whole steps can leave the last
-    splits empty). ``pdl`` (default ``attention.pdl.capable()``): a split plan's
+    splits empty). ``pdl`` (default ``attention.core.pdl.capable()``): a split plan's
     combine is launched as a programmatic dependent of the main kernel.
     ``defect``: None or a planted switch of ``DEFECTS`` for both kernels (kept
     in the plan: ``launch`` builds the combine with it).
@@ -1417,7 +1417,7 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     """Enqueue a planned decode (one or two launches) on ``stream`` (a numba
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device
     arrays. With ``pl["pdl"]`` the combine is a programmatic dependent of the
-    main kernel (``attention.pdl``), except in a graph capture, where it is
+    main kernel (``attention.core.pdl``), except in a graph capture, where it is
     launched plainly. The combine carries the plan's ``defect``."""
     if d_q.shape[1] != pl["group"] * d_k.shape[1]:  # the kernel's group is a constant
         raise checks.ShapeError(

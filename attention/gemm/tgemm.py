@@ -2,7 +2,7 @@
 MLA attention GEMMs' fast path).
 
 ``c[z] = alpha * a[z] @ op(b[zb[z]])`` for ``z < Z``, the contract of
-``attention.sgemm.launch`` (per-batch ``n_ext`` / ``k_ext``, a batch table
+``attention.gemm.sgemm.launch`` (per-batch ``n_ext`` / ``k_ext``, a batch table
 ``zb``, entries ``n >= n_ext[z]`` of ``c`` not written) for ``a_order
 "zmk"`` (a[z, m, k]), ``b_order`` "znk" (b[zb, n, k]) or "zkn" (b[zb, k, n]),
 ``c_order`` "zmn" or "mzn"; ``b`` float32 or float16. ``usable`` says whether
@@ -24,7 +24,7 @@ to one unit in the last place of the partial it adds to, always towards zero
 steps) 64-k partials failed the sweep's rule at 61 steps (error up to 6.8x the
 numpy float32 baseline's), 32-k ones at 2 (median 1.24x); 16-k ones pass
 (worst err/bound 0.72, median 0.86x) for 5 % more time than 32-k ones at the
-benchmark's shape with an fp32 cache, 8 % with fp16 (bench/NOTES.md runs 19-20).
+benchmark's shape with an fp32 cache, 8 % with fp16 (notes/bench.md runs 19-20).
 Against a float64 oracle on random operands the error is about 1.3 to 1.6x
 numpy float32's at K 576 / 4096 (``sgemm``: 0.54x), 2 to 3.6x at K below 100
 (run 17, 64-k partials).
@@ -76,8 +76,8 @@ import functools
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
 
-from . import sgemm
-from .device import SIMULATOR, device_fn, ensure_dynamic_shared, jit, ptx_statement
+from attention.gemm import sgemm
+from attention.core.device import SIMULATOR, device_fn, ensure_dynamic_shared, jit, ptx_statement
 
 B_DTYPES = ("float32", "float16")
 WARP = 32
@@ -304,7 +304,7 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
         raise ValueError(f"tgemm plan {plan}: BK a multiple of 8 that divides or is a "
                          f"multiple of {8 * PART_STEPS} (the partial), two stages or more")
     # a partial of whole slices is added at a slice's end; a shorter one inside
-    # the k8 loop, every PART_STEPS steps (FADDs on the hot loop: bench/NOTES.md run 19)
+    # the k8 loop, every PART_STEPS steps (FADDs on the hot loop: notes/bench.md run 19)
     IN_SLICE = PART_STEPS < KS
     PART_SLICES = max(PART_STEPS // KS, 1)
     # no_partials: one partial over the whole K, added to the totals at the end

@@ -17,11 +17,11 @@ The path taken is recorded: ``path`` is "graph" or "plain" and
 ``fallback_reason`` says why a graph was asked for and not built (None when
 ``path`` is what was asked for, ``enabled=False`` included). Plain launches
 cost tens of microseconds of host time each (a decode step: 278 us against
-5.6 us replayed, bench/NOTES.md), so a failed capture on a GPU also emits a
+5.6 us replayed, notes/bench.md), so a failed capture on a GPU also emits a
 ``checks.FallbackWarning``. The simulator and a machine with no GPU have no
 graphs at all (nothing faster to fall back from): recorded, no warning.
 
-Used by ``attention.decode_graph.DecodeStep`` and ``mla.decode_graph.MLADecodeGraph``.
+Used by ``attention.decode.graph.DecodeStep`` and ``mla.decode_graph.MLADecodeGraph``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import warnings
 
 from numba import cuda
 
-from .checks import FallbackWarning
-from .device import SIMULATOR, gpu_available
+from attention.core.checks import FallbackWarning
+from attention.core.device import SIMULATOR, gpu_available
 
-# host time of one decode step (B 32 fp16), bench/NOTES.md: replayed vs plain launches
+# host time of one decode step (B 32 fp16), notes/bench.md: replayed vs plain launches
 REPLAY_US, PLAIN_US = 5.6, 278.0
 
 
@@ -72,7 +72,7 @@ class CapturedLaunches:
             warnings.warn(FallbackWarning(
                 f"{owner}: {self.fallback_reason}; running {plain_call} instead, about "
                 f"{PLAIN_US / REPLAY_US:.0f}x the host time of a graph replay (decode step: "
-                f"{PLAIN_US:g} us against {REPLAY_US:g} us, bench/NOTES.md). Pass graph=False "
+                f"{PLAIN_US:g} us against {REPLAY_US:g} us, notes/bench.md). Pass graph=False "
                 "to choose plain launches without this warning."), stacklevel=3)
 
     def _capture(self, enqueue, warm):

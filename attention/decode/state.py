@@ -17,17 +17,17 @@ raises ``checks.RangeError`` before anything is written.
 Planted defects (``defect=``, falsification suite only): the state's own
 "length_not_advanced" (lengths stay put after a step) and "done_slot_read"
 (finished sequences keep their length for the kernel); any defect of the
-attention kernels (``attention.decode.KERNEL_DEFECTS``) or of the scatter
-(``attention.kv_cache.SCATTER_DEFECTS``) is passed on to that kernel.
+attention kernels (``attention.reference.warp_decode.KERNEL_DEFECTS``) or of the scatter
+(``attention.cache.scatter.SCATTER_DEFECTS``) is passed on to that kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import checks
-from .decode import KERNEL_DEFECTS
-from .device import (
+from attention.core import checks
+from attention.reference.warp_decode import KERNEL_DEFECTS
+from attention.core.device import (
     device_fill,
     finish,
     host_ints,
@@ -35,8 +35,8 @@ from .device import (
     launch_stream,
     to_device,
 )
-from .flash_decode import decode
-from .kv_cache import SCATTER_DEFECTS, _threads, scatter_kernel
+from attention.reference.split_decode import decode
+from attention.cache.scatter import SCATTER_DEFECTS, _threads, scatter_kernel
 
 STATE_DEFECTS = ("length_not_advanced", "done_slot_read")
 ALL_DEFECTS = KERNEL_DEFECTS + SCATTER_DEFECTS + STATE_DEFECTS
@@ -50,7 +50,7 @@ class DecodeBatch:
     kv_slots:   cache slots (default M; must be >= M)
     slot_table: [M] distinct ints in [0, kv_slots) (default ``arange(M)``)
     dtype:      cache dtype (float32)
-    method:     attention path: "warp", "split", "fast" or "auto" (``attention.flash_decode.decode``)
+    method:     attention path: "warp", "split", "fast" or "auto" (``attention.reference.split_decode.decode``)
     fill:       initial value of every cache element (NaN makes stray reads visible)
     defect:     planted defect (falsification suite only)
     """

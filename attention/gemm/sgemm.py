@@ -30,7 +30,7 @@ buffer after it, one barrier per slice. A slice wholly inside both operands
 without bounds tests, each operand from one base offset and one stride; the
 others test every element. A partial's first ``k`` starts it (no
 zeroing). On the H200 these two took the MLA decode graph from 3.53 to 2.89 ms
-(fp32, B 64, L 4096; bench/NOTES.md run 10), outputs unchanged bit for bit.
+(fp32, B 64, L 4096; notes/bench.md run 10), outputs unchanged bit for bit.
 Flat indices are uint64 (numba adds a compare-and-select per access for
 signed ones). The simulator runs the same code with plan (4, 2, 2).
 
@@ -53,7 +53,7 @@ warp's accesses are 32 consecutive words). A partial is added there once
 wavefronts a warp, as many as the fragment loads of 1.3 slices). Done after
 every slice, these accesses kept the shared-memory pipe as busy as the FMA
 pipe; after every fourth, the MLA decode graph went from 2.56 to 2.31 ms
-(fp32, B 64, L 4096; bench/NOTES.md run 16). In registers the totals and the
+(fp32, B 64, L 4096; notes/bench.md run 16). In registers the totals and the
 partial took 128 of the 255 a thread can have, so the ``BK`` k-steps of a
 slice stayed a loop (written out, they spilled). With the registers freed,
 the k-steps are written out (``_unrolled``): no loop counter or branch per
@@ -76,7 +76,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .device import SIMULATOR, device_fn, ensure_dynamic_shared, fma, jit
+from attention.core.device import SIMULATOR, device_fn, ensure_dynamic_shared, fma, jit
 
 BK = 16
 PART_SLICES = 4  # slices whose products go into one partial

@@ -35,7 +35,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .device import SIMULATOR, device_fn, gpu_available, ptx_statement
+from attention.core.device import SIMULATOR, device_fn, gpu_available, ptx_statement
 
 MIN_CC = (9, 0)
 

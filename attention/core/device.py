@@ -2,7 +2,7 @@
 
 Three ways code runs in this project (README): compile-only (``compile_ptx``,
 no GPU), the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, with the warp
-intrinsics of ``attention.simwarp``) and a real GPU. This module hides the
+intrinsics of ``attention.core.simwarp``) and a real GPU. This module hides the
 difference from launchers:
 
 * ``jit(...)`` / ``device_fn`` build kernels and inlined device functions with
@@ -63,7 +63,7 @@ def ptx_statement(text):
     simulator cannot run it.
 
     Used for ``cp.async.commit_group`` / ``cp.async.wait_group``
-    (``attention.decode_fast``) and ``griddepcontrol`` (``attention.pdl``).
+    (``attention.decode.fast``) and ``griddepcontrol`` (``attention.core.pdl``).
     """
     from llvmlite import ir
     from numba import types

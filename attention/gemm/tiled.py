@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from .device import jit
-from .layout import COPY_THREADS, copy_grid
+from attention.core.device import jit
+from attention.prefill.layout import COPY_THREADS, copy_grid
 
 BLOCK_M = 64
 BLOCK_N = 64

@@ -42,7 +42,7 @@ Every method takes numpy arrays (copied; numpy results) or device arrays
 events on that stream. Intermediate buffers (per-head / batched paths) are
 allocated on each call.
 
-Debug switch: ``ATTN_PREFILL_DEBUG=1`` logs (logger ``attention.prefill``,
+Debug switch: ``ATTN_PREFILL_DEBUG=1`` logs (logger ``attention.prefill.kernels``,
 INFO; a stderr handler is added when logging is not configured) for head 0:
 the means of Q/K/V, the score statistics, the largest deviation of a softmax
 row sum from 1 (materialised probabilities; for ``"fused"``, recomputed on the
@@ -67,8 +67,8 @@ import sys
 import numpy as np
 from numba import cuda, float32
 
-from . import checks
-from .device import (
+from attention.core import checks
+from attention.core.device import (
     device_empty,
     finish,
     is_host_array,
@@ -77,11 +77,11 @@ from .device import (
     to_device,
     to_host,
 )
-from .gemm import batched_gemm, batched_scale
-from .layout import batched_transpose, gather_heads, scatter_heads
-from .oracle import kv_head_of
-from .softmax import SOFTMAX_DEFECTS, row_softmax
-from .warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
+from attention.gemm.tiled import batched_gemm, batched_scale
+from attention.prefill.layout import batched_transpose, gather_heads, scatter_heads
+from attention.oracle import kv_head_of
+from attention.prefill.softmax import SOFTMAX_DEFECTS, row_softmax
+from attention.core.warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
 
 WARP = 32
 METHODS = ("fused", "batched", "per_head")
@@ -91,7 +91,7 @@ FUSED_WARPS = 4
 SHARED_BUDGET = 48 * 1024  # static shared memory per block, bytes
 MAX_ACC = 16  # accumulator registers per lane: RW rows x ceil(D/32) columns
 
-log = logging.getLogger("attention.prefill")
+log = logging.getLogger("attention.prefill.kernels")
 
 
 # ---------------------------------------------------------------------------

@@ -4,8 +4,8 @@ A precision mutant is a compile-time switch of a production kernel that makes
 it lose precision the way a subtly wrong kernel would: the softmax weights P
 rounded to fp16 before P.V, q rounded to bf16, the running max held in fp16,
 an exponential with a larger error. These helpers are that rounding, shared by
-every kernel that carries such a mutant (``attention.decode_fast``,
-``attention.tgemm``, ``attention.sgemm``, ``mla.attn_gemm``). A kernel built
+every kernel that carries such a mutant (``attention.decode.fast``,
+``attention.gemm.tgemm``, ``attention.gemm.sgemm``, ``mla.attn_gemm``). A kernel built
 without a mutant never calls them, so its PTX does not change.
 
 Each helper takes and returns a float32 scalar, inlined on the GPU (an LLVM
@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import cuda, float32, types
 
-from .device import SIMULATOR
+from attention.core.device import SIMULATOR
 
 CHOP_BITS = 7  # chop_exp keeps 16 of float32's 23 mantissa bits (rel. error < 2**-16)
 MUTANT_ROUNDINGS = ("round_fp16", "round_bf16", "chop_exp")

@@ -4,7 +4,7 @@ One warp computes one (query head, sequence) pair: lane ``j`` holds elements
 ``j, j+32, j+64, ...`` of the head (``ceil(D/32)`` per lane, predicated past
 ``D``), so head_dim 1..256 works, multiples of 32 or not. For each cached
 position the warp forms ``q . k`` with a shuffle-down reduction broadcast from
-lane 0, applies the online-softmax update of ``attention.warp`` and rescales
+lane 0, applies the online-softmax update of ``attention.core.warp`` and rescales
 its fp32 accumulators. The running sum and accumulators take one position at a
 time, so they are Kahan-compensated (``compensated_rescale_add``): a plain fp32
 sum over thousands of positions drifts to several times the error of numpy's
@@ -22,7 +22,7 @@ GQA: query head ``h`` reads kv head ``h * H_kv // H``.
 
 Per-slot caches: ``k_cache``/``v_cache`` may instead be lists of KV_SLOTS
 ``[H_kv, max_seq, D]`` device arrays; the kernel then reads slot ``s`` through
-a ``uint64`` table of their addresses (``attention.pointers``, GPU only).
+a ``uint64`` table of their addresses (``attention.core.pointers``, GPU only).
 
 Planted defects (``defect=``, for the falsification suite only; the same
 kernel source with one switch flipped, see ``validation/defects.py``):
@@ -40,8 +40,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int64
 
-from . import checks
-from .device import (
+from attention.core import checks
+from attention.core.device import (
     device_empty,
     device_fn,
     finish,
@@ -52,8 +52,8 @@ from .device import (
     to_device,
     to_host,
 )
-from .pointers import is_cache_list, pointer_table
-from .warp import (compensated_rescale_add, online_softmax_update, softmax_finish,
+from attention.core.pointers import is_cache_list, pointer_table
+from attention.core.warp import (compensated_rescale_add, online_softmax_update, softmax_finish,
                    warp_sum_down)
 
 WARP = 32
@@ -74,7 +74,7 @@ def kv_loader(pointers):
     ``cache[slot, g, pos, d]`` of a pooled ``[KV_SLOTS, H_kv, max_seq, D]``
     array. ``pointers = (H_kv, max_seq)``: ``cache`` is a ``uint64 [KV_SLOTS]``
     table of addresses of ``[H_kv, max_seq, D]`` float32 slots (GPU only,
-    ``attention.pointers``). Returns ``(load, n_kv_of)``: ``n_kv_of(cache)``
+    ``attention.core.pointers``). Returns ``(load, n_kv_of)``: ``n_kv_of(cache)``
     is the number of kv heads.
     """
     if pointers is None:
@@ -84,7 +84,7 @@ def kv_loader(pointers):
         def n_kv_of(cache):
             return cache.shape[1]
     else:
-        from .pointers import load_f32
+        from attention.core.pointers import load_f32
 
         N_KV, MAX_SEQ = int(pointers[0]), int(pointers[1])
 

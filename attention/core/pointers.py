@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
-from .device import SIMULATOR, is_host_array, to_device
+from attention.core import checks
+from attention.core.device import SIMULATOR, is_host_array, to_device
 
 
 class PointerTableUnavailable(RuntimeError):

@@ -4,8 +4,8 @@
 warp normalises one row in place, three passes with lanes striding the
 columns ``lane, lane+32, ...``:
 
-1. the row maximum (``attention.warp.warp_max``),
-2. the sum of ``exp(x - max)`` (``attention.warp.warp_sum``),
+1. the row maximum (``attention.core.warp.warp_max``),
+2. the sum of ``exp(x - max)`` (``attention.core.warp.warp_sum``),
 3. ``p = exp(x - max) / sum`` written back.
 
 Row ``t`` sees columns ``0 .. t`` when ``causal`` (its later columns are
@@ -27,8 +27,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .device import jit
-from .warp import warp_max, warp_sum
+from attention.core.device import jit
+from attention.core.warp import warp_max, warp_sum
 
 WARP = 32
 ROWS_PER_BLOCK = 4

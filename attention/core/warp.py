@@ -38,7 +38,7 @@ predicate loads and stores, never the collective itself.
   ``frcp_rn`` and ``logf``), or ``(0, -inf)`` for an empty state. Under
   ``fastmath=True`` a plain ``1.0 / l`` compiles to ``div.approx`` and
   ``math.log`` to ``lg2.approx``: both cost an ulp or two on every output of a
-  head (the validation's mean rule saw it, validation/NOTES.md), for one
+  head (the validation's mean rule saw it, notes/validation.md), for one
   division and one log a head, so the epilogues take the accurate ones.
 * ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
   with Kahan compensation, for accumulators summed over many positions in
@@ -55,7 +55,7 @@ import math
 
 from numba import cuda, float32
 
-from .device import SIMULATOR
+from attention.core.device import SIMULATOR
 
 FULL_MASK = 0xFFFFFFFF
 

@@ -1,0 +1,1 @@
+"""KV-cache kernels: write new K/V rows into pooled caches (``scatter``)."""
