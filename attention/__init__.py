@@ -1,4 +1,19 @@
-"""Decode, batched decode, split-KV and prefill attention kernels in Numba CUDA.
+"""Decode and prefill attention kernels in Numba CUDA: the product path.
+
+    decode(...)         decode attention in one call (numpy or device arrays)
+    DecodePlan          decode planned once; ``run(...)`` only enqueues
+    prefill_attention   causal prefill attention
+    kv_scatter, batched_kv_scatter   write new K/V rows into the cache
+    DecodeState         append-and-attend decode steps over a pooled cache
+                        (eager or captured as a CUDA graph)
+    errors              AttentionInputError and its subclasses
+
+The reference kernels (the seed designs) are imported from their modules:
+``attention.reference.warp_decode`` (``decode_attention``,
+``batched_decode_attention``), ``attention.reference.split_decode``
+(``flash_decode_attention``, ``choose_decode_method``, the method dispatcher
+``decode``); the one-call fast decode of earlier releases is
+``attention.decode.fast.batched_decode_attention_fast``.
 
 Importing this package under ``NUMBA_ENABLE_CUDASIM=1`` adds the warp
 intrinsics the stock simulator lacks (``attention.core.simwarp``).
@@ -15,29 +30,22 @@ from attention.core.checks import (  # noqa: E402
     RangeError,
     ShapeError,
 )
-from attention.reference.warp_decode import batched_decode_attention, decode_attention  # noqa: E402
-from attention.decode.fast import batched_decode_attention_fast  # noqa: E402
-from attention.decode.graph import DecodeStep  # noqa: E402
-from attention.decode.state import DecodeBatch  # noqa: E402
-from attention.reference.split_decode import choose_decode_method, decode, flash_decode_attention  # noqa: E402
+from attention.decode.plan import DecodePlan  # noqa: E402
+from attention.decode.api import decode  # noqa: E402
+from attention.decode.step import DecodeState  # noqa: E402
 from attention.cache.scatter import batched_kv_scatter, kv_scatter  # noqa: E402
 from attention.prefill.kernels import prefill_attention  # noqa: E402
 
 __all__ = [
     "AttentionInputError",
-    "DecodeBatch",
-    "DecodeStep",
+    "DecodePlan",
+    "DecodeState",
     "DTypeError",
     "LayoutError",
     "RangeError",
     "ShapeError",
-    "batched_decode_attention",
-    "batched_decode_attention_fast",
     "batched_kv_scatter",
-    "choose_decode_method",
     "decode",
-    "decode_attention",
-    "flash_decode_attention",
     "kv_scatter",
     "prefill_attention",
 ]

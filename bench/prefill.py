@@ -1,4 +1,6 @@
-"""Prefill benchmark: the three methods of ``attention.prefill.kernels`` and torch SDPA.
+"""Prefill benchmark: the fused product kernel (``attention.prefill.kernels``), the
+batched and per-head reference paths (``attention.reference.prefill_paths``) and
+torch SDPA.
 
 Shapes: T in {512, 2048, 4096}, H 32, H_kv 8, D 128, causal, float32.
 FLOP count: the two matrix products Q.K^T and P.V, 2 * 2 * T * T * H * D for
@@ -25,7 +27,7 @@ import math
 import numpy as np
 
 PREFILL_SHAPES = [(512, 32, 8, 128), (2048, 32, 8, 128), (4096, 32, 8, 128)]
-METHODS = ("fused", "batched", "per_head")
+METHODS = ("fused", "batched", "per_head")  # fused: the product; the others: reference paths
 COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "causal", "ms",
            "TFLOPs", "frac_of_fma_peak"]
 
@@ -39,8 +41,12 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
     from numba import cuda
 
     from attention.prefill.kernels import prefill_attention
+    from attention.reference.prefill_paths import prefill_attention_reference
 
     from .gpu import random_array
+
+    entry = {"fused": prefill_attention, "batched": prefill_attention_reference,
+             "per_head": prefill_attention_reference}
 
     for t_len, h, kv, d in PREFILL_SHAPES:
         flops = prefill_flops(t_len, h, d)
@@ -59,8 +65,8 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
         for method in METHODS:
             try:
                 def run(method=method):
-                    prefill_attention(q, k, v, h, n_kv_heads=kv, causal=True, method=method,
-                                      stream=st)
+                    entry[method](q, k, v, h, n_kv_heads=kv, causal=True, method=method,
+                                  stream=st)
 
                 # a public launcher (host work included): it may allocate and free
                 # scratch, and a free waits for the device, which the timer's

@@ -28,10 +28,15 @@ never fatal):
      for the fp16 einsum; and each row's max error against a float64 decode
      of every sequence of the batch (vectorised numpy) beside numpy float32's
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
-  5. prefill: the three attention.prefill.kernels methods and torch SDPA at T 512 / 2048 /
+  5. prefill: the fused attention.prefill path, the two reference paths and torch SDPA at T 512 / 2048 /
      4096, H 32, H_kv 8, D 128, causal (bench/prefill.py; every row timed with
      its host work, GQA as in decode)
-Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, prefill.csv, summary.md}.
+  6. decode host time a call (run first): ``DecodePlan.run`` with numba device
+     arrays and with torch tensors, torch SDPA's call (backend named), and the
+     one-call functions, each with its device time, fp16 B 32 / H 32 / H_kv 8
+     / D 128 / L 4096 (``bench_host``)
+Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, host.csv, prefill.csv,
+summary.md}.
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
 median of the repeats after warm-up; before each repeat the L2 is flushed
@@ -274,14 +279,14 @@ def bench_decode(timer, copy_gbps, torch, variants, rows, checks_log, quick):
 MLA = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
 
 
-def mla_inputs(dname):
-    """The MLA benchmark's inputs at ``MLA``'s shape, the same in every run:
+def mla_inputs(dname, shape=None):
+    """The MLA benchmark's inputs at ``shape`` (default ``MLA``'s), the same in every run:
     q_nope [B, H, nope], q_pe [B, H, rope], cache [B, L, latent + rope] in
     ``dname`` (float32 / float16), w_uk [H, nope, latent], w_uv [H, v_dim, latent]
     (device arrays, values of size <= 1) and lengths [B] int32, all L (host)."""
     from .gpu import random_array
 
-    c = MLA
+    c = shape or MLA
     b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
                                       c["nope"], c["v_dim"], c["seq"])
     cache = random_array((b, seq, lat + rope), np.dtype(dname), 21)
@@ -382,7 +387,7 @@ def bench_mla(timer, peaks, torch, mla_rows):
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
-    c = MLA
+    c = shape or MLA
     b, h, lat, rope, nope, vd, seq = (c["batch"], c["heads"], c["latent"], c["rope"],
                                       c["nope"], c["v_dim"], c["seq"])
     flops = mla_flops(b, h, lat, rope, nope, vd, seq)
@@ -531,73 +536,130 @@ def einsum_mla_decode(torch, qn, qp, c, uk, uv, lat):
 # decode step host cost
 # ---------------------------------------------------------------------------
 
-def bench_step(step_rows):
+HOST_SHAPE = (32, 32, 8, 128, 4096)  # B, H, H_kv, D, L; fp16 cache and q
+HOST_TARGET_US = 25.0  # DecodePlan.run's host time per call
+
+
+def host_times(fn, sync, n=300):
+    """Host microseconds of one ``fn()``: (median with an idle queue, minimum,
+    mean per call over ``n`` calls back to back). ``sync`` waits for the GPU."""
+    for _ in range(3):
+        fn()
+    sync()
+    idle = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        idle.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    back = (time.perf_counter() - t0) * 1e6 / n
+    sync()
+    return statistics.median(idle), min(idle), back
+
+
+def bench_host(timer, torch, host_rows, checks_log):
+    """Host time per decode call at ``HOST_SHAPE`` (fp16): ``DecodePlan.run`` with
+    numba device arrays and with torch tensors (the same memory), torch SDPA's
+    call (backend named), and as context the one-call functions; each with the
+    device time of its launches (CUDA events, ``Timer`` / ``TorchTimer``)."""
     from numba import cuda
 
-    from attention.decode.graph import DecodeStep
+    from attention.decode.api import decode
+    from attention.decode.fast import batched_decode_attention_fast
+    from attention.decode.plan import DecodePlan
 
     from .gpu import random_array
 
-    b, h, kv, d, cap = 32, 32, 8, 128, 4096
-    dt = np.dtype(np.float16)
-    k = random_array((b, kv, cap, d), dt, 31)
-    v = random_array((b, kv, cap, d), dt, 32)
-    q = random_array((b, h, d), np.float32, 33)
-    kn = random_array((b, kv, d), dt, 34)
-    vn = random_array((b, kv, d), dt, 35)
-    pos = cuda.to_device(np.full(b, 512, np.int32))
-    step = DecodeStep(q, kn, vn, k, v, pos)
-    log(f"  step() path: {step.path}"
-        + (f" (fallback: {step.fallback_reason})" if step.fallback_reason else "")
-        + f"; combine launch: {step.pdl['path']} ({step.pdl['reason']})")
-    n = 200
-    for name, fn in (("plain_numba", lambda: step.step_plain()),
-                     ("cuda_graph", lambda: step.step())):
-        for _ in range(5):
-            fn()
-        step.synchronize()
-        # host cost: one call at a time on an idle queue (median), so the
-        # host never waits for the device inside the timed call
-        host = []
-        for _ in range(50):
-            step.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t0) * 1e6)
-        host_us = statistics.median(host)
-        # wall time per step, back to back (device-bound when host < device)
-        step.synchronize()
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record()
-        for _ in range(n):
-            fn()
-        e1.record()
-        step.synchronize()
-        e1.synchronize()
-        dev_us = cuda.event_elapsed_time(e0, e1) / n * 1e3
-        step_rows.append({"path": name, "batch": b, "heads": h, "kv_heads": kv, "head_dim": d,
-                          "capacity": cap, "host_us_per_step": round(host_us, 2),
-                          "wall_us_per_step": round(dev_us, 2),
-                          "graph": step.graph is not None})
-        log(f"  {name:<12} host {host_us:8.2f} us/step (median, idle queue), "
-            f"back-to-back {dev_us:8.2f} us/step")
-    # correctness of the graph path: one more step, compared with the oracle
-    try:
-        from attention.oracle import decode_attention_ref
+    b, h, kv, d, seq = HOST_SHAPE
+    k = random_array((b, kv, seq, d), np.float16, 21)
+    v = random_array((b, kv, seq, d), np.float16, 22)
+    q = random_array((b, h, d), np.float16, 23)
+    lens = cuda.to_device(np.full(b, seq, np.int32))
+    slots = cuda.to_device(np.arange(b, dtype=np.int32))
+    pl = DecodePlan(b, h, kv, d, b, seq, cache_dtype="float16", q_dtype="float16")
+    log(f"  DecodePlan: {pl.launch_path} ({pl.launch_reason}); splits {pl.n_split}, "
+        f"pdl {pl.fast_plan['pdl']}")
 
-        step.step(sync=True)  # also checks that no position ran past the capacity
-        step.synchronize()
-        lens = step.d_lens.copy_to_host()
-        out = step.out.copy_to_host()
-        m = 0
-        kk = k[m:m + 1].copy_to_host().astype(np.float64)
-        vv = v[m:m + 1].copy_to_host().astype(np.float64)
-        ref, _ = decode_attention_ref(q[m:m + 1].copy_to_host(), kk, vv, [int(lens[m])])
-        err = float(np.abs(out[m:m + 1] - ref).max())
-        log(f"  graph step vs oracle (seq 0, len {lens[m]}): max err {err:.2e}")
-        step_rows[-1]["max_err"] = err
-    except Exception as exc:
-        log(f"  graph step check failed: {type(exc).__name__}: {exc}")
+    def record(call, fn, kernel_ms, note=""):
+        med, low, back = host_times(fn, cuda.synchronize)
+        host_rows.append({"call": call, "dtype": "float16", "batch": b, "heads": h,
+                          "kv_heads": kv, "head_dim": d, "seq_len": seq,
+                          "host_us_median": round(med, 2), "host_us_min": round(low, 2),
+                          "host_us_back_to_back": round(back, 2),
+                          "kernel_ms": None if kernel_ms is None else round(kernel_ms, 5),
+                          "note": note})
+        log(f"  {call:<44} host {med:8.2f} us (median, idle queue; min {low:.2f}, "
+            f"back to back {back:.2f})  device "
+            + ("-" if kernel_ms is None else f"{kernel_ms * 1e3:.1f} us") + f" {note}")
+
+    def run_numba():
+        pl.run(q, k, v, lens, slots)
+
+    kernel_ms = timer.time(run_numba, reps=20)
+    pl.check()
+    checks_log.append(("DecodePlan.run", "float16", b, seq, oracle_check(pl.out, q, k, v, seq)))
+    record("DecodePlan.run (numba device arrays)", run_numba, kernel_ms)
+    if torch is not None:
+        from .gpu import TorchTimer
+
+        tq, tk, tv = (torch.as_tensor(a, device="cuda") for a in (q, k, v))
+        tl, ts = torch.as_tensor(lens, device="cuda"), torch.as_tensor(slots, device="cuda")
+        tout = torch.empty((b, h, d), dtype=torch.float32, device="cuda")
+
+        def run_torch():
+            pl.run(tq, tk, tv, tl, ts, out=tout)
+
+        def run_torch_stream():
+            pl.run(tq, tk, tv, tl, ts, out=tout, stream=torch.cuda.current_stream())
+
+        record("DecodePlan.run (torch tensors)", run_torch, timer.time(run_torch, reps=20))
+        record("DecodePlan.run (torch tensors, torch stream)", run_torch_stream, None)
+        pl.check()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        sq = tq.reshape(b, h, 1, d)
+
+        def run_sdpa():
+            sdpa(sq, tk, tv, enable_gqa=True)
+
+        try:
+            backend, how = sdpa_backend_of(torch, run_sdpa)
+            ttimer = TorchTimer(torch)
+            record(sdpa_label("torch SDPA", backend), run_sdpa, ttimer.time(run_sdpa, reps=20),
+                   f"(enable_gqa; backend from {how})")
+        except Exception as exc:
+            log(f"  torch SDPA: skipped ({type(exc).__name__}: {str(exc)[:160]})")
+    st = cuda.default_stream()
+    record("decode(...) one call (numba arrays, stream)",
+           lambda: decode(q, k, v, lens, slots, stream=st), None, "(plan cache look-up)")
+    record("batched_decode_attention_fast (old one call)",
+           lambda: batched_decode_attention_fast(q, k, v, lens, slots, stream=st), None,
+           "(lengths to the host, re-plan, allocation each call)")
+    del k, v, q
+    cuda.current_context().deallocations.clear()
+
+
+def bench_step(timer, step_rows):
+    """One decode step (prepare + scatter + attention) of ``DecodeState`` in
+    eager and graph mode, fp16 and fp32 (``bench.step``)."""
+    from .step import bench_decode_step
+
+    bench_decode_step(step_rows, log, timer=timer)
+
+
+def bench_long_mla(timer, long_rows):
+    """``mla_decode`` at B 64, 128 heads, L 32768: auto, the chunked GEMM path,
+    the GEMM path unchunked and the tiled path (``bench.mla_long``)."""
+    from .mla_long import bench_mla_long
+
+    for r in bench_mla_long(timer):
+        long_rows.append(r)
+        log(f"  mla long {r['dtype']} {r['method']:<14} path {r['path']} chunks "
+            f"{r['chunks']}: {r['ms']:.3f} ms {r.get('TFLOPs', float('nan')):.1f} TFLOP/s "
+            f"{r.get('note', '')}")
 
 
 # ---------------------------------------------------------------------------
@@ -616,27 +678,39 @@ def write_csv(path, rows, columns=None):
 
 
 def plot(path, rows, copy_gbps):
+    """One panel a cache dtype: GB/s against L. A kernel keeps one colour in
+    every panel (colours assigned over all rows, by name); B 32 rows are lines
+    with circles, the B 1 row a cross of the same colour; one shared legend
+    names the kernels, the two markers and the copy ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    kernels = sorted({r["kernel"] for r in rows})
+    cmap = plt.get_cmap("tab10" if len(kernels) <= 10 else "tab20")
+    colour = {kern: cmap(i % cmap.N) for i, kern in enumerate(kernels)}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5), sharey=True)
     for ax, dname in zip(axes, DTYPES):
         sel = [r for r in rows if r["dtype"] == dname and r["batch"] == 32]
         for kern in sorted({r["kernel"] for r in sel}):
             pts = sorted((r["seq_len"], r["GBps"]) for r in sel if r["kernel"] == kern)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=kern)
-        one = [r for r in rows if r["dtype"] == dname and r["batch"] == 1]
-        for r in one:
-            ax.plot([r["seq_len"]], [r["GBps"]], "x", color="k")
-        ax.axhline(copy_gbps, color="gray", ls="--", label="copy ceiling")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colour[kern])
+        for r in (r for r in rows if r["dtype"] == dname and r["batch"] == 1):
+            ax.plot([r["seq_len"]], [r["GBps"]], "x", color=colour[r["kernel"]], ms=9, mew=2)
+        ax.axhline(copy_gbps, color="gray", ls="--")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{dname} KV cache (B 32, H 32, H_kv 8, D 128; x: B 1)")
+        ax.set_title(f"{dname} KV cache (H 32, H_kv 8, D 128)")
         ax.set_xlabel("sequence length L")
     axes[0].set_ylabel("GB/s (K,V once per kv group + q + out)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [Line2D([], [], color=colour[k], lw=3, label=k) for k in kernels]
+    handles += [Line2D([], [], color="k", marker="o", ls="-", label="B 32"),
+                Line2D([], [], color="k", marker="x", ls="", ms=9, mew=2, label="B 1"),
+                Line2D([], [], color="gray", ls="--", label="copy ceiling")]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * (len(handles) // 6), 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -650,7 +724,8 @@ def best(rows, kernel_prefix, dname, b, seq, exact=False):
     return max(sel, key=lambda r: r["GBps"]) if sel else None
 
 
-def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors):
+def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors,
+            host_rows=()):
     copy_gbps, fma_tf = ceilings["copy_GBps"], ceilings["fma_TFLOPs"]
     tc = {k: ceilings.get(k) for k in ("tf32_TFLOPs", "bf16_TFLOPs")}
     lines = ["# Benchmarks: decode attention, MLA decode, decode step", "",
@@ -701,11 +776,16 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
         if r:
             lines.append(f"- B 1, L 32768, {dname}: {r['frac_of_copy']:.3f} of copy "
                          f"({'met' if r['frac_of_copy'] >= 0.6 else 'MISSED'}, target 0.60)")
+    for r in host_rows:
+        if r["call"].startswith("DecodePlan.run") and "torch stream" not in r["call"]:
+            ok = r["host_us_median"] <= HOST_TARGET_US
+            lines.append(f"- {r['call']} host time: {r['host_us_median']:.2f} us a call "
+                         f"({'met' if ok else 'MISSED'}, target {HOST_TARGET_US:g} us)")
     for s in step_rows:
-        if s["path"] == "cuda_graph":
-            lines.append(f"- decode step host cost (graph={s['graph']}): "
+        if s["path"] == "graph":
+            lines.append(f"- decode step host cost ({s['dtype']}, graph): "
                          f"{s['host_us_per_step']:.2f} us "
-                         f"({'met' if s['host_us_per_step'] <= 10 and s['graph'] else 'MISSED'}"
+                         f"({'met' if s['host_us_per_step'] <= 10 else 'MISSED'}"
                          ", target 10 us)")
     for dname in ("float32", "float16"):
         # the yardstick is einsum at full fp32 (TF32 off); torch_einsum_tf32 is context
@@ -747,12 +827,23 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
             lines.append(f"| {r['kernel']} | {r['dtype']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
                          f"{fmt_frac(r['frac_of_peak'])} | {PEAK_NAMES[r['peak']]} | "
                          f"{r['max_err']:.2g} | {r['numpy_fp32_err']:.2g} |")
+    if host_rows:
+        b, h, kv, d, seq = HOST_SHAPE
+        lines += ["", f"## Decode host time a call (fp16, B {b}, H {h}, H_kv {kv}, D {d}, "
+                  f"L {seq})", "",
+                  "Host: median of 300 calls, each with an idle queue (the GPU waited for "
+                  "before it); back to back: mean of 300 calls in a row. Device: CUDA events "
+                  "around the call's launches (the same timer as the decode table).", "",
+                  "| call | host us (median) | host us (min) | host us back to back "
+                  "| device us |", "|---|---|---|---|---|"]
+        for r in host_rows:
+            dev = "-" if r["kernel_ms"] is None else f"{r['kernel_ms'] * 1e3:.1f}"
+            lines.append(f"| {r['call']} {r['note']} | {r['host_us_median']:.2f} | "
+                         f"{r['host_us_min']:.2f} | {r['host_us_back_to_back']:.2f} | {dev} |")
     if step_rows:
-        lines += ["", "## Decode step (scatter + lengths + attention; B 32, fp16, capacity 4096)",
-                  "", "| path | host us / step | wall us / step |", "|---|---|---|"]
-        for s in step_rows:
-            lines.append(f"| {s['path']} | {s['host_us_per_step']:.2f} | "
-                         f"{s['wall_us_per_step']:.2f} |")
+        from .step import summary_lines as step_lines
+
+        lines += step_lines(step_rows)
     lines += ["", "## Correctness spot checks (sequence 0 vs the float64 oracle)", "",
               "| kernel | dtype | B | L | max abs err |", "|---|---|---|---|---|"]
     for name, dname, b, seq, err in checks_log:
@@ -762,13 +853,28 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors)
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+def long_mla_lines(rows):
+    """Markdown table of ``bench.mla_long``'s rows (flop and byte counts are the
+    rows' own: ``bench.mla_long`` states how they are counted)."""
+    r0 = rows[0]
+    lines = ["", f"## Long-context MLA decode (B {r0['batch']}, {r0['heads']} heads, latent "
+                 f"{r0['latent']} + {r0['rope']}, L {r0['seq_len']}): what method=\"auto\" "
+                 "picks", "",
+             "| cache | method asked | path | chunks | ms | TFLOP/s | GB/s | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['method']} | {r['path']} | {r['chunks']} | "
+                     f"{r['ms']:.3f} | {r['TFLOPs']:.1f} | {r['GBps']:.0f} | {r['note']} |")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench"))
     ap.add_argument("--quick", action="store_true", help="two decode shapes only")
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
-    ap.add_argument("--skip", default="", help="comma list of: decode,mla,step,prefill")
+    ap.add_argument("--skip", default="", help="comma list of: host,decode,mla,step,mla_long,prefill")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -818,10 +924,13 @@ def main(argv=None):
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
     rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
-    for name, fn in (("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
+    host_rows, long_rows = [], []
+    for name, fn in (("host", lambda: bench_host(timer, torch, host_rows, checks_log)),
+                     ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
                      ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
-                     ("step", lambda: bench_step(step_rows)),
+                     ("step", lambda: bench_step(timer, step_rows)),
+                     ("mla_long", lambda: bench_long_mla(timer, long_rows)),
                      ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log))):
         if name in skip:
             continue
@@ -840,6 +949,8 @@ def main(argv=None):
     write_csv(out_dir / "decode.csv", rows, COLUMNS)
     write_csv(out_dir / "mla.csv", mla_rows)
     write_csv(out_dir / "step.csv", step_rows)
+    write_csv(out_dir / "host.csv", host_rows)
+    write_csv(out_dir / "mla_long.csv", long_rows)
     write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
     try:
         plot(out_dir / "decode.png", rows, copy_gbps)
@@ -848,7 +959,10 @@ def main(argv=None):
     prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings,
                       timer_cover=cover)
     summary(out_dir / "summary.md", prov, ceilings, rows, mla_rows, step_rows, checks_log,
-            errors)
+            errors, host_rows)
+    if long_rows:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("\n".join(long_mla_lines(long_rows)) + "\n")
     if prefill_rows:
         with open(out_dir / "summary.md", "a") as fh:
             fh.write("\n".join(prefill_summary_lines(prefill_rows)) + "\n")

@@ -82,30 +82,51 @@ ROWS_PER_BLOCK = 4  # softmax: one warp per (query, head) row
 WARP = 32
 
 
+# qc's extent in the workspace is rounded up to this many words, so S starts
+# 128-byte aligned whatever the number of queries (tgemm takes S as its ``a``
+# only when it is 16-byte aligned: without the pad a chunk of the batch could
+# take another kernel than the whole batch, and other bits)
+QC_PAD_WORDS = 32
+
+
+def s_columns(max_visible):
+    """Words in a row of ``S``: ``max_visible`` (at least 1) rounded up to 4."""
+    return -(-max(int(max_visible), 1) // 4) * 4
+
+
 def workspace_bytes(n_q, n_head, width, max_visible):
-    """Device scratch of the GEMM path: qc [Q, nh, W] and S [Q, nh, max_visible
-    rounded up to 4] float32."""
-    return 4 * n_q * n_head * (width + -(-max(int(max_visible), 1) // 4) * 4)
+    """Device scratch of the GEMM path for ``n_q`` queries: qc [Q, nh, W]
+    (its extent padded to ``QC_PAD_WORDS``) and S [Q, nh, ``s_columns``] float32."""
+    n_qc = -(-int(n_q) * n_head * width // QC_PAD_WORDS) * QC_PAD_WORDS
+    return 4 * (n_qc + int(n_q) * n_head * s_columns(max_visible))
 
 
 class Workspace:
     """Reusable scratch of the GEMM path (``qc`` and ``S``), grown on demand.
 
     Pass one to ``mla.pipeline.mla_decode(..., workspace=ws)`` in a decode
-    loop to keep device allocations out of every step. Not for concurrent
-    use: two launches in flight on different streams must not share one.
+    loop to keep device allocations out of every step; the chunks of one
+    chunked call (``enqueue``'s ``chunk``) run over it one after another on
+    one stream. Not for concurrent use: two launches in flight on different
+    streams must not share one. ``nbytes``: the size held (0 before first use).
     """
 
     def __init__(self):
         self._buf = None
 
+    @property
+    def nbytes(self):
+        return 0 if self._buf is None else 4 * int(self._buf.shape[0])
+
     def views(self, qc_shape, s_shape, stream=None):
-        """(qc, S) float32 device arrays of these shapes over one buffer."""
+        """(qc, S) float32 device arrays of these shapes over one buffer; S
+        starts ``QC_PAD_WORDS`` aligned past the buffer's start."""
         n_qc, n_s = int(np.prod(qc_shape)), int(np.prod(s_shape))
-        if self._buf is None or int(self._buf.shape[0]) < n_qc + n_s:
-            self._buf = device_empty(n_qc + n_s, np.float32, stream)
+        s0 = -(-n_qc // QC_PAD_WORDS) * QC_PAD_WORDS
+        if self._buf is None or int(self._buf.shape[0]) < s0 + n_s:
+            self._buf = device_empty(s0 + n_s, np.float32, stream)
         return (self._buf[:n_qc].reshape(tuple(qc_shape)),
-                self._buf[n_qc:n_qc + n_s].reshape(tuple(s_shape)))
+                self._buf[s0:s0 + n_s].reshape(tuple(s_shape)))
 
 
 def _pack_q_pe(q_pe, qc, rank):
@@ -357,7 +378,8 @@ def visible_rows(lens, tails, defect=None):
 
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None, d_vis=None, tensor=True):
+            w_uk_layout, stream, defect=None, workspace=None, d_vis=None, tensor=True,
+            max_vis=None, out=None, o_lat=None, lse=None):
     """Allocate and fill everything the five launches read (validated by the caller).
 
     d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
@@ -370,9 +392,14 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     cores (``attention.gemm.tgemm``, split tf32) where ``tgemm.usable``; False:
     ``attention.gemm.sgemm`` (fp32 FMAs) throughout. ``defect``: one of
     ``GEMM_DEFECTS`` or ``KERNEL_SWITCHES`` (routed to its kernel as
-    ``mutant_applies``), or None. Returns a dict for ``launch_prepared``; its
-    ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] (device
-    float32) are written by each launch of it.
+    ``mutant_applies``), or None. ``max_vis`` (default ``vis.max()``; not
+    less): the visible rows the launches are sized for (S's row width, the
+    score GEMM's grid), so a chunk of a batch can run exactly the launches of
+    the whole batch (``enqueue``'s ``chunk``). ``out`` [Q, nh, d_v], ``o_lat``
+    [Q, nh, r], ``lse`` [Q, nh] (device float32, C-contiguous, e.g. row views
+    of a whole batch's arrays): written in place (default: allocated here).
+    Returns a dict for ``launch_prepared``; its ``out``, ``o_lat`` and ``lse``
+    are written by each launch of it.
     """
     _check_switch(defect, GEMM_DEFECTS + KERNEL_SWITCHES)
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
@@ -380,13 +407,19 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     rank = width - d_rope
     d_v = int(d_w_uv.shape[1])
     p = {"n_q": n_q, "nh": nh, "rank": rank, "d_rope": d_rope, "d_v": d_v, "scale": scale,
-         "out": device_empty((n_q, nh, d_v), np.float32, stream),
-         "o_lat": device_empty((n_q, nh, rank), np.float32, stream),
-         "lse": device_empty((n_q, nh), np.float32, stream)}
+         "out": out if out is not None else device_empty((n_q, nh, d_v), np.float32, stream),
+         "o_lat": (o_lat if o_lat is not None
+                   else device_empty((n_q, nh, rank), np.float32, stream)),
+         "lse": lse if lse is not None else device_empty((n_q, nh), np.float32, stream)}
     if n_q == 0:
         return p
     # -- every index table of the five launches, in one host-to-device copy --
-    max_vis = int(vis.max()) if vis.size else 0
+    vis_max = int(vis.max()) if vis.size else 0
+    if max_vis is None:
+        max_vis = vis_max
+    elif int(max_vis) < vis_max:
+        raise ValueError(f"max_vis: expected at least vis.max()={vis_max}, got {max_vis}")
+    max_vis = int(max_vis)
     k_score = rank if defect == "k_pe_ignored" else width
     per_head = (np.arange(nh), np.full(nh, rank), np.full(nh, d_nope), np.full(nh, d_v))
     per_query = (np.asarray(slots), np.asarray(vis), np.full(n_q, k_score), np.full(n_q, rank))
@@ -406,7 +439,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     p["switches"] = _kernel_switches(defect, p["tensor"])
     # S rows padded to 4 words: 16-byte aligned rows for tgemm's copies
     p["qc"], p["s"] = (workspace or Workspace()).views(
-        (n_q, nh, width), (n_q, nh, -(-max(max_vis, 1) // 4) * 4), stream)
+        (n_q, nh, width), (n_q, nh, s_columns(max_vis)), stream)
     w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
     if defect == "w_uk_transposed":  # the same words, read as the other layout
         flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
@@ -481,12 +514,74 @@ def launch_prepared(p, stream):
                  stream=stream, ready=p["smem_ready"], defect=sw["sgemm"])
 
 
+def chunk_bounds(n_q, chunk=None):
+    """[(q0, q1), ...]: ``n_q`` queries in consecutive chunks of at most
+    ``chunk`` (one chunk when ``chunk`` is None or at least ``n_q``)."""
+    if chunk is None or chunk >= n_q:
+        return [(0, n_q)]
+    if chunk < 1:
+        raise ValueError(f"chunk: expected at least 1 query, got {chunk}")
+    return [(q0, min(q0 + chunk, n_q)) for q0 in range(0, n_q, chunk)]
+
+
+def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
+                   w_uk_layout, stream, chunk=None, defect=None, workspace=None, d_vis=None,
+                   tensor=True, max_vis=None):
+    """``prepare`` for each chunk of at most ``chunk`` consecutive queries
+    (``chunk_bounds``; arguments as ``prepare``, ``slots`` / ``vis`` / ``d_vis``
+    for all ``Q`` queries).
+
+    Every chunk is sized as the whole batch (S's row width and the score
+    grid from the whole batch's ``max_vis``), runs over the same
+    ``workspace`` (scratch for one chunk: ``workspace_bytes(chunk, ...)``) and
+    writes its rows of one ``out`` [Q, nh, d_v], ``o_lat`` [Q, nh, r] and
+    ``lse`` [Q, nh]. A query's launches differ from those of the unchunked
+    batch only in the batch extent of the grid, and each output element's sum
+    order depends on its own operands only: the results are the unchunked
+    ones bit for bit. Chunks must run in order on one stream (they share the
+    scratch). Returns (list of ``prepare`` dicts, out, o_lat, lse).
+    """
+    n_q, nh = int(d_q_nope.shape[0]), int(d_q_nope.shape[1])
+    bounds = chunk_bounds(n_q, chunk)
+    if len(bounds) == 1:
+        p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale,
+                    d_rope=d_rope, w_uk_layout=w_uk_layout, stream=stream, defect=defect,
+                    workspace=workspace, d_vis=d_vis, tensor=tensor, max_vis=max_vis)
+        return [p], p["out"], p["o_lat"], p["lse"]
+    slots, vis = np.asarray(slots), np.asarray(vis)
+    if max_vis is None:
+        max_vis = int(vis.max()) if vis.size else 0
+    rank = int(d_latent.shape[2]) - d_rope
+    out = device_empty((n_q, nh, int(d_w_uv.shape[1])), np.float32, stream)
+    o_lat = device_empty((n_q, nh, rank), np.float32, stream)
+    lse = device_empty((n_q, nh), np.float32, stream)
+    workspace = workspace or Workspace()
+    plans = []
+    for q0, q1 in bounds:
+        plans.append(prepare(
+            d_q_nope[q0:q1], d_q_pe[q0:q1] if d_rope else d_q_pe, d_w_uk, d_w_uv, d_latent,
+            slots[q0:q1], vis[q0:q1], scale, d_rope=d_rope, w_uk_layout=w_uk_layout,
+            stream=stream, defect=defect, workspace=workspace,
+            d_vis=None if d_vis is None else d_vis[q0:q1], tensor=tensor, max_vis=max_vis,
+            out=out[q0:q1], o_lat=o_lat[q0:q1], lse=lse[q0:q1]))
+        plans[-1]["smem_ready"] = plans[0]["smem_ready"]  # one record for every chunk
+    return plans, out, o_lat, lse
+
+
+def launch_chunks(plans, stream):
+    """``launch_prepared`` for each of ``prepare_chunks``' dicts, in order."""
+    for p in plans:
+        launch_prepared(p, stream)
+
+
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None, tensor=True):
-    """``prepare`` then ``launch_prepared`` on ``stream`` (arguments as ``prepare``).
+            w_uk_layout, stream, defect=None, workspace=None, tensor=True, chunk=None):
+    """``prepare_chunks`` then ``launch_chunks`` on ``stream`` (arguments as
+    ``prepare``; ``chunk``: queries per launch set, None for one set).
     Returns (out [Q, nh, d_v], o_lat [Q, nh, r], lse [Q, nh]) device float32."""
-    p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
-                w_uk_layout=w_uk_layout, stream=stream, defect=defect, workspace=workspace,
-                tensor=tensor)
-    launch_prepared(p, launch_stream(stream))
-    return p["out"], p["o_lat"], p["lse"]
+    plans, out, o_lat, lse = prepare_chunks(
+        d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
+        w_uk_layout=w_uk_layout, stream=stream, chunk=chunk, defect=defect,
+        workspace=workspace, tensor=tensor)
+    launch_chunks(plans, launch_stream(stream))
+    return out, o_lat, lse

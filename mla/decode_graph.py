@@ -6,7 +6,7 @@ work takes about 1.2 ms before the first GEMM reaches the GPU
 (notes/bench.md, run 7). ``MLADecodeGraph`` does all of it once, for the
 cache's full capacity, and captures the launches of the GEMM path
 (``mla.attn_gemm``) as a CUDA graph through cuda.core, as
-``attention.decode.graph.DecodeStep`` does for decode attention. ``run()``
+``attention.decode.step.DecodeState`` does for decode attention. ``run()``
 replays it: one driver call, whatever the lengths.
 
 Buffers (device arrays, used in place: fill them between runs):
@@ -25,6 +25,12 @@ and raises a flag that ``check()`` (and ``run(sync=True)``) turns into a
 ``RangeError`` naming ``lengths``: nothing is clamped, and no kernel reads past
 the cache. The score GEMM is planned for ``max_seq`` columns; its blocks past
 a sequence's length exit at once.
+
+The scratch is planned for ``max_seq`` rows per sequence too; when that passes
+the budget (``workspace_limit``, default ``mla.pipeline.GEMM_WORKSPACE_LIMIT``)
+the batch runs in chunks of sequences over one scratch, as ``mla_decode``
+does (``mla.pipeline.plan_method``; bit for bit the unchunked results), and
+the graph holds every chunk's launches. ``plan`` records the chunking.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from attention.core.graph import CapturedLaunches
 
 from . import attn_gemm as G
 from . import kernels as K
-from .pipeline import _check_q
+from .pipeline import _check_q, plan_method
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,11 +92,14 @@ class MLADecodeGraph:
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
     "plain") and ``fallback_reason`` (None, or why a graph was asked for and
     not built) record what ``run()`` launches; a failed capture on a GPU emits
-    a ``checks.FallbackWarning`` (``attention.core.graph``).
+    a ``checks.FallbackWarning`` (``attention.core.graph``). ``workspace_limit``:
+    the GEMM scratch budget in bytes (default ``GEMM_WORKSPACE_LIMIT``); ``plan``
+    (a ``mla.pipeline.MethodPlan``) records the chunks of sequences the batch
+    runs in and why.
     """
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
-                 w_uk_layout="mla", graph=True, tensor=True):
+                 w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None):
         n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
                                                       "B")
         if n_b == 0:
@@ -104,6 +113,9 @@ class MLADecodeGraph:
         if not host_lengths:
             checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
         self.scale = checks.check_scale(scale, d_nope + d_rope)
+        # every query may see max_seq rows: the scratch is planned for that
+        self.plan = plan_method("gemm" if tensor else "gemm_fma", n_b, nh, rank + d_rope,
+                                max_seq, limit=workspace_limit)
         self.shape = (n_b, nh, d_nope, d_rope, rank, d_v, max_seq)
         self.d_q_nope, self.d_q_pe = to_device(q_nope), to_device(q_pe)
         self.d_latent = to_device(latent_cache)
@@ -113,12 +125,12 @@ class MLADecodeGraph:
         self._flag = to_device(np.zeros(1, np.int32))
         self.workspace = G.Workspace()
         # planned for the full capacity: every query may see max_seq rows
-        self._p = G.prepare(self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None),
-                            self.d_w_uk, self.d_w_uv, self.d_latent,
-                            np.arange(n_b, dtype=np.int32), np.full(n_b, max_seq, np.int32),
-                            self.scale, d_rope=d_rope, w_uk_layout=w_uk_layout, stream=None,
-                            workspace=self.workspace, d_vis=self._vis, tensor=tensor)
-        self.out, self.lse = self._p["out"], self._p["lse"]
+        self._ps, self.out, _, self.lse = G.prepare_chunks(
+            self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None), self.d_w_uk,
+            self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
+            np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
+            w_uk_layout=w_uk_layout, stream=None, chunk=self.plan.chunk,
+            workspace=self.workspace, d_vis=self._vis, tensor=tensor)
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph,
                                        owner="MLADecodeGraph",
                                        plain_call="run_plain()'s launches at every run()")
@@ -130,7 +142,7 @@ class MLADecodeGraph:
         n_b, max_seq = self.shape[0], self.shape[6]
         lengths_check_kernel()[(n_b + 127) // 128, 128, stream](
             self.lengths, self._vis, np.int32(max_seq), self._flag)
-        G.launch_prepared(self._p, stream)
+        G.launch_chunks(self._ps, stream)
 
     @property
     def stream_handle(self):

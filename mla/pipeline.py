@@ -6,9 +6,14 @@ tensor cores with fp32 operands split in two tf32 halves where they qualify;
 the fast one), "gemm_fma" (the same with fp32 FMA GEMMs only: exact products,
 about half the error, a third slower at B 64 / L 4096) and "flash"
 (``mla.kernels``: absorb_q, the tiled online-softmax attn_absorbed,
-decompress_v; no scratch). "auto" (the default) picks "gemm" unless its scratch
-would pass ``GEMM_WORKSPACE_LIMIT`` or a flash-only option is given
-(``choose_method``).
+decompress_v; no scratch; 11-27x slower). "auto" (the default) picks "gemm"
+unless a flash-only option is given (``plan_method``). The GEMM path's scratch
+(``attn_gemm.workspace_bytes``: the scores of every query) is kept under
+``GEMM_WORKSPACE_LIMIT`` (or ``workspace_limit=``) by running the queries in
+chunks over one scratch allocation, with the results of one launch set bit for
+bit; "auto" takes the tiled path only when a single query's scratch passes the
+budget, and warns (``checks.FallbackWarning``). ``mla_decode(...,
+return_plan=True)`` also returns the ``MethodPlan``: path, chunks and why.
 
 * ``mla_attend``       one sequence, the oracles' arguments: the ``t_q`` queries
   are the last of ``t_kv`` positions (prefill, chunked prefill, decode).
@@ -28,6 +33,7 @@ carries it (see ``mla.kernels``).
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,8 +53,9 @@ from . import kernels as K
 
 METHODS = ("auto", "gemm", "gemm_fma", "flash")
 GEMM_METHODS = ("gemm", "gemm_fma")
-# "auto" takes the GEMM path while its scratch (scores of every query over its
-# visible rows) stays under this many bytes, else the tiled online-softmax kernel
+# the GEMM path's scratch budget (scores of every query over its visible rows):
+# past it the queries run in chunks (``plan_method``); "auto" takes the tiled
+# online-softmax kernel only when one query's scratch alone passes it
 GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
@@ -83,9 +90,157 @@ def _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, n_q_label="t_q"):
     return n_q, nh, d_nope, d_rope, rank, d_v
 
 
+class MethodPlan(NamedTuple):
+    """What an MLA entry point runs and why (``plan_method``).
+
+    method:        "gemm" | "gemm_fma" | "flash"
+    chunk:         queries per GEMM launch set (0 when there are none; the
+                   query count for "flash")
+    n_chunks:      GEMM launch sets run one after another over one scratch
+                   (1: unchunked; 0: no queries)
+    scratch_bytes: the GEMM scratch the run allocates (one chunk's; 0 for "flash")
+    full_bytes:    the GEMM scratch of all the queries in one launch set
+    limit:         the scratch budget the plan was made under
+    fallback:      True when "auto" took the tiled path although the GEMM
+                   path was possible (a ``checks.FallbackWarning`` was emitted)
+    reason:        why, in words
+    """
+
+    method: str
+    chunk: int
+    n_chunks: int
+    scratch_bytes: int
+    full_bytes: int
+    limit: int
+    fallback: bool
+    reason: str
+
+
+def _gib(n):
+    """A byte count in words: GiB, MiB or bytes."""
+    if n >= 2**30:
+        return f"{n / 2**30:.3g} GiB"
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{int(n)} B"
+
+
+def _flash_only(method, tile, heads_per_block, defect):
+    flash_only = tile is not None or heads_per_block is not None or (
+        defect is not None and defect in K.ATTN_DEFECTS and defect not in G.GEMM_DEFECTS)
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method in GEMM_METHODS and flash_only:
+        raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
+                         "(options of the tiled online-softmax kernel)")
+    return flash_only
+
+
+def check_limit(limit):
+    """``workspace_limit``: None (``GEMM_WORKSPACE_LIMIT``, read at the call) or
+    a positive int of bytes. Returns the budget in bytes."""
+    if limit is None:
+        return int(GEMM_WORKSPACE_LIMIT)
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
+        raise checks.RangeError(f"workspace_limit: expected a positive int of bytes or None, "
+                                f"got {limit!r}")
+    return int(limit)
+
+
+def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
+                defect=None, *, limit=None, split=True, stacklevel=3):
+    """The path and chunking for ``n_q`` queries of ``nh`` heads over latent rows
+    of ``width`` (``r + d_rope``), at most ``max_visible`` visible: a ``MethodPlan``.
+
+    * "flash" (asked for, or "auto" with a flash-only option: ``tile``,
+      ``heads_per_block``, the ``stuck_rescale`` defect): the tiled path, no scratch.
+    * "gemm" / "gemm_fma" / "auto" otherwise: the GEMM path
+      (``mla.attn_gemm``). Its scratch is ``workspace_bytes(n_q, ...)``; when
+      that passes ``limit`` (default ``GEMM_WORKSPACE_LIMIT``) and ``split``,
+      the queries run in ``n_chunks`` consecutive chunks of at most ``chunk``
+      over one scratch of ``workspace_bytes(chunk, ...)`` (the fewest chunks
+      that fit, balanced). Each query's work is independent and every chunk
+      runs the whole batch's launches, so the results are the unchunked ones
+      bit for bit (``attn_gemm.prepare_chunks``). Not a fallback: nothing is
+      warned.
+
+    The rule "auto never silently takes a path more than 2x slower than the
+    best": the tiled path is 11-27x slower than the GEMM path (notes/bench.md),
+    so "auto" leaves the GEMM path only when even one query's scratch passes
+    ``limit`` (about 2**28 heads x rows: 2 M rows at 128 heads), and then says
+    so with a ``checks.FallbackWarning``. A chunk holds at least about half the
+    budget in scores (the fewest chunks, balanced): at the default 1 GiB that
+    is >= 2**27 scores, each 2 (W + r) = 2176 flop of score and P.V GEMM at
+    DeepSeek's shape, ~0.3 TFLOP or several ms of device time, against the
+    host work a chunk adds (an estimate: one index-table copy and five
+    launches of ~17-57 us each, NUMBA_NOTES). An explicit "gemm" /
+    "gemm_fma" whose single query passes ``limit`` runs one query a chunk over
+    budget (asked for).
+
+    ``split=False`` (``choose_method``): one launch set only, so "auto" over
+    the budget falls back to "flash" (warned).
+    """
+    flash_only = _flash_only(method, tile, heads_per_block, defect)
+    limit = check_limit(limit)
+    n_q = int(n_q)
+    full = G.workspace_bytes(n_q, nh, width, max_visible)
+    if method == "flash" or (method == "auto" and flash_only):
+        why = ("method='flash' asked for" if method == "flash" else
+               "method='auto' with an option of the tiled kernel (tile, heads_per_block "
+               "or stuck_rescale)")
+        return MethodPlan("flash", n_q, 1 if n_q else 0, 0, full, limit, False, why)
+    how = "gemm" if method == "auto" else method
+    shape = (f"{n_q} queries x {nh} heads x (width {width} + {int(max_visible)} visible "
+             f"rows) float32")
+    if n_q == 0:
+        return MethodPlan(how, 0, 0, 0, 0, limit, False, "no queries")
+    if full <= limit:
+        return MethodPlan(how, n_q, 1, full, full, limit, False,
+                          f"GEMM path in one launch set: scratch {_gib(full)} ({shape}) "
+                          f"<= limit {_gib(limit)}")
+    per = G.workspace_bytes(1, nh, width, max_visible)
+    fit = limit // per
+    while fit > 1 and G.workspace_bytes(fit, nh, width, max_visible) > limit:
+        fit -= 1
+    if split and fit >= 1:
+        n_chunks = -(-n_q // fit)
+        chunk = -(-n_q // n_chunks)
+        need = G.workspace_bytes(chunk, nh, width, max_visible)
+        return MethodPlan(how, chunk, n_chunks, need, full, limit, False,
+                          f"GEMM path in {n_chunks} chunks of <= {chunk} queries over one "
+                          f"scratch of {_gib(need)}: all at once would take {_gib(full)} "
+                          f"({shape}) > limit {_gib(limit)}; results identical to one "
+                          f"launch set")
+    if method != "auto":
+        if split:
+            return MethodPlan(how, 1, n_q, per, full, limit, False,
+                              f"method={method!r} asked for: one query a chunk, its scratch "
+                              f"{_gib(per)} over the limit {_gib(limit)}")
+        return MethodPlan(how, n_q, 1, full, full, limit, False,
+                          f"method={method!r} asked for: scratch {_gib(full)} ({shape}) "
+                          f"allocated over the limit {_gib(limit)}")
+    if split:
+        why = (f"method='auto': running the tiled 'flash' path, 11-27x slower than the GEMM "
+               f"path, because one query's GEMM scratch alone would take {_gib(per)} "
+               f"({nh} heads x (width {width} + {int(max_visible)} visible rows) float32) > "
+               f"GEMM_WORKSPACE_LIMIT = {_gib(limit)}, so no chunking of the queries fits. "
+               f"To keep the GEMM path, raise workspace_limit (or GEMM_WORKSPACE_LIMIT) or "
+               f"pass method='gemm' to allocate the scratch anyway; method='flash' takes the "
+               f"tiled path without this warning.")
+    else:
+        why = (f"method='auto': running the tiled 'flash' path, 11-27x slower than the GEMM "
+               f"path, because the GEMM path's scratch would take {_gib(full)} ({shape}) > "
+               f"GEMM_WORKSPACE_LIMIT = {_gib(limit)}. To keep the GEMM path, split the batch "
+               f"(or the queries) so that each call stays under the limit (the entry points "
+               f"do: plan_method), or pass method='gemm' to allocate the scratch anyway; "
+               f"method='flash' takes the tiled path without this warning.")
+    warnings.warn(checks.FallbackWarning(why), stacklevel=stacklevel)
+    return MethodPlan("flash", n_q, 1, 0, full, limit, True, why)
+
+
 def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
                   defect=None):
-    """"gemm", "gemm_fma" or "flash" for ``method`` ("auto" or one of those).
+    """"gemm", "gemm_fma" or "flash" for ``method`` ("auto" or one of those), for
+    ONE launch set of ``n_q`` queries that cannot be split (``plan_method`` with
+    ``split=False``; the entry points plan with splitting instead).
 
     "auto": the GEMM path (``mla.attn_gemm``) unless a flash-only option is
     given (``tile``, ``heads_per_block``, the ``stuck_rescale`` defect) or its
@@ -93,34 +248,15 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
     fallback to a path 11-27x slower: it emits a ``checks.FallbackWarning``
     naming the scratch size and how to avoid it.
     """
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    flash_only = tile is not None or heads_per_block is not None or (
-        defect is not None and defect in K.ATTN_DEFECTS and defect not in G.GEMM_DEFECTS)
-    if method in GEMM_METHODS and flash_only:
-        raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
-                         "(options of the tiled online-softmax kernel)")
-    if method != "auto":
-        return method
-    if flash_only:
-        return "flash"
-    need = G.workspace_bytes(n_q, nh, width, max_visible)
-    if need > GEMM_WORKSPACE_LIMIT:
-        warnings.warn(checks.FallbackWarning(
-            f"method='auto': running the tiled 'flash' path, 11-27x slower than the GEMM "
-            f"path, because the GEMM path's scratch would take {need / 2**30:.2f} GiB "
-            f"({n_q} queries x {nh} heads x (width {width} + {int(max_visible)} visible rows) "
-            f"float32) > GEMM_WORKSPACE_LIMIT = {GEMM_WORKSPACE_LIMIT / 2**30:g} GiB. To keep "
-            f"the GEMM path, split the batch (or the queries) so that each call stays under "
-            f"the limit, or pass method='gemm' to allocate the scratch anyway; "
-            f"method='flash' takes the tiled path without this warning."), stacklevel=3)
-        return "flash"
-    return "gemm"
+    return plan_method(method, n_q, nh, width, max_visible, tile, heads_per_block, defect,
+                       split=False, stacklevel=4).method
 
 
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
-          heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None):
-    """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only)."""
+          heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None,
+          chunk=None):
+    """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only).
+    ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``)."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
@@ -131,7 +267,7 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
         return G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
                          to_device(w_uv, stream), d_latent, slots, vis, scale, d_rope=d_rope,
                          w_uk_layout=w_uk_layout, stream=stream, defect=defect,
-                         workspace=workspace, tensor=method == "gemm")[0]
+                         workspace=workspace, tensor=method == "gemm", chunk=chunk)[0]
     st = launch_stream(stream)
     d_out = device_empty((n_q, nh, d_v), np.float32, stream)
     if n_q == 0:
@@ -184,7 +320,7 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
     if t_q > t_kv:
         raise checks.RangeError(f"q_nope: expected t_q <= t_kv={t_kv}, got t_q={t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
-    how = choose_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
+    plan = plan_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     host = is_host_array(q_nope)
     if t_q == 0:
@@ -200,7 +336,7 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
                            device_empty(1, np.int32, stream), st, routes["append"])
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes, method=how)
+                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)
     return _return(d_out, host, stream)
 
 
@@ -223,13 +359,13 @@ def mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, str
         raise checks.RangeError(
             f"q_nope: expected t_q <= the {t_kv} rows cached in layer {layer}, got {t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
-    how = choose_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
+    plan = plan_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     plane = cache.plane(layer)
     d_latent = plane.reshape((1,) + tuple(plane.shape))
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes, method=how)
+                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)
     return _return(d_out, is_host_array(q_nope), stream)
 
 
@@ -261,7 +397,7 @@ def _unsqueeze(x):
 
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
                w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
-               workspace=None):
+               workspace=None, workspace_limit=None, return_plan=False):
     """Batched MLA decode: sequence b's one query over its own ``lengths[b]`` latent rows.
 
     q_nope:       [B, nh, d_nope] float32
@@ -270,10 +406,17 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     lengths:      [B] ints in [0, max_seq] (0 gives zeros)
     w_uk:         [nh, d_nope, r] float32 (or the checkpoint layout); w_uv [nh, d_v, r]
     scale:        default 1/sqrt(d_nope + d_rope)
-    method:       "auto" | "gemm" | "gemm_fma" | "flash" (``choose_method``)
-    workspace:    an ``mla.attn_gemm.Workspace`` reused across calls by the GEMM
-                  path (default: scratch allocated per call)
-    Returns out [B, nh, d_v] float32.
+    method:       "auto" | "gemm" | "gemm_fma" | "flash" (``plan_method``): the
+                  GEMM path runs the batch in chunks of sequences when its
+                  scratch for the whole batch would pass the budget
+    workspace:    an ``mla.attn_gemm.Workspace`` reused across calls (and across
+                  the chunks of one call) by the GEMM path (default: scratch
+                  allocated per call)
+    workspace_limit: the GEMM scratch budget in bytes (default
+                  ``GEMM_WORKSPACE_LIMIT``, read at the call)
+    return_plan:  also return the ``MethodPlan``: the path taken, its chunking
+                  and why
+    Returns out [B, nh, d_v] float32 (with ``return_plan``: (out, plan)).
     """
     n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, "B")
     _, max_seq, _ = checks.check_array(
@@ -284,11 +427,13 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     if workspace is not None and not isinstance(workspace, G.Workspace):
         raise checks.DTypeError(f"workspace: expected an mla.attn_gemm.Workspace or None, "
                                 f"got {type(workspace).__name__}")
-    how = choose_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
-                        heads_per_block)
+    plan = plan_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
+                       heads_per_block, limit=workspace_limit)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     d_out = _core(q_nope, q_pe, w_uk, w_uv, to_device(latent_cache, stream),
                   np.arange(n_b, dtype=np.int32), lens, np.zeros(n_b, np.int32), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=_route(None), method=how, workspace=workspace)
-    return _return(d_out, is_host_array(q_nope), stream)
+                  stream=stream, routes=_route(None), method=plan.method, workspace=workspace,
+                  chunk=plan.chunk)
+    out = _return(d_out, is_host_array(q_nope), stream)
+    return (out, plan) if return_plan else out

@@ -350,7 +350,7 @@ def test_compile_ptx(kind, head_dim, want, q_kind):
     f32 = types.float32
     sig = (types.Array(q_elem, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
            types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
-           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
+           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.int32[::1])
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
     assert want in ptx
     assert_accurate_epilogue(ptx)  # the one-split epilogue
@@ -410,7 +410,7 @@ def test_compile_pdl_ptx():
     cache = types.Array(types.float16, 4, "C")
     sig = (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
            types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
-           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
+           types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.int32[::1])
     csig = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.Array(f32, 3, "C"),
             types.Array(f32, 2, "C"))
     for pdl in (False, True):

@@ -93,7 +93,7 @@ def _main_sig(kind):
     f32 = types.float32
     return (types.Array(f32, 3, "C"), cache, cache, types.int32[::1], types.int32[::1], f32,
             types.int32, types.Array(f32, 3, "C"), types.Array(f32, 2, "C"),
-            types.Array(f32, 4, "C"), types.Array(f32, 4, "C"))
+            types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.int32[::1])
 
 
 def _combine_sig():

@@ -7,10 +7,11 @@
   ``path`` "plain" with the reason and warns; ``graph=False`` and the
   simulator record without warning; a built graph records "graph".
 * ``attention.core.pdl.status``: PDL off is recorded with its reason (no warning).
-* Capacity: ``DecodeStep`` (graph / step path) raises ``RangeError`` through
-  its device flag at ``check()`` and ``step(sync=True)``, naming the sequence
-  and ``max_seq``; the eager paths (``DecodeBatch.step``,
-  ``batched_kv_scatter``) raise before launching.
+* Capacity: ``attention.decode.step.DecodeState`` (graph and eager modes)
+  raises ``RangeError`` through its device flag at ``check()`` and at a
+  synchronising step, naming the sequence and ``max_seq``, with nothing
+  written for that sequence; ``batched_kv_scatter`` (host positions) raises
+  before launching.
 
 Each announcement has a positive control (it fires) and a negative control
 (the normal path stays quiet).
@@ -104,117 +105,121 @@ def test_plain_by_request_or_without_graphs_is_quiet():
             assert cap.path == "plain" and "simulator" in cap.fallback_reason
 
 
-def _decode_step(cap=4, pos=(2, 0), graph=True, advance=True):
-    from attention.decode.graph import DecodeStep
+def _decode_state(cap=4, lengths=(2, 0), mode="graph"):
+    from attention.decode.step import DecodeState
 
     rng = np.random.default_rng(9)
     m, h, kv, d = 2, 4, 2, 32
-    k = rng.standard_normal((m, kv, cap, d)).astype(np.float32)
-    v = rng.standard_normal((m, kv, cap, d)).astype(np.float32)
-    q = rng.standard_normal((m, h, d)).astype(np.float32)
-    kn = rng.standard_normal((m, kv, d)).astype(np.float32)
-    vn = rng.standard_normal((m, kv, d)).astype(np.float32)
-    return DecodeStep(q, kn, vn, k, v, np.array(pos, np.int32), graph=graph,
-                      advance=advance)
+    st = DecodeState(m, h, kv, d, cap, mode=mode)
+    k = rng.standard_normal(st.cache_shape).astype(np.float32)
+    v = rng.standard_normal(st.cache_shape).astype(np.float32)
+    st.load(k, v, np.array(lengths, np.int32))
+    st.q.copy_to_device(rng.standard_normal((m, h, d)).astype(np.float32))
+    st.k_new.copy_to_device(rng.standard_normal((m, kv, d)).astype(np.float32))
+    st.v_new.copy_to_device(rng.standard_normal((m, kv, d)).astype(np.float32))
+    return st
 
 
 @pytest.mark.device
-def test_decode_step_failed_capture_warns_and_still_steps(monkeypatch):
+def test_decode_state_failed_capture_warns_and_still_steps(monkeypatch):
     from attention.core import graph as gr
 
     monkeypatch.setattr(gr, "gpu_available", lambda: True)
     monkeypatch.setattr(gr, "SIMULATOR", False)
     monkeypatch.setattr(gr.CapturedLaunches, "_capture", _failing_capture)
-    with pytest.warns(FallbackWarning, match="DecodeStep: graph capture failed"):
-        step = _decode_step()
-    assert step.path == "plain" and "capture refused" in step.fallback_reason
-    step.step(sync=True)  # the plain path works
-    np.testing.assert_array_equal(step.d_lens.copy_to_host(), [3, 1])
+    with pytest.warns(FallbackWarning, match="DecodeState: graph capture failed"):
+        st = _decode_state()
+    assert st.mode == "graph" and st.path == "eager"
+    assert "capture refused" in st.fallback_reason and "capture refused" in st.graph_error
+    st.step(sync=True)  # the eager path works
+    np.testing.assert_array_equal(st.lengths, [3, 1])
 
 
 @pytest.mark.device
-def test_decode_step_records_its_path_quietly():
+def test_decode_state_records_its_path_quietly():
     from attention.core.device import SIMULATOR
 
     with quiet():
-        step = _decode_step()
-        plain = _decode_step(graph=False)
-    assert plain.path == "plain" and plain.fallback_reason is None
+        st = _decode_state()
+        eager = _decode_state(mode="eager")
+    assert eager.path == "eager" and eager.fallback_reason is None
     if SIMULATOR:
-        assert step.path == "plain" and "simulator" in step.fallback_reason
+        assert st.path == "eager" and "simulator" in st.fallback_reason
     else:
-        assert step.path == "graph" and step.fallback_reason is None
-    assert step.pdl["path"] in ("pdl", "plain", "none") and step.pdl["reason"]
+        assert st.path == "graph" and st.fallback_reason is None
+    assert st.pdl["path"] in ("pdl", "plain", "none") and st.pdl["reason"]
 
 
 @pytest.mark.gpu
 def test_gpu_graph_is_built_without_warning():
     with quiet():
-        step = _decode_step(cap=64)
-    assert step.path == "graph" and step.graph is not None, step.fallback_reason
+        st = _decode_state(cap=64)
+    assert st.path == "graph" and st.graph is not None, st.fallback_reason
 
 
-# -- capacity: the device flag of the step path ---------------------------
+# -- capacity: the device flag of the decode state (both modes) -------------
 
 @pytest.mark.device
-def test_decode_step_past_capacity_raises_through_the_flag():
-    """Sequence 0 starts at position 2 of 4: steps 1 and 2 fit (rows 2, 3),
-    step 3 does not: nothing written for it, seq_lens 0, position kept, and
-    the flag becomes a RangeError naming sequence 0 and max_seq=4."""
-    step = _decode_step(cap=4, pos=(2, 0))
-    step.step(sync=True)
-    step.step(sync=True)
-    np.testing.assert_array_equal(step.d_lens.copy_to_host(), [4, 2])
-    k_before = step.d_k.copy_to_host()
-    step.step()  # no sync: the error waits on the device
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_decode_state_past_capacity_raises_through_the_flag(mode):
+    """Sequence 0 holds 2 of 4 positions: steps 1 and 2 fit (rows 2, 3), step 3
+    does not: nothing written for it, seq_lens 0, length kept, and the flag
+    becomes a RangeError naming sequence 0 and max_seq=4."""
+    st = _decode_state(cap=4, lengths=(2, 0), mode=mode)
+    st.step(sync=True)
+    st.step(sync=True)
+    np.testing.assert_array_equal(st.seq_lens.copy_to_host(), [4, 2])
+    k_before = st.k_cache.copy_to_host()
+    st.step()  # no sync: the error waits on the device
     with pytest.raises(checks.RangeError, match=r"sequence 0 .*max_seq=4"):
-        step.check()
-    k_after = step.d_k.copy_to_host()
+        st.check()
+    k_after = st.k_cache.copy_to_host()
     np.testing.assert_array_equal(k_after[0], k_before[0])  # sequence 0 untouched
     assert not np.array_equal(k_after[1], k_before[1])  # sequence 1 still stepped
-    np.testing.assert_array_equal(step.d_lens.copy_to_host(), [0, 3])
-    np.testing.assert_array_equal(step.d_pos.copy_to_host(), [4, 3])
-    out = step.out.copy_to_host()
-    assert np.all(out[0] == 0)
-    step.check()  # cleared by the check that raised
+    np.testing.assert_array_equal(st.seq_lens.copy_to_host(), [0, 3])
+    np.testing.assert_array_equal(st.lengths, [4, 3])
+    assert np.all(st.out.copy_to_host()[0] == 0)
+    st.check()  # cleared by the check that raised
     with pytest.raises(checks.RangeError, match=r"sequence 0 .*max_seq=4"):
-        step.step(sync=True)  # a synchronising step checks too
+        st.step(sync=True)  # a synchronising step checks too
 
 
 @pytest.mark.device
-def test_decode_step_within_capacity_checks_clean():
-    step = _decode_step(cap=4, pos=(0, 1))
+def test_decode_state_within_capacity_checks_clean():
+    st = _decode_state(cap=4, lengths=(0, 1))
     for _ in range(3):
-        step.step(sync=True)
-    step.check()
-    np.testing.assert_array_equal(step.d_lens.copy_to_host(), [3, 4])
+        st.step(sync=True)
+    st.check()
+    np.testing.assert_array_equal(st.seq_lens.copy_to_host(), [3, 4])
 
 
 @pytest.mark.device
-def test_decode_step_position_filled_out_of_range_raises():
-    step = _decode_step(cap=4, pos=(0, 1), advance=False)
-    step.d_pos.copy_to_device(np.array([0, -1], np.int32))
-    with pytest.raises(checks.RangeError, match=r"sequence 1 .*position -1.*max_seq=4"):
-        step.step_plain(sync=True)
+def test_decode_state_length_filled_out_of_range_raises():
+    st = _decode_state(cap=4, lengths=(0, 1), mode="eager")
+    st.d_lengths.copy_to_device(np.array([0, -1], np.int32))
+    with pytest.raises(checks.RangeError, match=r"sequence 1 holds -1 positions.*max_seq=4"):
+        st.step(sync=True)
 
-
-# -- capacity: eager paths raise before launching -------------------------
 
 @pytest.mark.device
-def test_decode_batch_past_capacity_raises_before_writing():
-    from attention.decode.state import DecodeBatch
+def test_decode_state_numpy_step_past_capacity_raises_and_writes_nothing_for_it():
+    """A step given numpy arrays synchronises: the overflow raises at once;
+    the full sequence's slot and length are untouched."""
+    from attention.decode.step import DecodeState
 
-    batch = DecodeBatch(2, 2, 1, 8, 2)
+    st = DecodeState(2, 2, 1, 8, 2, mode="eager")
     k_new = np.ones((2, 1, 8), np.float32)
     q = np.zeros((2, 2, 8), np.float32)
-    batch.step(q, k_new, k_new)
-    batch.step(q, k_new, k_new)  # both sequences now hold max_seq=2 positions
-    before = batch.k_cache.copy_to_host()
+    st.step(q, k_new, k_new)
+    st.step(q, k_new, k_new)  # both sequences now hold max_seq=2 positions
+    before = st.k_cache.copy_to_host()
     with pytest.raises(checks.RangeError, match=r"sequence 0 .*max_seq=2"):
-        batch.step(q, 2 * k_new, 2 * k_new)
-    np.testing.assert_array_equal(batch.k_cache.copy_to_host(), before)
-    np.testing.assert_array_equal(batch.lengths, [2, 2])
+        st.step(q, 2 * k_new, 2 * k_new)
+    np.testing.assert_array_equal(st.k_cache.copy_to_host(), before)
+    np.testing.assert_array_equal(st.lengths, [2, 2])
 
+
+# -- capacity: the eager scatter raises before launching ---------------------
 
 def test_batched_scatter_past_capacity_raises_before_launching():
     from attention.cache.scatter import batched_kv_scatter

@@ -1,4 +1,5 @@
-"""Multi-head prefill attention (``attention.prefill.kernels``): per_head, batched, fused.
+"""Multi-head prefill attention: the fused product kernel (``attention.prefill.kernels``)
+and the batched and per-head reference paths (``attention.reference.prefill_paths``).
 
 Every method is held to the float64 oracle with the derived budget of
 ``validation.tolerance`` (at most 2x the error of the same oracle code run in
@@ -25,20 +26,25 @@ import pytest
 
 
 import attention.prefill.kernels as prefill_mod
+import attention.reference.prefill_paths as reference_mod
 from attention.core import checks
 from attention.oracle import prefill_attention_ref
 from attention.prefill.kernels import (
     FUSED_WARPS,
-    METHODS,
     PREFILL_DEFECTS,
     SHARED_BUDGET,
     fused_config,
     prefill_attention,
 )
+from attention.reference.prefill_paths import prefill_attention_reference
 from tests.conftest import MODE, small
 from validation import suite_prefill, tolerance
 from validation.suite import caught
-from validation.suite_prefill import compare
+from validation.suite_prefill import METHODS, attend, compare
+
+# the logger each method traces to under ATTN_PREFILL_DEBUG
+LOGGERS = {"fused": "attention.prefill.kernels", "batched": "attention.reference.prefill_paths",
+           "per_head": "attention.reference.prefill_paths"}
 
 
 def make_qkv(t_len, n_heads, n_kv, head_dim, seed=0):
@@ -78,8 +84,8 @@ def references(t_len, n_heads, n_kv, head_dim, causal, seed, all_groups):
 
 def assert_matches_oracle(method, t_len, n_heads, n_kv, head_dim, causal, seed=0):
     q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
-    out, lse = prefill_attention(q, k, v, n_heads, n_kv_heads=n_kv, causal=causal,
-                                 method=method, return_lse=True)
+    out, lse = attend(method, q, k, v, n_heads, n_kv_heads=n_kv, causal=causal,
+                      return_lse=True)
     assert out.shape == (t_len, n_heads * head_dim) and lse.shape == (n_heads, t_len)
     all_groups = t_len * n_heads <= 4096  # small problems: every head
     per = n_heads // n_kv
@@ -103,6 +109,7 @@ def no_device(monkeypatch):
         raise AssertionError("copied to the device before validation finished")
     monkeypatch.setattr(prefill_mod, "to_device", forbidden)
     monkeypatch.setattr(prefill_mod, "device_empty", forbidden)
+    monkeypatch.setattr(reference_mod, "device_empty", forbidden)
 
 
 GOOD = dict(t_len=7, n_heads=4, n_kv=2, head_dim=8)
@@ -129,11 +136,12 @@ def good_inputs():
                       np.zeros((7, 257), np.float32), 1, 1), checks.RangeError,
      ["head_dim", "257"]),
 ])
-def test_bad_input_raises_before_any_copy(no_device, mutate, error, words):
+@pytest.mark.parametrize("method", METHODS)
+def test_bad_input_raises_before_any_copy(no_device, method, mutate, error, words):
     q, k, v = good_inputs()
     args = mutate(q, k, v)
     with pytest.raises(error) as info:
-        prefill_attention(*args[:4], n_kv_heads=args[4])
+        attend(method, *args[:4], n_kv_heads=args[4])
     for word in words:
         assert word in str(info.value), (word, str(info.value))
 
@@ -144,17 +152,42 @@ def test_bad_input_raises_before_any_copy(no_device, mutate, error, words):
     (dict(method="flash"), checks.RangeError, "method"),
     (dict(defect="nope"), ValueError, "defect"),
 ])
-def test_bad_options_raise_before_any_copy(no_device, kwargs, error, word):
+@pytest.mark.parametrize("entry", [prefill_attention, prefill_attention_reference],
+                         ids=["product", "reference"])
+def test_bad_options_raise_before_any_copy(no_device, entry, kwargs, error, word):
     q, k, v = good_inputs()
     with pytest.raises(error, match=word):
-        prefill_attention(q, k, v, 4, n_kv_heads=2, **kwargs)
+        entry(q, k, v, 4, n_kv_heads=2, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["batched", "per_head"])
+def test_product_entry_points_to_the_reference_paths(no_device, method):
+    """The product entry point runs only the fused kernel; a reference method
+    name is refused with the entry point that runs it, before any copy."""
+    q, k, v = good_inputs()
+    with pytest.raises(checks.RangeError) as info:
+        prefill_attention(q, k, v, 4, n_kv_heads=2, method=method)
+    assert "attention.reference.prefill_paths.prefill_attention_reference" in str(info.value)
+    assert repr(method) in str(info.value)
+    with pytest.raises(checks.RangeError, match="prefill_attention"):
+        prefill_attention_reference(q, k, v, 4, n_kv_heads=2, method="fused")
+
+
+def test_reference_paths_carry_the_product_defects():
+    """The planted defects are the same two on every path, so the suite asks
+    each path for each one."""
+    from attention.reference.prefill_softmax import SOFTMAX_DEFECTS
+
+    assert reference_mod.DEFECTS == PREFILL_DEFECTS == SOFTMAX_DEFECTS
+    assert set(METHODS) == {"fused", "batched", "per_head"}
+    assert prefill_mod.METHODS == ("fused",)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_empty_sequence_gives_empty_result(no_device, method):
     q = np.zeros((0, 4 * 8), np.float32)
     kv = np.zeros((0, 2 * 8), np.float32)
-    out, lse = prefill_attention(q, kv, kv, 4, n_kv_heads=2, method=method, return_lse=True)
+    out, lse = attend(method, q, kv, kv, 4, n_kv_heads=2, return_lse=True)
     assert out.shape == (0, 32) and out.dtype == np.float32
     assert lse.shape == (4, 0) and lse.dtype == np.float32
 
@@ -227,7 +260,7 @@ def test_fused_kernel_compiles(head_dim, causal):
 def test_softmax_kernel_compiles_with_shuffles(defect):
     from numba import float32, int32
 
-    from attention.prefill.softmax import softmax_kernel
+    from attention.reference.prefill_softmax import softmax_kernel
 
     ptx = _ptx(softmax_kernel(defect).py_func, (float32[:, :, ::1], int32, float32[:, ::1]))
     assert "shfl.sync" in ptx
@@ -238,9 +271,8 @@ def test_softmax_kernel_compiles_with_shuffles(defect):
 def test_layout_and_gemm_kernels_compile():
     from numba import float32, int32
 
-    from attention.gemm import tiled as gemm
-
-    from attention.prefill import layout
+    from attention.reference import prefill_layout as layout
+    from attention.reference import tiled_gemm as gemm
 
     a2, a3 = float32[:, ::1], float32[:, :, ::1]
     assert "ld.global" in _ptx(layout._gather_heads, (a2, int32, a3))
@@ -287,7 +319,7 @@ def test_single_token(method):
 def test_batched_gemm_crosses_tiles_and_shares_b():
     """M 67 > 64 (two row tiles), K 20 > 16 (a partial K slice), B_a 2 on B_b 1."""
     from attention.core.device import to_device, to_host
-    from attention.gemm.tiled import batched_gemm
+    from attention.reference.tiled_gemm import batched_gemm
 
     rng = np.random.default_rng(5)
     a = rng.standard_normal((2, 67, 20)).astype(np.float32)
@@ -305,7 +337,7 @@ def test_layout_kernels_are_exact():
     """gather / scatter of heads and the tiled transpose copy bit-exactly,
     across a partial 32 x 32 tile (33 x 35), and touch nothing else."""
     from attention.core.device import to_device, to_host
-    from attention.prefill.layout import batched_transpose, gather_heads, scatter_heads
+    from attention.reference.prefill_layout import batched_transpose, gather_heads, scatter_heads
 
     rng = np.random.default_rng(6)
     t_len, n_heads, head_dim = 33, 3, 35
@@ -327,18 +359,19 @@ def test_layout_kernels_are_exact():
 
 
 @pytest.mark.device
-def test_device_arrays_and_stream():
+@pytest.mark.parametrize("method", METHODS)
+def test_device_arrays_and_stream(method):
     """Device inputs give device outputs; with a stream the call only enqueues;
     the numbers equal the host-array path's bit for bit."""
     from numba import cuda
 
     q, k, v = make_qkv(5, 2, 1, 8, seed=7)
-    host_out, host_lse = prefill_attention(q, k, v, 2, n_kv_heads=1, causal=True,
-                                           return_lse=True)
+    host_out, host_lse = attend(method, q, k, v, 2, n_kv_heads=1, causal=True,
+                                return_lse=True)
     stream = cuda.stream()
     d_q, d_k, d_v = (cuda.to_device(x, stream=stream) for x in (q, k, v))
-    out, lse = prefill_attention(d_q, d_k, d_v, 2, n_kv_heads=1, causal=True,
-                                 stream=stream, return_lse=True)
+    out, lse = attend(method, d_q, d_k, d_v, 2, n_kv_heads=1, causal=True,
+                      stream=stream, return_lse=True)
     assert not isinstance(out, np.ndarray) and not isinstance(lse, np.ndarray)
     stream.synchronize()
     assert np.array_equal(out.copy_to_host(), host_out)
@@ -346,7 +379,7 @@ def test_device_arrays_and_stream():
     # T == 0 with device inputs: empty device arrays, nothing launched
     empty = cuda.to_device(np.zeros((0, 16), np.float32))
     kv = cuda.to_device(np.zeros((0, 8), np.float32))
-    out, lse = prefill_attention(empty, kv, kv, 2, n_kv_heads=1, return_lse=True)
+    out, lse = attend(method, empty, kv, kv, 2, n_kv_heads=1, return_lse=True)
     assert not isinstance(out, np.ndarray)
     assert tuple(out.shape) == (0, 16) and tuple(lse.shape) == (2, 0)
 
@@ -356,12 +389,13 @@ def test_device_arrays_and_stream():
 def test_debug_switch_logs_head_zero(method, monkeypatch, caplog):
     q, k, v = make_qkv(5, 2, 1, 8, seed=8)
     monkeypatch.delenv("ATTN_PREFILL_DEBUG", raising=False)
-    with caplog.at_level(logging.INFO, logger="attention.prefill.kernels"):
-        quiet = prefill_attention(q, k, v, 2, n_kv_heads=1, causal=True, method=method)
+    with caplog.at_level(logging.INFO, logger=LOGGERS[method]):
+        quiet = attend(method, q, k, v, 2, n_kv_heads=1, causal=True)
     assert not caplog.records  # positive control: silent without the switch
     monkeypatch.setenv("ATTN_PREFILL_DEBUG", "1")
-    with caplog.at_level(logging.INFO, logger="attention.prefill.kernels"):
-        loud = prefill_attention(q, k, v, 2, n_kv_heads=1, causal=True, method=method)
+    with caplog.at_level(logging.INFO, logger=LOGGERS[method]):
+        loud = attend(method, q, k, v, 2, n_kv_heads=1, causal=True)
+    assert {r.name for r in caplog.records} == {LOGGERS[method]}
     text = "\n".join(r.getMessage() for r in caplog.records)
     for word in ("head 0", "Q mean", "K mean", "V mean", "scores", "row sums", "output"):
         assert word in text, (word, text)

@@ -2,7 +2,7 @@
 as the context grows token by token?
 
 Each run decodes ``steps`` tokens. Every step appends this token's row through
-the real kernels (``DecodeBatch.step``: batched KV scatter then attention;
+the real kernels (``DecodeState.step``: batched KV scatter then attention;
 ``LatentCache.append``: the MLA ``append_latent`` kernel, then
 ``mla_decode_step``), and compares the step's output with the float64 oracle's
 full recompute over everything cached so far, and the float32 baseline (the
@@ -14,11 +14,17 @@ everywhere nothing was appended.
 
 Runs (``GROWTH_KERNELS``):
 
-* ``batched_decode``: ``DecodeBatch(method="warp")``, M sequences with
-  different starting lengths in shuffled slots of a NaN-filled pool;
-* ``flash_decode``: the same with ``method="split"`` and a fixed chunk so the
+* ``batched_decode``: ``attention.decode.step.DecodeState(kernel="warp")``, M
+  sequences with different starting lengths in shuffled slots of a NaN-filled
+  pool (float32: the reference kernels' only cache dtype; float16 / bfloat16
+  jobs are reported unsupported);
+* ``flash_decode``: the same with ``kernel="split"`` and a fixed chunk so the
   context crosses many chunks;
-* ``fast_decode``: the same with ``method="fast"`` (``attention.decode.fast``);
+* ``fast_decode``: the same with ``kernel="fast"`` (``attention.decode.fast``),
+  with float32, float16 and bfloat16 caches (the 16-bit runs: the rows stored
+  in 16 bits, everything computed in float32; the oracle and the baseline read
+  the stored values exactly, so they are judged as the float32 run, in the
+  fast kernel's lane order for that dtype: ``lanes16x8`` at D 128);
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
@@ -28,7 +34,9 @@ Runs (``GROWTH_KERNELS``):
 
 A step passes under the sweep's rule (``validation.metrics.judge``); the run
 passes when every step does and the cache check holds. The series (kernel and
-baseline error of every step) goes into the report and the plots.
+baseline error of every step) goes into the report and the plots. The decode
+runs step the state in its default mode: a replayed CUDA graph on a GPU, eager
+launches on the simulator (the record's ``geometry`` names the path).
 """
 
 from __future__ import annotations
@@ -75,9 +83,9 @@ DECODE_GEOMETRY = {
     False: dict(m=3, h=8, h_kv=2, d=128, start=(0, 17, 100), kv_slots=5, chunk=128),
 }
 MLA_START = {True: 3, False: 16}
-MODULES = {"batched_decode": ("attention.decode.state", "attention.oracle"),
-           "flash_decode": ("attention.decode.state", "attention.oracle"),
-           "fast_decode": ("attention.decode.state", "attention.decode.fast", "attention.oracle"),
+MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
+           "flash_decode": ("attention.decode.step", "attention.oracle"),
+           "fast_decode": ("attention.decode.step", "attention.decode.fast", "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
@@ -118,7 +126,9 @@ def _record_step(series, step, length, judged):
 
 
 def _decode_growth(job, method):
-    from attention.decode.state import DecodeBatch
+    from attention.core.device import to_host
+    import attention.reference.decode_step  # noqa: F401  (registers "warp" / "split")
+    from attention.decode.step import DecodeState
     from attention.oracle import decode_attention_ref
 
     g = DECODE_GEOMETRY[job.small]
@@ -129,8 +139,8 @@ def _decode_growth(job, method):
     rng = fixtures.case_rng(job.seed, "growth", "decode", job.small)
     slot_table = rng.permutation(kv_slots)[:m].astype(np.int32)
     extra = {"split_chunk": g["chunk"]} if method == "split" else {}
-    batch = DecodeBatch(m, h, h_kv, d, max_seq, kv_slots=kv_slots, slot_table=slot_table,
-                        dtype=dt, method=method, fill=np.nan, **extra)
+    batch = DecodeState(m, h, h_kv, d, max_seq, kv_slots=kv_slots, slot_table=slot_table,
+                        dtype=dt, kernel=method, fill=np.nan, **extra)
     # host mirrors of what the device caches should hold (float64 copies of the stored values)
     k_mirror = np.full((kv_slots, h_kv, max_seq, d), np.nan)
     v_mirror = np.full((kv_slots, h_kv, max_seq, d), np.nan)
@@ -165,16 +175,18 @@ def _decode_growth(job, method):
     problems = []
     for name, dev, mirror in (("k_cache", batch.k_cache, k_mirror),
                               ("v_cache", batch.v_cache, v_mirror)):
-        host = np.asarray(dev.copy_to_host(), dtype=np.float64)
+        host = np.asarray(to_host(dev), dtype=np.float64)
         if not np.array_equal(host, mirror, equal_nan=True):
             cache_ok = False
             bad = np.argwhere(~((host == mirror) | (np.isnan(host) & np.isnan(mirror))))
             problems.append(f"{name} differs from the appended rows at {tuple(bad[0])} "
                             f"({len(bad)} elements)")
-    if not np.array_equal(batch.lengths, lengths):
+    got_lengths = batch.lengths
+    if not np.array_equal(got_lengths, lengths):
         cache_ok = False
-        problems.append(f"lengths {batch.lengths.tolist()} != expected {lengths.tolist()}")
+        problems.append(f"lengths {got_lengths.tolist()} != expected {lengths.tolist()}")
     geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+    geometry["path"] = batch.path
     return series, cache_ok, "; ".join(problems), geometry
 
 

@@ -42,7 +42,10 @@ def plot_growth(report, out_dir):
     n = len(runs)
     cols = min(n, 2)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.0 * rows), squeeze=False)
+    # constrained layout places the figure title above the top row of panels
+    # (tight_layout ignores suptitle, which then overlapped the first panel's title)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.0 * rows), squeeze=False,
+                             layout="constrained")
     for ax, g in zip(axes.flat, runs):
         s = g["series"]
         lw = 1.2 if len(s["step"]) <= 200 else 0.6
@@ -59,8 +62,7 @@ def plot_growth(report, out_dir):
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     device = report.get("provenance", {}).get("device", "")
-    fig.suptitle(f"Error growth over decode steps ({device})")
-    fig.tight_layout()
+    fig.suptitle(f"Error growth over decode steps ({device})", fontsize=13)
     path = Path(out_dir) / "growth.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -78,7 +80,7 @@ def plot_ratios(report, out_dir):
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     n = len(fams)
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, layout="constrained")
     for ax, (family, cs) in zip(axes.flat, sorted(fams.items())):
         shown = [c for c in cs if c["ratio"] > 0]  # ratio 0: kernel and baseline both exact
         finite = [c["ratio"] for c in shown if c["ratio"] < math.inf]
@@ -104,7 +106,6 @@ def plot_ratios(report, out_dir):
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle("ratio per case (dashed: 2; hollow: above 2 but within the rounding floor; "
                  "red: fail; top edge: baseline exact)", fontsize=9)
-    fig.tight_layout()
     path = Path(out_dir) / "ratios.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

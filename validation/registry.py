@@ -231,6 +231,9 @@ def _run_flash(num_splits):
 
 
 def _run_prefill(method):
+    """Run wrapper of a prefill path: ``fn`` is ``prefill_attention`` (method
+    "fused") or ``prefill_attention_reference`` ("batched", "per_head"); both
+    take the same arguments and ``method=``."""
     def run(fn, x):
         out, lse = fn(x["q"], x["k"], x["v"], x["n_heads"], n_kv_heads=x["n_kv_heads"],
                       causal=x["causal"], method=method, return_lse=True)
@@ -291,13 +294,13 @@ KERNELS = (
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
-    KernelSpec("prefill_batched", "prefill", "prefill", "attention.prefill.kernels",
-               "prefill_attention", _run_prefill("batched"), ("k", "v"),
-               "all heads per launch: transpose, GEMM, softmax, GEMM",
+    KernelSpec("prefill_batched", "prefill", "prefill", "attention.reference.prefill_paths",
+               "prefill_attention_reference", _run_prefill("batched"), ("k", "v"),
+               "reference path, all heads per launch: transpose, GEMM, softmax, GEMM",
                "fma/after/recip_first"),
-    KernelSpec("prefill_per_head", "prefill", "prefill", "attention.prefill.kernels",
-               "prefill_attention", _run_prefill("per_head"), ("k", "v"),
-               "one head at a time through the same small kernels",
+    KernelSpec("prefill_per_head", "prefill", "prefill", "attention.reference.prefill_paths",
+               "prefill_attention_reference", _run_prefill("per_head"), ("k", "v"),
+               "reference path, one head at a time through the same small kernels",
                "fma/after/recip_first"),
     KernelSpec("mla", "mla", "mla", "mla.pipeline", "mla_attend", _run_mla("flash"),
                ("c_kv", "k_pe"),

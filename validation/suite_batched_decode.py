@@ -16,8 +16,10 @@ Checks (each named ``<check>[<method>]``):
    with a shuffled slot table, NaN in unused slots and past every length.
    Every (sequence, head, dim) is compared with the float64 oracle under the
    derived budget of ``validation.tolerance``.
-2. ``wiring``: a ``DecodeBatch`` with KV_SLOTS 8 > M 3 and 17/11/5 positions
-   cached takes one step: the new rows land at 17/11/5 (and nowhere else:
+2. ``wiring``: a ``DecodeState`` (``attention.decode.step``, on the path's
+   kernel, in its default mode: a replayed graph on a GPU, eager launches on
+   the simulator) with KV_SLOTS 8 > M 3 and 17/11/5 positions cached takes one
+   step: the new rows land at 17/11/5 (and nowhere else:
    the whole cache is compared bit for bit, NaN included), attention covers
    18/12/6 positions, lengths advance to 18/12/6, no NaN leaks.
 3. ``done``: a second step after ``finish(1)``: sequence 1 gives zeros and
@@ -33,17 +35,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attention.reference.warp_decode import KERNEL_DEFECTS
-from attention.decode.state import ALL_DEFECTS, DecodeBatch
+from attention.cache.scatter import SCATTER_DEFECTS
 from attention.core.device import SIMULATOR, can_execute
+import attention.reference.decode_step  # noqa: F401, E402  (registers "warp" / "split")
+from attention.decode.step import STATE_DEFECTS, DecodeState
+from attention.reference.warp_decode import KERNEL_DEFECTS
 from attention.reference.split_decode import decode
 from attention.oracle import decode_attention_ref, kv_head_of
 from validation import tolerance
 from validation.suite import Check
 
 FAMILY = "batched_decode"
-DEFECTS = ALL_DEFECTS
-METHODS = ("warp", "split", "fast")  # fast: no kernel defects of its own
+# the reference kernels' switches, the scatter's and the decode state's own
+DEFECTS = KERNEL_DEFECTS + SCATTER_DEFECTS + STATE_DEFECTS
+METHODS = ("warp", "split", "fast")  # fast: the reference kernels' switches are not planted in it
 
 
 @dataclass(frozen=True)
@@ -206,14 +211,14 @@ def check_numerics(shape, method, defect=None):
 
 
 def check_decode_steps(shape, method, defect=None):
-    """Checks 2 and 3: one step of a DecodeBatch, then one with a finished sequence."""
+    """Checks 2 and 3: one step of a DecodeState, then one with a finished sequence."""
     tag = f"[{method}]"
     prior = np.array(shape.seq_lens, np.int32)
     m_count = len(prior)
     slots = slot_table_for(shape)
     k0, v0 = build_caches(shape, prior, slots)
-    batch = DecodeBatch(m_count, shape.n_heads, shape.n_kv, shape.head_dim, shape.max_seq,
-                        kv_slots=shape.kv_slots, slot_table=slots, method=method,
+    batch = DecodeState(m_count, shape.n_heads, shape.n_kv, shape.head_dim, shape.max_seq,
+                        kv_slots=shape.kv_slots, slot_table=slots, kernel=method,
                         fill=np.nan, defect=defect,
                         split_chunk=shape.chunk if method == "split" else None)
     batch.load(k0, v0, prior)
@@ -233,8 +238,9 @@ def check_decode_steps(shape, method, defect=None):
                           f" (attending {list(prior + 1)} positions)"))
     checks.append(Check("wiring_lse" + tag, tolerance.same_nonfinite(lse, ref_lse)
                         and np.all(np.isfinite(lse)), "lse finite where the oracle's is"))
-    checks.append(Check("wiring_lengths" + tag, np.array_equal(batch.lengths, prior + 1),
-                        f"lengths {list(batch.lengths)}, expected {list(prior + 1)}"))
+    lengths = batch.lengths
+    checks.append(Check("wiring_lengths" + tag, np.array_equal(lengths, prior + 1),
+                        f"lengths {list(lengths)}, expected {list(prior + 1)}"))
     got_k, got_v = batch.k_cache.copy_to_host(), batch.v_cache.copy_to_host()
     same = _bit_equal(got_k, k1) and _bit_equal(got_v, v1)
     checks.append(Check("wiring_cache" + tag, same,
@@ -268,8 +274,9 @@ def check_decode_steps(shape, method, defect=None):
                         "finished slot untouched, live slots got their rows" if same2 else
                         f"cache differs at {_first_difference(got_k2, k2)}"))
     want_lens = np.array([expect_lens[0], lengths1[1], expect_lens[2]])
-    checks.append(Check("done_lengths" + tag, np.array_equal(batch.lengths, want_lens),
-                        f"lengths {list(batch.lengths)}, expected {list(want_lens)}"))
+    lengths2 = batch.lengths
+    checks.append(Check("done_lengths" + tag, np.array_equal(lengths2, want_lens),
+                        f"lengths {list(lengths2)}, expected {list(want_lens)}"))
     return checks
 
 
@@ -303,7 +310,7 @@ def run_suite(defect=None, *, small=True, method=None):
     results = []
     for meth in methods:
         if meth == "fast" and defect in KERNEL_DEFECTS:
-            continue  # the fast kernel is another source with no defect switches
+            continue  # another kernel source: its own switches are suite_decode_fast's
         if not SIMULATOR and meth != "fast":
             results += check_ptx(meth, defect)
         if can_execute():

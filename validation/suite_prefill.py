@@ -1,9 +1,12 @@
-"""Falsification suite for multi-head prefill attention (``attention.prefill.kernels``).
+"""Falsification suite for multi-head prefill attention: the fused product kernel
+(``attention.prefill.kernels.prefill_attention``) and the per-head and batched
+reference paths (``attention.reference.prefill_paths.prefill_attention_reference``).
 
 The contract is ``validation/suite.py``'s: ``run_suite(None)`` returns only
 passing checks, ``run_suite(d)`` for each planted defect ``d`` in ``DEFECTS``
-returns at least one failing check. Every method (``per_head``, ``batched``,
-``fused``) is checked on every case, so a defect is caught per method.
+returns at least one failing check. Every method (``fused``, ``batched``,
+``per_head``; ``METHODS``) is checked on every case, so a defect is caught per
+method.
 
 Tolerance (derived, not tuned; ``validation.tolerance.budget``): the
 kernel's largest absolute error against the float64 oracle
@@ -25,13 +28,28 @@ import numpy as np
 
 from attention.core.device import can_execute
 from attention.oracle import prefill_attention_ref
-from attention.prefill.kernels import METHODS, PREFILL_DEFECTS, prefill_attention
+from attention.prefill.kernels import PREFILL_DEFECTS, prefill_attention
+from attention.reference.prefill_paths import METHODS as REFERENCE_METHODS
+from attention.reference.prefill_paths import prefill_attention_reference
 
 from . import tolerance
 from .suite import Check
 
 FAMILY = "prefill"
 DEFECTS = PREFILL_DEFECTS  # ("softmax_not_normalised", "causal_off_by_one")
+PRODUCT_METHODS = ("fused",)
+METHODS = PRODUCT_METHODS + REFERENCE_METHODS  # ("fused", "batched", "per_head")
+
+
+def attend(method, q, k, v, n_heads, **kw):
+    """Prefill attention through ``method``: "fused" is the product entry point
+    (``prefill_attention``), "batched" and "per_head" the reference one
+    (``prefill_attention_reference``); keyword arguments as theirs."""
+    if method in PRODUCT_METHODS:
+        return prefill_attention(q, k, v, n_heads, method=method, **kw)
+    if method in REFERENCE_METHODS:
+        return prefill_attention_reference(q, k, v, n_heads, method=method, **kw)
+    raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +114,8 @@ def check_case(case, method, defect=None, reference=None):
     if reference is None:
         reference = reference_for(case)
     (ref_out, ref_lse), (base_out, base_lse) = reference
-    out, lse = prefill_attention(q, k, v, case.n_heads, n_kv_heads=case.n_kv_heads,
-                                 causal=case.causal, method=method, return_lse=True,
-                                 defect=defect)
+    out, lse = attend(method, q, k, v, case.n_heads, n_kv_heads=case.n_kv_heads,
+                      causal=case.causal, return_lse=True, defect=defect)
     label = f"{FAMILY}/{method}/{case.name}"
     return [compare(f"{label}: out", out, ref_out, base_out),
             compare(f"{label}: lse", lse, ref_lse, base_lse)]
@@ -133,8 +150,8 @@ def check_empty(method, defect=None):
     """T == 0 returns empty out [0, H*D] and lse [H, 0] without launching."""
     q = np.zeros((0, 2 * 8), np.float32)
     kv = np.zeros((0, 8), np.float32)
-    out, lse = prefill_attention(q, kv, kv, 2, n_kv_heads=1, causal=True, method=method,
-                                 return_lse=True, defect=defect)
+    out, lse = attend(method, q, kv, kv, 2, n_kv_heads=1, causal=True, return_lse=True,
+                      defect=defect)
     ok = out.shape == (0, 16) and lse.shape == (2, 0)
     return Check(f"{FAMILY}/{method}/T0: empty result", ok,
                  f"out {out.shape}, lse {lse.shape}")

@@ -40,12 +40,12 @@ SCATTER_DTYPES = (np.float32, np.float16) + (() if BFLOAT16 is None else (BFLOAT
 def scatter_kernel(pair, defect=None, checked=False):
     """Kernel writing one tensor (``pair=False``) or K and V together.
 
-    A position ``>= max_seq`` is skipped (``attention.decode.state`` marks
+    A position ``>= max_seq`` is skipped (``attention.decode.step`` marks
     finished sequences so). ``checked``: the kernel takes a last argument
     ``flag`` [2] int32, and a position outside ``[0, max_seq)`` is not written
     and raises it (``flag[0] += 1``, ``flag[1] = min(flag[1], m)``), for
     callers that cannot check positions on the host
-    (``attention.decode.graph.DecodeStep``).
+    (``attention.decode.step.DecodeState``).
     """
     if defect not in (None,) + SCATTER_DEFECTS:
         raise ValueError(f"defect: expected one of {SCATTER_DEFECTS} or None, got {defect!r}")

@@ -145,10 +145,12 @@ def check_range(name, value, lo, hi, what="value"):
 
 
 def check_heads(n_heads, n_kv_heads, q_name="q", kv_name="k_cache"):
-    if n_kv_heads < 1 or n_heads < 1:
-        raise RangeError(
-            f"{kv_name}: expected at least one head, got H={n_heads}, H_kv={n_kv_heads}"
-        )
+    """``n_heads`` (H, of ``q_name``) and ``n_kv_heads`` (H_kv, of ``kv_name``)
+    at least 1, and H_kv dividing H; the error names the array at fault."""
+    if n_heads < 1:
+        raise RangeError(f"{q_name}: expected at least one query head, got H={n_heads}")
+    if n_kv_heads < 1:
+        raise RangeError(f"{kv_name}: expected at least one kv head, got H_kv={n_kv_heads}")
     if n_heads % n_kv_heads:
         raise RangeError(
             f"{kv_name}: H_kv={n_kv_heads} must divide the {n_heads} query heads of {q_name}"
@@ -171,6 +173,8 @@ def check_scale(scale, head_dim):
 
 def check_lengths(name, lengths, max_seq, count=None):
     """Per-sequence lengths: ints, ``0 <= len <= max_seq``. Returns int32 host copy."""
+    if lengths is None:
+        raise DTypeError(f"{name}: expected an integer array of shape [M={count}], got None")
     arr = np.asarray(lengths)
     if arr.ndim == 0:
         arr = arr.reshape(1)

@@ -21,7 +21,7 @@ cost tens of microseconds of host time each (a decode step: 278 us against
 ``checks.FallbackWarning``. The simulator and a machine with no GPU have no
 graphs at all (nothing faster to fall back from): recorded, no warning.
 
-Used by ``attention.decode.graph.DecodeStep`` and ``mla.decode_graph.MLADecodeGraph``.
+Used by ``attention.decode.step.DecodeState`` and ``mla.decode_graph.MLADecodeGraph``.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ REPLAY_US, PLAIN_US = 5.6, 278.0
 class CapturedLaunches:
     """``enqueue(stream)`` captured as a CUDA graph (``graph`` None when not built).
 
-    ``owner`` names the object in the fallback warning (e.g. "DecodeStep");
-    ``plain_call`` the method that then runs the plain launches.
+    ``owner`` names the object in the fallback warning (e.g. "DecodeState");
+    ``plain_call`` the method that then runs the plain launches;
+    ``plain_hint`` the argument that asks for them (e.g. ``mode="eager"``).
     """
 
     def __init__(self, enqueue, warm, enabled=True, *, owner="CapturedLaunches",
-                 plain_call="plain launches"):
+                 plain_call="plain launches", plain_hint="graph=False"):
         self.graph = None
         self.error = None
         self.path = "plain"
@@ -72,8 +73,8 @@ class CapturedLaunches:
             warnings.warn(FallbackWarning(
                 f"{owner}: {self.fallback_reason}; running {plain_call} instead, about "
                 f"{PLAIN_US / REPLAY_US:.0f}x the host time of a graph replay (decode step: "
-                f"{PLAIN_US:g} us against {REPLAY_US:g} us, notes/bench.md). Pass graph=False "
-                "to choose plain launches without this warning."), stacklevel=3)
+                f"{PLAIN_US:g} us against {REPLAY_US:g} us, notes/bench.md). Ask for plain "
+                f"launches ({plain_hint}) to choose them without this warning."), stacklevel=3)
 
     def _capture(self, enqueue, warm):
         from cuda.core import Device, StreamOptions

@@ -1,9 +1,10 @@
-"""The product decode path: the group-shared split-KV kernel (``fast``), its
-planner and launcher, and the decode step over a pooled cache (``state``,
-``graph``).
+"""The product decode path.
 
-    fast    kernels (main + combine), row loaders, planner, launcher, the
-            one-call ``batched_decode_attention_fast``
-    state   ``DecodeBatch``: decode state with lengths on the host
-    graph   ``DecodeStep``: scatter + attention captured as a CUDA graph
+    fast    the group-shared split-KV kernel (main + combine), its row
+            loaders, planner and launcher
+    plan    ``DecodePlan``: planned once, ``run(...)`` only enqueues (no copy,
+            no allocation, no sync; lengths and slots checked on the device)
+    api     ``decode(...)``: one call that builds (and caches) a plan and runs it
+    step    ``DecodeState``: append-and-attend decode steps over a pooled
+            cache, eager or captured as a CUDA graph
 """

@@ -90,6 +90,11 @@ Layouts (C-contiguous):
     out         [M, H, D] float32, lse [M, H] float32 (-inf where empty)
     part_acc    [M, H, n_split, D] float32 (split-KV scratch, unnormalised)
     part_ml     [M, H, n_split, 2] float32 (running max, running sum)
+    err         [ERR_WORDS] int32: the device range check's flag (``clear_flag``;
+                ``launch`` passes ``default_flag()`` when given none; ``read_flag``)
+
+Lengths and slots are checked on the device as well (``fast_decode_kernel``):
+a bad sequence is attended as empty and counted in ``err``.
 """
 
 from __future__ import annotations
@@ -98,12 +103,13 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from attention.core import checks
 from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
+    as_device_view,
     device_empty,
     device_fn,
     ensure_dynamic_shared,
@@ -159,6 +165,11 @@ PRECISION_MUTANTS = ("p_fp16", "p_bf16", "q_bf16", "scale_fp16", "max_fp16", "ls
                      "exp_approx", "combine_no_max", "split_off_by_one", "ring_stale")
 DEFECTS = GROSS_DEFECTS + PRECISION_MUTANTS
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
+
+# words of the int32 flag the main kernel counts bad sequences in
+ERR_COUNT, ERR_FIRST, ERR_LENGTHS, ERR_SLOTS = 0, 1, 2, 3
+ERR_WORDS = 4
+NO_SEQUENCE = 2 ** 31 - 1  # ERR_FIRST when no sequence was flagged
 
 
 def dtype_kind(dt):
@@ -574,7 +585,17 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     seq_lens [M] int32, slot_table [M] int32, scale float32, chunk int32
     (positions per split), out [M, H, D] f32, lse [M, H] f32,
     part_acc [M, H, n_split, D] f32, part_ml [M, H, n_split, 2] f32 (written
-    when ``n_split > 1``, else out / lse are).
+    when ``n_split > 1``, else out / lse are), err [ERR_WORDS] int32 (the
+    device range check's flag, ``clear_flag``).
+
+    Device range check: a sequence whose length is outside
+    ``[0, min(max_seq, n_split * chunk)]`` (past the cache's capacity, or past
+    the positions the plan's splits cover) or whose slot is outside
+    ``[0, KV_SLOTS)`` is attended as empty (zeros, LSE -inf; nothing is read)
+    and counted in ``err`` by one thread of its first block:
+    ``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] = min(err[ERR_FIRST], seq)``,
+    and ``err[ERR_SLOTS]`` or ``err[ERR_LENGTHS]`` += 1 (``raise_flagged``
+    turns it into a ``RangeError``). Two comparisons a block, before any load.
     """
     VEC, CH, GB, NW, U, LPR = vec, chunks, heads, warps, unroll, lanes
     R = WARP // LPR  # rows a warp holds at once
@@ -835,7 +856,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         N_BUF, WORD, STEP, STG, RING_STAGE = 1, float32, 1, 0, 0
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
-               out, lse, part_acc, part_ml):
+               out, lse, part_acc, part_ml, err):
         release_dependents()  # the combine's blocks may be placed from now on
         split = cuda.blockIdx.x
         head_block = cuda.blockIdx.y
@@ -856,9 +877,23 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         if GQA_MOD:
             kv_head = head0 % n_kv
         slot = slot_table[seq]
+        length = seq_lens[seq]
+        # -- the device range check: a length past the positions the grid covers
+        # (or the capacity), or a slot outside the pool, makes the sequence
+        # empty (nothing is read) and is counted in ``err`` (once a sequence) --
+        if (length < 0 or length > min(max_seq, n_split * chunk) or slot < 0
+                or slot >= k_cache.shape[0]):
+            if split == 0 and head_block == 0 and cuda.threadIdx.x == 0:
+                cuda.atomic.add(err, ERR_COUNT, 1)
+                cuda.atomic.min(err, ERR_FIRST, int32(seq))
+                if slot < 0 or slot >= k_cache.shape[0]:
+                    cuda.atomic.add(err, ERR_SLOTS, 1)
+                else:
+                    cuda.atomic.add(err, ERR_LENGTHS, 1)
+            length = 0
+            slot = 0
         if SLOT_OFF:
             slot = (slot + 1) % k_cache.shape[0]
-        length = seq_lens[seq]
         if ONE_SHORT:
             length = max(length - 1, 0)
         start = split * chunk
@@ -1078,6 +1113,91 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else "")
         + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
+
+
+# ---------------------------------------------------------------------------
+# the device range check's flag
+# ---------------------------------------------------------------------------
+
+
+
+def clear_flag():
+    """The host value of a clear flag: int32 [ERR_WORDS] (no bad sequence)."""
+    flag = np.zeros(ERR_WORDS, np.int32)
+    flag[ERR_FIRST] = NO_SEQUENCE
+    return flag
+
+
+_DEFAULT_FLAGS = {}  # device id (or "only" on a machine of one device) -> flag
+
+
+def default_flag():
+    """The flag ``launch`` passes when its caller gives none: one int32
+    [ERR_WORDS] device array a device, allocated (cleared) at its first use
+    and never read by this module (``read_flag(default_flag(), ...)`` does)."""
+    only = _DEFAULT_FLAGS.get("only")
+    if only is not None:  # one device: no device lookup once the flag exists
+        return only
+    key = 0 if SIMULATOR else cuda.get_current_device().id
+    flag = _DEFAULT_FLAGS.get(key)
+    if flag is None:
+        flag = _DEFAULT_FLAGS[key] = cuda.to_device(clear_flag())
+        if SIMULATOR or len(cuda.gpus) == 1:
+            _DEFAULT_FLAGS["only"] = flag
+    return flag
+
+
+def range_limit(pl, max_seq):
+    """The longest length plan ``pl`` serves on a cache of capacity
+    ``max_seq``: the positions its splits cover, at most the capacity."""
+    return min(int(max_seq), int(pl["n_split"]) * int(pl["chunk"]))
+
+
+def raise_flagged(flag, seq_lens, slot_table, limit, n_slots):
+    """RangeError for a host copy ``flag`` of a set device flag, else nothing.
+
+    flag:       int32 [ERR_WORDS] as the main kernel left it
+    seq_lens:   [M] int, the lengths launched with (host or device; one element
+                of it is read here)
+    slot_table: [M] int, the slots launched with (None: ``arange(M)``)
+    limit:      the longest valid length (``range_limit``), n_slots: KV_SLOTS
+    The message names ``slot_table`` or ``seq_lens``, the first flagged
+    sequence, its value (as it is now) and the valid range, and how many
+    sequences were flagged.
+    """
+    count = int(flag[ERR_COUNT])
+    if count == 0:
+        return
+    m = int(flag[ERR_FIRST])
+    more = "" if count == 1 else f" ({count} sequences flagged, this is the first)"
+    slot = None if slot_table is None else _element(slot_table, m)
+    if slot is not None and not 0 <= slot < n_slots:
+        raise checks.RangeError(
+            f"slot_table: sequence {m} has slot {slot}, expected a slot in "
+            f"[0, KV_SLOTS={n_slots}); it was attended as empty{more}")
+    length = _element(seq_lens, m)
+    raise checks.RangeError(
+        f"seq_lens: sequence {m} has length {length}, expected a length in [0, {limit}] "
+        f"(the cache's capacity, or the positions the plan's splits cover); it was "
+        f"attended as empty{more}")
+
+
+def _element(x, i):
+    """``int(x[i])`` for a host or device integer array (device: one element copied)."""
+    if is_host_array(x) or isinstance(x, (list, tuple)):
+        return int(x[i])
+    if hasattr(x, "data_ptr") and hasattr(x, "cpu"):  # torch
+        return int(x[i].item())
+    return int(np.asarray(to_host(as_device_view(x)[i:i + 1]))[0])
+
+
+def read_flag(flag, seq_lens, slot_table, limit, n_slots):
+    """Synchronise, read device ``flag``, clear it, and ``raise_flagged``."""
+    cuda.synchronize()
+    host = to_host(flag)
+    if int(host[ERR_COUNT]):
+        flag.copy_to_device(clear_flag())
+        raise_flagged(host, seq_lens, slot_table, limit, n_slots)
 
 
 COMBINE_BATCH = 8  # partials a warp loads together before it merges them
@@ -1386,8 +1506,12 @@ def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
     checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache)])
     q_dtypes = (np.dtype(np.float32),) + (
         () if kind == "f32" else (checks._dtype(k_cache),))
-    m_count, n_heads, _ = checks.check_array(
-        "q", q, (("M", None), ("H", None), ("D", head_dim)), dtypes=q_dtypes)
+    m_count, n_heads, q_dim = checks.check_array(
+        "q", q, (("M", None), ("H", None), ("D", None)), dtypes=q_dtypes)
+    checks.check_head_dim("q", q_dim)
+    if q_dim != head_dim:
+        raise checks.ShapeError(
+            f"q: expected head_dim D={head_dim} (k_cache's), got D={q_dim}")
     checks.check_heads(n_heads, n_kv)
     if n_slots < m_count:
         raise checks.ShapeError(f"k_cache: expected KV_SLOTS >= M={m_count} slots, got {n_slots}")
@@ -1398,7 +1522,8 @@ def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
     if row_layout(head_dim, kind, LANES[kind])[0] > 1:
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             checks.check_aligned(name, x, 16)
-    lens = checks.check_lengths("seq_lens", host_ints(seq_lens), max_seq, count=m_count)
+    lens = checks.check_lengths("seq_lens", None if seq_lens is None else host_ints(seq_lens),
+                                max_seq, count=m_count)
     slots = checks.check_slot_table(
         None if slot_table is None else host_ints(slot_table), m_count, n_slots)
     return m_count, n_heads, n_kv, max_seq, head_dim, kind, lens, slots
@@ -1413,18 +1538,22 @@ def _output(name, given, shape, stream):
 
 
 def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, d_part_ml,
-           stream):
+           stream, *, err=None):
     """Enqueue a planned decode (one or two launches) on ``stream`` (a numba
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device
     arrays. With ``pl["pdl"]`` the combine is a programmatic dependent of the
     main kernel (``attention.core.pdl``), except in a graph capture, where it is
-    launched plainly. The combine carries the plan's ``defect``."""
+    launched plainly. The combine carries the plan's ``defect``.
+
+    ``err``: the device range check's flag, int32 [ERR_WORDS] device array
+    (``clear_flag``); default ``default_flag()``. A bad length or slot makes
+    its sequence empty and is counted there (``read_flag`` raises it)."""
     if d_q.shape[1] != pl["group"] * d_k.shape[1]:  # the kernel's group is a constant
         raise checks.ShapeError(
             f"q: expected H = {pl['group']} * H_kv = {pl['group'] * d_k.shape[1]} heads "
             f"(the plan's group size), got {d_q.shape[1]}")
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
-            d_out, d_lse, d_part_acc, d_part_ml)
+            d_out, d_lse, d_part_acc, d_part_ml, default_flag() if err is None else err)
     _allow_shared(pl, args)
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:

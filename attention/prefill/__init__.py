@@ -1,7 +1,9 @@
-"""Multi-head prefill attention.
+"""Multi-head prefill attention, the product path.
 
-    kernels  the fused online-softmax kernel (the product path), the
-             per-head and batched reference paths, ``prefill_attention``
-    layout   interleaved rows <-> head-major copies, transposes
-    softmax  warp-per-row softmax over materialised scores (reference paths)
+    kernels  the fused online-softmax kernel and ``prefill_attention``
+    debug    the ``ATTN_PREFILL_DEBUG`` tracing helpers (shared with the
+             reference paths)
+
+The per-head and batched designs are references, in
+``attention.reference.prefill_paths``; nothing here imports them.
 """

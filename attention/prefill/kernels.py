@@ -1,58 +1,53 @@
-"""Multi-head prefill attention: the per-head path, the batched path, a fused path.
+"""Multi-head prefill attention: the fused online-softmax kernel (the product path).
 
     out[t, h*D:(h+1)*D] = softmax(scale * q_h[t] . k_g[:n_t]^T) @ v_g[:n_t]
 
 over T tokens with interleaved rows (``x[t, h*D + d]``), where query head
 ``h`` reads kv head ``g = h * H_kv // H`` (GQA) and ``n_t = t + 1`` when
-causal, ``T`` otherwise. Every method also produces ``lse[h, t]``, the
-natural-log log-sum-exp of row ``t``'s scaled scores.
+causal, ``T`` otherwise. It also produces ``lse[h, t]``, the natural-log
+log-sum-exp of row ``t``'s scaled scores.
 
 Layouts (C-contiguous, float32):
     q    [T, H*D]       k, v  [T, H_kv*D]       out [T, H*D]       lse [H, T]
 
-Methods (``method=``):
+The kernel (``fused_kernel``) never materialises scores. A block owns ``BQ``
+query rows of one head (grid ``(ceil(T/BQ), H)``, ``NW`` warps, each warp
+``RW`` consecutive rows). It stages its Q rows (pre-scaled) in shared memory
+once, then streams K/V in tiles of ``BK`` keys through shared memory. Lane
+``j`` scores key ``k0 + j`` against each of its warp's rows; the row's tile
+maximum comes from ``warp_max``, and ``online_softmax_merge`` folds the tile
+into the running state (running max warp-uniform, running sum kept as
+per-lane partials, which the merge's linearity allows, summed by ``warp_sum``
+once at the end). The tile's probabilities go through a per-warp shared
+buffer to ``acc += p V``, lane ``c`` owning output columns ``c, c+32, ...``.
+Causal blocks stop at their last row's diagonal and warps skip tiles none of
+their rows can see.
 
-* ``"per_head"``: for each head, a chain of small kernels: gather the head
-  (``layout.gather_heads``), transpose K (``layout.batched_transpose``),
-  ``Q K^T`` (``gemm.batched_gemm``), scale (``gemm.batched_scale``), row
-  softmax (``softmax.row_softmax``), ``P V``, scatter the head back. The
-  ``[T, T]`` scores of one head are materialised. ``6 H + 3 H_kv`` launches
-  (K and V are gathered and transposed once per kv head).
-* ``"batched"``: the same steps with every head in each launch: interleaved
-  -> ``[H, T, D]``, batched transpose of K, batched GEMM (the kv head of
-  batch ``z`` is ``z * H_kv // H``), batched scale, batched softmax (one warp
-  per row), batched GEMM, back to interleaved. Materialises ``[H, T, T]``.
-* ``"fused"`` (default): one kernel (``fused_kernel``), never materialising
-  scores. A block owns ``BQ`` query rows of one head (grid
-  ``(ceil(T/BQ), H)``, ``NW`` warps, each warp ``RW`` consecutive rows). It
-  stages its Q rows (pre-scaled) in shared memory once, then streams K/V in
-  tiles of ``BK`` keys through shared memory. Lane ``j`` scores key
-  ``k0 + j`` against each of its warp's rows; the row's tile maximum comes
-  from ``warp_max``, and ``online_softmax_merge`` folds the tile into the
-  running state (running max warp-uniform, running sum kept as per-lane
-  partials, which the merge's linearity allows, summed by ``warp_sum`` once at
-  the end). The tile's probabilities go through a per-warp shared buffer to
-  ``acc += p V``, lane ``c`` owning output columns ``c, c+32, ...``. Causal
-  blocks stop at their last row's diagonal and warps skip tiles none of their
-  rows can see.
+Reference paths: the per-head and batched designs (a chain of gather,
+transpose, GEMM, scale, softmax, GEMM launches over materialised ``[T, T]``
+scores) live in ``attention.reference.prefill_paths``
+(``prefill_attention_reference(..., method="batched" | "per_head")``); they
+share this module's argument checks and planted defects, and nothing here
+imports them. ``prefill_attention(method=...)`` takes only ``"fused"``; a
+reference method name raises ``checks.RangeError`` naming that entry point.
 
-Every method takes numpy arrays (copied; numpy results) or device arrays
-(numba, ``__cuda_array_interface__``, DLPack; device results) and an optional
-``stream`` on which all its launches are enqueued, so it can be timed with
-events on that stream. Intermediate buffers (per-head / batched paths) are
-allocated on each call.
+``prefill_attention`` takes numpy arrays (copied; numpy results) or device
+arrays (numba, ``__cuda_array_interface__``, DLPack; device results) and an
+optional ``stream`` on which its launch is enqueued, so it can be timed with
+events on that stream.
 
 Debug switch: ``ATTN_PREFILL_DEBUG=1`` logs (logger ``attention.prefill.kernels``,
-INFO; a stderr handler is added when logging is not configured) for head 0:
-the means of Q/K/V, the score statistics, the largest deviation of a softmax
-row sum from 1 (materialised probabilities; for ``"fused"``, recomputed on the
-host from the kernel's LSE: ``sum_j exp(s_tj - lse_t)``), and the output
+INFO; a stderr handler is added when logging is not configured; helpers in
+``attention.prefill.debug``) for head 0: the means of Q/K/V, the score
+statistics, the largest deviation of a softmax row sum from 1 (recomputed on
+the host from the kernel's LSE: ``sum_j exp(s_tj - lse_t)``), and the output
 statistics. It synchronises and copies, so it is for tracing, not timing.
 
 Planted defects (``defect=``, falsification suite only; the same kernel
-sources with one closure constant flipped, ``validation/suite_prefill.py``):
-    "softmax_not_normalised"  the softmax (or the fused epilogue) skips the
-                              division by the row sum
+source with one closure constant flipped, ``validation/suite_prefill.py``;
+the reference paths carry the same two):
+    "softmax_not_normalised"  the fused epilogue skips the division by the
+                              row sum
     "causal_off_by_one"       a causal row sees one key too many (0 .. t+1)
 """
 
@@ -61,8 +56,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import sys
 
 import numpy as np
 from numba import cuda, float32
@@ -77,16 +70,23 @@ from attention.core.device import (
     to_device,
     to_host,
 )
-from attention.gemm.tiled import batched_gemm, batched_scale
-from attention.prefill.layout import batched_transpose, gather_heads, scatter_heads
-from attention.oracle import kv_head_of
-from attention.prefill.softmax import SOFTMAX_DEFECTS, row_softmax
 from attention.core.warp import FULL_MASK, online_softmax_merge, warp_max, warp_sum
+from attention.prefill.debug import (  # noqa: F401 - DEBUG_ENV, debug_enabled: public here too
+    DEBUG_ENV,
+    debug_enabled,
+    debug_logger,
+    host_copy,
+    stats,
+    trace_inputs,
+    trace_probabilities,
+)
 
 WARP = 32
-METHODS = ("fused", "batched", "per_head")
-PREFILL_DEFECTS = SOFTMAX_DEFECTS  # ("softmax_not_normalised", "causal_off_by_one")
-DEBUG_ENV = "ATTN_PREFILL_DEBUG"
+METHODS = ("fused",)
+# the designs kept in attention.reference.prefill_paths, reachable only from there
+REFERENCE_METHODS = ("batched", "per_head")
+REFERENCE_ENTRY = "attention.reference.prefill_paths.prefill_attention_reference"
+PREFILL_DEFECTS = ("softmax_not_normalised", "causal_off_by_one")
 FUSED_WARPS = 4
 SHARED_BUDGET = 48 * 1024  # static shared memory per block, bytes
 MAX_ACC = 16  # accumulator registers per lane: RW rows x ceil(D/32) columns
@@ -316,124 +316,11 @@ def check_prefill(q, k, v, n_heads, n_kv_heads=None):
 
 
 # ---------------------------------------------------------------------------
-# debug tracing (ATTN_PREFILL_DEBUG=1)
+# the fused path
 # ---------------------------------------------------------------------------
-
-def debug_enabled():
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def _debug_logger():
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
-        log.addHandler(handler)
-    return log
-
-
-def _host(x, stream):
-    """Host copy for tracing: synchronises."""
-    if is_host_array(x):
-        return np.asarray(x)
-    arr = to_host(to_device(x), stream)
-    cuda.synchronize()
-    return arr
-
-
-def _stats(a):
-    a = np.asarray(a, np.float64)
-    if a.size == 0:
-        return "empty"
-    finite = a[np.isfinite(a)]
-    if finite.size == 0:
-        return f"no finite values of {a.size}"
-    return (f"mean={finite.mean():.6g} std={finite.std():.6g} min={finite.min():.6g} "
-            f"max={finite.max():.6g} nonfinite={a.size - finite.size}")
-
-
-def _trace_inputs(dbg, method, qh, kh, vh, dims):
-    dbg.info("%s %s head 0: Q mean=%.6g K mean=%.6g V mean=%.6g", method, dims,
-             float(np.mean(qh)), float(np.mean(kh)), float(np.mean(vh)))
-
-
-def _trace_probabilities(dbg, method, probs, causal):
-    """probs [T, N] host: the deviation of each (visible) row sum from 1."""
-    sums = probs.astype(np.float64).sum(axis=1)
-    worst = int(np.argmax(np.abs(sums - 1.0))) if sums.size else 0
-    dbg.info("%s head 0: softmax row sums: max |sum-1|=%.3g (row %d, sum %.9g)%s", method,
-             float(np.abs(sums - 1.0).max()) if sums.size else 0.0, worst,
-             float(sums[worst]) if sums.size else 0.0, " causal" if causal else "")
-
-
-# ---------------------------------------------------------------------------
-# the three paths
-# ---------------------------------------------------------------------------
-
-def _run_per_head(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
-    t_len, n_heads, n_kv, head_dim = dims
-    q_head = device_empty((1, t_len, head_dim), np.float32, st)
-    k_head = device_empty((1, t_len, head_dim), np.float32, st)
-    v_head = device_empty((1, t_len, head_dim), np.float32, st)
-    k_t = device_empty((1, head_dim, t_len), np.float32, st)
-    scores = device_empty((1, t_len, t_len), np.float32, st)
-    o_head = device_empty((1, t_len, head_dim), np.float32, st)
-    loaded = -1
-    for h in range(n_heads):
-        g = kv_head_of(h, n_heads, n_kv)
-        gather_heads(d_q, h, q_head, st)
-        if g != loaded:  # consecutive query heads share a kv head under GQA
-            gather_heads(d_k, g, k_head, st)
-            gather_heads(d_v, g, v_head, st)
-            batched_transpose(k_head, k_t, st)
-            loaded = g
-        if dbg and h == 0:
-            _trace_inputs(dbg, "per_head", _host(q_head, st), _host(k_head, st),
-                          _host(v_head, st), _dims_text(dims))
-        batched_gemm(q_head, k_t, scores, st)
-        batched_scale(scores, scale, st)
-        if dbg and h == 0:
-            dbg.info("per_head head 0: scaled scores %s", _stats(_host(scores, st)[0]))
-        row_softmax(scores, causal, d_lse[h:h + 1], st, defect)
-        if dbg and h == 0:
-            _trace_probabilities(dbg, "per_head", _host(scores, st)[0], causal)
-        batched_gemm(scores, v_head, o_head, st)
-        scatter_heads(o_head, h, d_out, st)
-        if dbg and h == 0:
-            dbg.info("per_head head 0: output %s", _stats(_host(o_head, st)[0]))
-
-
-def _run_batched(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
-    t_len, n_heads, n_kv, head_dim = dims
-    q_heads = device_empty((n_heads, t_len, head_dim), np.float32, st)
-    k_heads = device_empty((n_kv, t_len, head_dim), np.float32, st)
-    v_heads = device_empty((n_kv, t_len, head_dim), np.float32, st)
-    k_t = device_empty((n_kv, head_dim, t_len), np.float32, st)
-    scores = device_empty((n_heads, t_len, t_len), np.float32, st)
-    o_heads = device_empty((n_heads, t_len, head_dim), np.float32, st)
-    # interleaved -> head-major, all heads per launch
-    gather_heads(d_q, 0, q_heads, st)
-    gather_heads(d_k, 0, k_heads, st)
-    gather_heads(d_v, 0, v_heads, st)
-    if dbg:
-        _trace_inputs(dbg, "batched", _host(q_heads, st)[0], _host(k_heads, st)[0],
-                      _host(v_heads, st)[0], _dims_text(dims))
-    batched_transpose(k_heads, k_t, st)
-    batched_gemm(q_heads, k_t, scores, st)  # batch z reads kv head z * H_kv // H
-    batched_scale(scores, scale, st)
-    if dbg:
-        dbg.info("batched head 0: scaled scores %s", _stats(_host(scores, st)[0]))
-    row_softmax(scores, causal, d_lse, st, defect)
-    if dbg:
-        _trace_probabilities(dbg, "batched", _host(scores, st)[0], causal)
-    batched_gemm(scores, v_heads, o_heads, st)
-    scatter_heads(o_heads, 0, d_out, st)
-    if dbg:
-        dbg.info("batched head 0: output %s", _stats(_host(o_heads, st)[0]))
-
 
 def _run_fused(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg):
+    """Launch the fused kernel: grid ``(ceil(T / BQ), H)`` on stream ``st``."""
     t_len, n_heads, n_kv, head_dim = dims
     kernel = fused_kernel(head_dim, bool(causal), defect)
     bq = fused_rows_per_block(head_dim)
@@ -447,42 +334,36 @@ def _trace_fused(dbg, d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st):
     """Head 0 of the fused path: scores recomputed on the host (float64) for
     up to 64 rows, and each row's ``sum_j exp(s_tj - lse_t)`` against 1."""
     t_len, n_heads, n_kv, head_dim = dims
-    q = _host(d_q, st)[:, :head_dim].astype(np.float64)  # [T, D] head 0
-    k = _host(d_k, st)[:, :head_dim].astype(np.float64)  # [T, D] kv head 0
-    v = _host(d_v, st)[:, :head_dim]
-    lse = _host(d_lse, st)[0].astype(np.float64)  # [T]
-    _trace_inputs(dbg, "fused", q, k, v, _dims_text(dims))
+    q = host_copy(d_q, st)[:, :head_dim].astype(np.float64)  # [T, D] head 0
+    k = host_copy(d_k, st)[:, :head_dim].astype(np.float64)  # [T, D] kv head 0
+    v = host_copy(d_v, st)[:, :head_dim]
+    lse = host_copy(d_lse, st)[0].astype(np.float64)  # [T]
+    trace_inputs(dbg, "fused", q, k, v, dims)
     rows = np.unique(np.linspace(0, t_len - 1, min(t_len, 64)).astype(int))
     scores = (q[rows] @ k.T) * scale  # [R, T]
     if causal:
         visible = np.arange(t_len)[None, :] <= rows[:, None]  # [R, T]
         dbg.info("fused head 0: scaled scores (%d sampled rows, visible keys) %s",
-                 rows.size, _stats(scores[visible]))
+                 rows.size, stats(scores[visible]))
         scores = np.where(visible, scores, -np.inf)
     else:
-        dbg.info("fused head 0: scaled scores (%d sampled rows) %s", rows.size, _stats(scores))
-    _trace_probabilities(dbg, "fused (from LSE)", np.exp(scores - lse[rows, None]), causal)
-    dbg.info("fused head 0: output %s", _stats(_host(d_out, st)[:, :head_dim]))
-
-
-def _dims_text(dims):
-    t_len, n_heads, n_kv, head_dim = dims
-    return f"T={t_len} H={n_heads} H_kv={n_kv} D={head_dim}"
-
-
-_RUNNERS = {"fused": _run_fused, "batched": _run_batched, "per_head": _run_per_head}
+        dbg.info("fused head 0: scaled scores (%d sampled rows) %s", rows.size, stats(scores))
+    trace_probabilities(dbg, "fused (from LSE)", np.exp(scores - lse[rows, None]), causal)
+    dbg.info("fused head 0: output %s", stats(host_copy(d_out, st)[:, :head_dim]))
 
 
 def prefill_attention(q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=None,
                       method="fused", stream=None, return_lse=False, defect=None):
-    """Multi-head (GQA) prefill attention over T tokens.
+    """Multi-head (GQA) prefill attention over T tokens, fused kernel.
 
     q:          [T, H*D] float32, interleaved rows (H = n_heads)
     k, v:       [T, H_kv*D] float32, interleaved rows (H_kv = n_kv_heads,
                 default H; must divide H)
     causal:     query t attends keys 0..t (else all T)
     scale:      default 1/sqrt(D)
-    method:     "fused" (default), "batched" or "per_head" (module docstring)
+    method:     "fused" (the only one here); "batched" and "per_head" raise
+                ``checks.RangeError`` naming
+                ``attention.reference.prefill_paths.prefill_attention_reference``
     stream:     numba stream; None synchronises before returning, a stream
                 only enqueues
     return_lse: also return lse [H, T] (natural log)
@@ -491,8 +372,29 @@ def prefill_attention(q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=
     arrays. T == 0 gives empty arrays. Raises ``checks.*`` errors (ValueError)
     before any copy or launch.
     """
+    if method in REFERENCE_METHODS:
+        raise checks.RangeError(
+            f"method: {method!r} is a reference path, not part of the product kernel; "
+            f"call {REFERENCE_ENTRY}(..., method={method!r})")
     if method not in METHODS:
-        raise checks.RangeError(f"method: expected one of {METHODS}, got {method!r}")
+        raise checks.RangeError(f"method: expected one of {METHODS}, got {method!r} "
+                                f"(reference paths: {REFERENCE_ENTRY})")
+    return run_prefill(_run_fused, log, q, k, v, n_heads, n_kv_heads=n_kv_heads, causal=causal,
+                       scale=scale, stream=stream, return_lse=return_lse, defect=defect)
+
+
+def run_prefill(runner, logger, q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=None,
+                stream=None, return_lse=False, defect=None):
+    """The frame every prefill path shares: checks, copies, result.
+
+    Validates the arguments (``check_prefill``, ``checks.check_scale``,
+    ``defect`` in ``PREFILL_DEFECTS``) before any copy or launch, returns empty
+    results for T == 0, else copies the inputs to the device, allocates
+    ``out [T, H*D]`` and ``lse [H, T]`` and calls
+    ``runner(d_q, d_k, d_v, d_out, d_lse, (T, H, H_kv, D), scale, causal,
+    stream, defect, dbg)``, ``dbg`` being ``logger`` when ``ATTN_PREFILL_DEBUG``
+    is set, else None. Arguments and result as ``prefill_attention``'s.
+    """
     if defect not in (None,) + PREFILL_DEFECTS:
         raise ValueError(f"defect: expected one of {PREFILL_DEFECTS} or None, got {defect!r}")
     dims = check_prefill(q, k, v, n_heads, n_kv_heads)
@@ -509,12 +411,12 @@ def prefill_attention(q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=
             lse = device_empty((n_heads, 0), np.float32, stream)
         return (out, lse) if return_lse else out
 
-    dbg = _debug_logger() if debug_enabled() else None
+    dbg = debug_logger(logger) if debug_enabled() else None
     st = launch_stream(stream)
     d_q, d_k, d_v = to_device(q, stream), to_device(k, stream), to_device(v, stream)
     d_out = device_empty((t_len, n_heads * head_dim), np.float32, stream)
     d_lse = device_empty((n_heads, t_len), np.float32, stream)
-    _RUNNERS[method](d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg)
+    runner(d_q, d_k, d_v, d_out, d_lse, dims, scale, causal, st, defect, dbg)
     result = (d_out, d_lse)
     if host:
         result = (to_host(d_out, stream), to_host(d_lse, stream))

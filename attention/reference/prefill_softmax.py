@@ -1,4 +1,5 @@
-"""Warp-per-row softmax over materialised attention scores (prefill paths).
+"""Warp-per-row softmax over materialised attention scores (the prefill reference
+paths, ``attention.reference.prefill_paths``).
 
 ``scores [G, T, N]`` holds G groups (heads) of T rows of N scaled scores; one
 warp normalises one row in place, three passes with lanes striding the
@@ -29,10 +30,13 @@ from numba import cuda, float32
 
 from attention.core.device import jit
 from attention.core.warp import warp_max, warp_sum
+from attention.prefill.kernels import PREFILL_DEFECTS
 
 WARP = 32
 ROWS_PER_BLOCK = 4
-SOFTMAX_DEFECTS = ("softmax_not_normalised", "causal_off_by_one")
+# the same planted defects as the fused product kernel's, so the falsification
+# suite asks every path for each one
+SOFTMAX_DEFECTS = PREFILL_DEFECTS  # ("softmax_not_normalised", "causal_off_by_one")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,6 @@
-"""Layout kernels for prefill: interleaved rows <-> head-major, and transposes.
+"""Layout kernels of the prefill reference paths: interleaved rows <-> head-major,
+and transposes (``attention.reference.prefill_paths``; the fused product kernel
+reads the interleaved rows directly and needs none of these).
 
 Prefill tensors arrive interleaved, one token per row with the heads side by
 side: ``x[t, h*D + d]``. The per-head and batched attention paths work on

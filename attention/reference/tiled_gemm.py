@@ -1,4 +1,5 @@
-"""Batched shared-memory tiled GEMM and the batched scale, for the prefill paths.
+"""Batched shared-memory tiled GEMM and the batched scale, for the prefill reference
+paths (``attention.reference.prefill_paths``).
 
 ``batched_gemm``: ``c[z] = a[z] @ b[z * B_b // B_a]`` for ``z < B_a``
 
@@ -23,7 +24,7 @@ import numpy as np
 from numba import cuda, float32
 
 from attention.core.device import jit
-from attention.prefill.layout import COPY_THREADS, copy_grid
+from attention.reference.prefill_layout import COPY_THREADS, copy_grid
 
 BLOCK_M = 64
 BLOCK_N = 64

@@ -1,0 +1,559 @@
+"""Decode attention planned once, run many times: ``DecodePlan``.
+
+A decode step calls attention with the same geometry every time: the batch
+(M, H, H_kv, D), the pooled cache (KV_SLOTS, max_seq) and the dtypes. A
+``DecodePlan`` does everything that depends only on those once, when it is
+made:
+
+* chooses the kernel and the split count (``attention.decode.fast.plan``);
+* compiles the main kernel (and, with more than one split, the combine) for
+  the plan's argument types and takes their ``cuda.core`` kernel handles;
+* sets the dynamic shared memory opt-in of the main kernel's function;
+* allocates the split-KV scratch, the default ``out`` / ``lse`` buffers, an
+  identity slot table and the device error flag;
+* builds the launch argument lists in numba's packed form (``_ArgTemplate``:
+  for an array, ``meminfo 0, parent 0, size, itemsize, data pointer,
+  shape..., strides in bytes...``; scalars as ctypes values), in which only
+  the data pointers change from one call to the next.
+
+``run(...)`` then only checks what is cheap on the host (shapes, dtypes,
+contiguity, 16-byte alignment where the kernel reads vector rows), writes the
+arrays' data pointers into the prebuilt lists and enqueues the launches
+through ``cuda.core.launch`` (the combine as a programmatic dependent where
+the plan has ``pdl``). It makes no host-device copy, no allocation and no
+synchronisation. Lengths and slots are checked on the device by the main
+kernel (``fast_decode_kernel``: a bad sequence is attended as empty, nothing
+is read out of bounds, and the plan's error flag counts it); ``check()``
+synchronises, reads and clears the flag and raises ``RangeError`` naming
+``seq_lens`` or ``slot_table``.
+
+On the CUDA simulator there is no ``cuda.core`` launch: ``run`` launches the
+same kernels through numba (``launch_path`` / ``launch_reason`` say which path
+runs and why). On a machine with neither, a plan can be made and validates
+arguments, and ``run`` raises ``RuntimeError`` after its checks.
+
+Array arguments: torch CUDA tensors (float32, float16, bfloat16, int32),
+numba device arrays, and any object with ``__cuda_array_interface__``
+(a 2-byte void typestr, ``|V2``, as torch exports bfloat16, is read as
+bfloat16 where the plan expects bfloat16).
+
+Layouts (C-contiguous, device memory):
+    q           [M, H, D]                     float32 or the cache's dtype
+    k_cache     [KV_SLOTS, H_kv, max_seq, D]  float32 / float16 / bfloat16
+    v_cache     [KV_SLOTS, H_kv, max_seq, D]  same dtype
+    seq_lens    [M] int32, slot_table [M] int32 (None: sequence m in slot m)
+    out         [M, H, D] float32, lse [M, H] float32
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import cuda
+
+from attention.core import checks
+from attention.core.device import (
+    BFLOAT16,
+    SIMULATOR,
+    SMEM_STATIC_LIMIT,
+    device_empty,
+    gpu_available,
+)
+from attention.decode import fast
+
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
+
+# how run() reads an argument, by its Python type (filled as types are met)
+_TORCH, _NUMBA, _CAI, _SIM = 1, 2, 3, 4
+_KIND_OF_TYPE = {}
+_TORCH_DTYPES = {}  # torch dtype -> numpy dtype (filled when torch is first met)
+_TYPESTR_DTYPES = {}  # __cuda_array_interface__ typestr -> numpy dtype
+
+
+def as_dtype(name, dt):
+    """numpy dtype of ``dt`` (numpy dtype, type, string, or torch dtype)."""
+    try:
+        return np.dtype(dt)
+    except TypeError:
+        text = str(dt).replace("torch.", "")
+        try:
+            return np.dtype(text)
+        except TypeError:
+            raise checks.DTypeError(f"{name}: expected a dtype, got {dt!r}") from None
+
+
+def _kind_of(x):
+    t = type(x)
+    kind = _KIND_OF_TYPE.get(t)
+    if kind is None:
+        if SIMULATOR:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            kind = _SIM if isinstance(x, FakeCUDAArray) else 0
+        elif cuda.cudadrv.devicearray.is_cuda_ndarray(x):
+            kind = _NUMBA
+        elif t.__module__.startswith("torch") and hasattr(x, "data_ptr"):
+            kind = _TORCH
+            _fill_torch_dtypes()
+        elif hasattr(x, "__cuda_array_interface__"):
+            kind = _CAI
+        else:
+            kind = 0
+        _KIND_OF_TYPE[t] = kind
+    return kind
+
+
+def _fill_torch_dtypes():
+    if _TORCH_DTYPES:
+        return
+    import torch
+
+    _TORCH_DTYPES.update({torch.float32: _FLOAT32, torch.float16: np.dtype(np.float16),
+                          torch.int32: _INT32, torch.int64: np.dtype(np.int64),
+                          torch.float64: np.dtype(np.float64)})
+    if BFLOAT16 is not None:
+        _TORCH_DTYPES[torch.bfloat16] = BFLOAT16
+
+
+def _dtype_name(x):
+    return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
+
+
+def _shape_text(dims):
+    return "[" + ", ".join(dims) + "]"
+
+
+class _Spec:
+    """What one array argument of a plan must be: name, shape, dtype, the
+    alignment of its start, and the labels of its dimensions (messages)."""
+
+    __slots__ = ("name", "shape", "dtype", "align", "dims")
+
+    def __init__(self, name, shape, dtype, align, labels):
+        self.name, self.shape, self.dtype, self.align = name, tuple(shape), dtype, align
+        self.dims = _shape_text(f"{lab}={n}" for lab, n in zip(labels, shape))
+
+    def fail_shape(self, shape):
+        raise checks.ShapeError(
+            f"{self.name}: expected shape {self.dims} (the plan's), got {tuple(shape)}")
+
+    def fail_dtype(self, got):
+        raise checks.DTypeError(
+            f"{self.name}: expected dtype {self.dtype} (the plan's), got {got}")
+
+    def fail_layout(self):
+        raise checks.LayoutError(f"{self.name}: expected a C-contiguous array of shape "
+                                 f"{self.dims}")
+
+    def fail_align(self, ptr):
+        raise checks.LayoutError(f"{self.name}: expected a device address aligned to "
+                                 f"{self.align} bytes (vector loads), got {ptr:#x}")
+
+    def fail_kind(self, x):
+        if isinstance(x, np.ndarray):
+            raise checks.LayoutError(
+                f"{self.name}: expected a device array, got a numpy array (DecodePlan.run "
+                "copies nothing; attention.decode(...) stages numpy inputs)")
+        raise checks.DTypeError(
+            f"{self.name}: expected a device array (torch CUDA tensor, numba device array or "
+            f"__cuda_array_interface__), got {type(x).__name__}")
+
+
+def pointer(spec, x):
+    """The data pointer of device array ``x`` after checking it against
+    ``spec`` (shape, dtype, C-contiguity, alignment); named errors otherwise."""
+    kind = _kind_of(x)
+    if kind == _TORCH:
+        if not x.is_cuda:
+            raise checks.LayoutError(f"{spec.name}: expected a CUDA tensor, got one on "
+                                     f"{x.device}")
+        if x.shape != spec.shape:
+            spec.fail_shape(x.shape)
+        dt = _TORCH_DTYPES.get(x.dtype)
+        if dt != spec.dtype:
+            spec.fail_dtype(_dtype_name(x))
+        if not x.is_contiguous():
+            spec.fail_layout()
+        ptr = x.data_ptr()
+    elif kind == _NUMBA:
+        if x.shape != spec.shape:
+            spec.fail_shape(x.shape)
+        if x.dtype != spec.dtype:
+            spec.fail_dtype(x.dtype)
+        if not x.is_c_contiguous():
+            spec.fail_layout()
+        ptr = x.device_ctypes_pointer.value or 0
+    elif kind == _CAI:
+        cai = x.__cuda_array_interface__
+        shape = tuple(cai["shape"])
+        if shape != spec.shape:
+            spec.fail_shape(shape)
+        typestr = cai["typestr"]
+        dt = _TYPESTR_DTYPES.get(typestr)
+        if dt is None:
+            dt = np.dtype(typestr)
+            if dt.kind == "V" and dt.itemsize == 2 and BFLOAT16 is not None:
+                dt = BFLOAT16  # bfloat16 as torch and others export it
+            _TYPESTR_DTYPES[typestr] = dt
+        if dt != spec.dtype:
+            spec.fail_dtype(dt)
+        strides = cai.get("strides")
+        if strides is not None and not checks._is_c_contiguous(x):
+            spec.fail_layout()
+        ptr = int(cai["data"][0])
+    else:
+        spec.fail_kind(x)
+    if ptr & (spec.align - 1):
+        spec.fail_align(ptr)
+    return ptr
+
+
+def check_sim_array(spec, x):
+    """The simulator's form of ``pointer``: the same checks, no pointer."""
+    if _kind_of(x) != _SIM:
+        spec.fail_kind(x)
+    if tuple(x.shape) != spec.shape:
+        spec.fail_shape(x.shape)
+    if np.dtype(x.dtype) != spec.dtype:
+        spec.fail_dtype(x.dtype)
+    if not x.is_c_contiguous():
+        spec.fail_layout()
+    return x
+
+
+class _ArgTemplate:
+    """A kernel's argument list in numba's packed form, built once.
+
+    ``add_array(shape, itemsize)`` appends ``0, 0, size, itemsize, ptr,
+    shape..., C strides in bytes...`` and returns the index of ``ptr``;
+    ``add(value)`` appends a scalar (a ctypes value)."""
+
+    def __init__(self):
+        self.words = []
+
+    def add_array(self, shape, itemsize, ptr=0):
+        strides, step = [], itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(int(n), 1)
+        at = len(self.words) + 4
+        self.words += [0, 0, int(np.prod(shape, dtype=np.int64)), int(itemsize), int(ptr)]
+        self.words += [int(n) for n in shape] + list(reversed(strides))
+        return at
+
+    def add(self, value):
+        self.words.append(value)
+
+
+def _array_ptr(a):
+    return a.device_ctypes_pointer.value or 0
+
+
+def core_stream(stream, cache):
+    """A ``cuda.core`` stream (or graph builder) for ``stream``: None or 0 (the
+    default stream), a numba stream, a cuda.core stream / graph builder, a
+    torch stream (``.cuda_stream``) or an int handle. ``cache``: a dict of
+    handles already wrapped."""
+    from cuda.core import Stream
+
+    if stream is None or isinstance(stream, int):
+        handle = int(stream or 0)
+    elif isinstance(stream, Stream):
+        return stream
+    elif hasattr(stream, "cuda_stream"):  # torch
+        handle = int(stream.cuda_stream)
+    elif hasattr(stream, "handle") and type(stream).__module__.startswith("numba"):
+        from numba.cuda.cudadrv import driver
+
+        return driver._to_core_stream(stream)
+    else:
+        from attention.core.pdl import is_graph_builder
+
+        if is_graph_builder(stream):
+            return stream
+        raise TypeError(f"stream: expected None, 0, a numba, cuda.core or torch stream, got "
+                        f"{type(stream).__name__}")
+    core = cache.get(handle)
+    if core is None:
+        if len(cache) > 64:
+            cache.clear()
+        core = cache[handle] = Stream.from_handle(handle)
+    return core
+
+
+class DecodePlan:
+    """Batched decode attention over a pooled KV cache, planned once.
+
+    m:            M, sequences a call serves (>= 1)
+    n_heads:      H, query heads; n_kv_heads: H_kv (divides H)
+    head_dim:     D, in [1, 256]
+    kv_slots:     KV_SLOTS of the cache (>= M); max_seq: its capacity
+    cache_dtype:  float32, float16 or bfloat16 (numpy / torch dtype or name)
+    q_dtype:      float32 or the cache's dtype (default: the cache's)
+    max_len:      the longest sequence a call may hold (default: max_seq); the
+                  split plan covers ``limit >= max_len`` positions and the device
+                  check flags any length past ``limit``
+    scale:        default 1/sqrt(D)
+    n_split:      KV chunks a sequence (default: sized to fill the GPU)
+
+    Attributes: ``fast_plan`` (the ``attention.decode.fast.plan`` dict),
+    ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
+    output buffers, overwritten by every run that is given none), ``flag``
+    (int32 [fast.ERR_WORDS] device error flag), ``launch_path`` ("cuda.core",
+    "numba" or "none") and ``launch_reason``.
+
+    A plan belongs to the device current when it was made. ``run`` is not
+    thread-safe (it writes pointers into the plan's argument lists).
+    """
+
+    def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
+                 cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
+                 n_split=None):
+        m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
+        kv_slots, max_seq = int(kv_slots), int(max_seq)
+        checks.check_range("m", m, 1, 1 << 30, what="sequence count")
+        checks.check_heads(n_heads, n_kv, q_name="n_heads", kv_name="n_kv_heads")
+        checks.check_head_dim("head_dim", head_dim)
+        checks.check_range("max_seq", max_seq, 1, 1 << 30, what="cache capacity")
+        if kv_slots < m:
+            raise checks.RangeError(f"kv_slots: expected KV_SLOTS >= m={m}, got {kv_slots}")
+        max_len = max_seq if max_len is None else int(max_len)
+        checks.check_range("max_len", max_len, 1, max_seq, what="longest length")
+        if n_split is not None:
+            checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
+        cdt = as_dtype("cache_dtype", cache_dtype)
+        if cdt not in fast.CACHE_DTYPES:
+            raise checks.DTypeError(
+                f"cache_dtype: expected float32, float16 or bfloat16, got {cdt}")
+        kind = fast.dtype_kind(cdt)
+        qdt = cdt if q_dtype is None else as_dtype("q_dtype", q_dtype)
+        if qdt not in (_FLOAT32, cdt):
+            raise checks.DTypeError(
+                f"q_dtype: expected float32 or the cache's {cdt}, got {qdt}")
+        self.scale = checks.check_scale(scale, head_dim)
+        self.m, self.n_heads, self.n_kv_heads, self.head_dim = m, n_heads, n_kv, head_dim
+        self.kv_slots, self.max_seq, self.max_len = kv_slots, max_seq, max_len
+        self.cache_dtype, self.q_dtype, self.kind = cdt, qdt, kind
+        self.out_shape, self.lse_shape = (m, n_heads, head_dim), (m, n_heads)
+
+        pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split)
+        self.fast_plan = pl
+        self.n_split = pl["n_split"]
+        self.limit = fast.range_limit(pl, max_seq)
+        align = 16 if pl["vec"] > 1 else 1
+        cache_shape = (kv_slots, n_kv, max_seq, head_dim)
+        cache_dims = ("KV_SLOTS", "H_kv", "max_seq", "D")
+        self._specs = (
+            _Spec("q", (m, n_heads, head_dim), qdt, align, ("M", "H", "D")),
+            _Spec("k_cache", cache_shape, cdt, align, cache_dims),
+            _Spec("v_cache", cache_shape, cdt, align, cache_dims),
+            _Spec("seq_lens", (m,), _INT32, 1, ("M",)),
+            _Spec("slot_table", (m,), _INT32, 1, ("M",)),
+            _Spec("out", (m, n_heads, head_dim), _FLOAT32, 1, ("M", "H", "D")),
+            _Spec("lse", (m, n_heads), _FLOAT32, 1, ("M", "H")),
+        )
+        self._last = (None, None)  # (seq_lens, slot_table) of the last run
+        self._streams = {}
+        self._torch_out = None
+
+        if SIMULATOR:
+            self.launch_path = "numba"
+            self.launch_reason = ("the simulator has no cuda.core launch: numba launches of "
+                                  "the same kernels")
+        elif not gpu_available():
+            self.launch_path = "none"
+            self.launch_reason = "no CUDA GPU: the plan validates arguments only"
+            return
+        else:
+            self.launch_path = "cuda.core"
+            self.launch_reason = ("prebuilt argument lists launched through cuda.core "
+                                  "(no numba dispatch)")
+        self._allocate()
+        if self.launch_path == "cuda.core":
+            self._build_launches()
+
+    # -- set-up -------------------------------------------------------------
+
+    def _allocate(self):
+        m, h, d = self.m, self.n_heads, self.head_dim
+        self.out = device_empty((m, h, d), np.float32)
+        self.lse = device_empty((m, h), np.float32)
+        self.part_acc, self.part_ml = fast.scratch(m, h, d, self.n_split)
+        self.flag = cuda.to_device(fast.clear_flag())
+        self.identity_slots = cuda.to_device(np.arange(m, dtype=np.int32))
+        if not SIMULATOR:
+            cuda.synchronize()  # the copies above are complete before any run
+
+    def _build_launches(self):
+        from cuda.core import LaunchConfig
+        from numba import types
+
+        pl = self.fast_plan
+        elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}
+        f32, i32 = types.float32, types.int32
+        qe = types.float32 if self.q_dtype == _FLOAT32 else elem[self.kind]
+        cache = types.Array(elem[self.kind], 4, "C")
+        argtypes = (types.Array(qe, 3, "C"), cache, cache, types.Array(i32, 1, "C"),
+                    types.Array(i32, 1, "C"), f32, i32, types.Array(f32, 3, "C"),
+                    types.Array(f32, 2, "C"), types.Array(f32, 4, "C"),
+                    types.Array(f32, 4, "C"), types.Array(i32, 1, "C"))
+        compiled = pl["kernel"].compile(argtypes)
+        fn = compiled._codelibrary.get_cufunc()
+        if pl["static_smem"] + pl["dyn_smem"] > SMEM_STATIC_LIMIT:
+            from cuda.bindings import driver as binding
+            from numba.cuda.cudadrv import driver
+
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
+                                               fn.device.id)
+        self._main_kernel = fn.kernel
+        self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
+                                         shmem_size=int(pl["dyn_smem"]))
+        s = self._specs
+        t = _ArgTemplate()
+        at = [t.add_array(sp.shape, sp.dtype.itemsize) for sp in s[:5]]
+        t.add(ctypes.c_float(self.scale))
+        t.add(ctypes.c_int32(pl["chunk"]))
+        at.append(t.add_array(s[5].shape, 4, _array_ptr(self.out)))
+        at.append(t.add_array(s[6].shape, 4, _array_ptr(self.lse)))
+        t.add_array(self.part_acc.shape, 4, _array_ptr(self.part_acc))
+        t.add_array(self.part_ml.shape, 4, _array_ptr(self.part_ml))
+        t.add_array((fast.ERR_WORDS,), 4, _array_ptr(self.flag))
+        self._main_args = t.words
+        self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
+        self._combine_kernel = None
+        if self.n_split > 1:
+            ck = fast.combine_kernel(-(-self.head_dim // fast.WARP), pl["pdl"], pl["defect"])
+            ctypes_ = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"),
+                       types.Array(f32, 3, "C"), types.Array(f32, 2, "C"))
+            cfn = ck.compile(ctypes_)._codelibrary.get_cufunc()
+            self._combine_kernel = cfn.kernel
+            grid = (self.n_heads, self.m)
+            block = fast.combine_warps(self.n_split) * fast.WARP
+            self._combine_config = LaunchConfig(grid=grid, block=block)
+            if pl["pdl"]:
+                self._combine_pdl_config = LaunchConfig(
+                    grid=grid, block=block, programmatic_stream_serialization=True)
+            else:
+                self._combine_pdl_config = self._combine_config
+            c = _ArgTemplate()
+            c.add_array(self.part_acc.shape, 4, _array_ptr(self.part_acc))
+            c.add_array(self.part_ml.shape, 4, _array_ptr(self.part_ml))
+            cat = (c.add_array(s[5].shape, 4, _array_ptr(self.out)),
+                   c.add_array(s[6].shape, 4, _array_ptr(self.lse)))
+            self._combine_args = c.words
+            self._combine_at = cat
+        from cuda.core import launch as core_launch
+
+        try:
+            from cuda.core.graph import GraphBuilder
+        except ImportError:  # pragma: no cover - an older cuda.core
+            GraphBuilder = ()
+        self._core_launch = core_launch
+        self._builder_type = GraphBuilder
+        self._own_out, self._own_lse = _array_ptr(self.out), _array_ptr(self.lse)
+        self._stream0 = core_stream(0, self._streams)
+
+    # -- a call -------------------------------------------------------------
+
+    def run(self, q, k_cache, v_cache, seq_lens, slot_table=None, *, out=None, lse=None,
+            stream=None, sync=False):
+        """Enqueue one decode; returns ``out``.
+
+        q:          [M, H, D] the plan's q dtype (device array)
+        k_cache:    [KV_SLOTS, H_kv, max_seq, D] the plan's cache dtype
+        v_cache:    [KV_SLOTS, H_kv, max_seq, D] same
+        seq_lens:   [M] int32, each in [0, limit] (checked on the device)
+        slot_table: [M] int32, each in [0, KV_SLOTS) (checked on the device);
+                    None: sequence m reads slot m
+        out, lse:   [M, H, D] / [M, H] float32 device arrays; None: the plan's
+                    ``out`` / ``lse`` (with torch q, ``out`` comes back as a torch
+                    view of the plan's buffer)
+        stream:     None or 0 (default stream), a numba, cuda.core or torch stream
+        sync:       wait for the launches, then ``check()``
+        No copy, allocation or synchronisation (unless ``sync``); a bad length or
+        slot makes its sequence empty and is raised by ``check()``.
+        """
+        specs = self._specs
+        if self.launch_path != "cuda.core":
+            return self._run_other(q, k_cache, v_cache, seq_lens, slot_table, out, lse,
+                                   stream, sync)
+        a = self._main_args
+        at = self._main_at
+        a[at[0]] = pointer(specs[0], q)
+        a[at[1]] = pointer(specs[1], k_cache)
+        a[at[2]] = pointer(specs[2], v_cache)
+        a[at[3]] = pointer(specs[3], seq_lens)
+        if slot_table is None:
+            slot_table = self.identity_slots
+        a[at[4]] = pointer(specs[4], slot_table)
+        out_ptr = self._own_out if out is None else pointer(specs[5], out)
+        lse_ptr = self._own_lse if lse is None else pointer(specs[6], lse)
+        a[at[5]] = out_ptr
+        a[at[6]] = lse_ptr
+        st = self._stream0 if stream is None else core_stream(stream, self._streams)
+        launch = self._core_launch
+        launch(st, self._main_config, self._main_kernel, *a)
+        if self._combine_kernel is not None:
+            c = self._combine_args
+            c[self._combine_at[0]] = out_ptr
+            c[self._combine_at[1]] = lse_ptr
+            cfg = (self._combine_config if isinstance(st, self._builder_type)
+                   else self._combine_pdl_config)
+            launch(st, cfg, self._combine_kernel, *c)
+        self._last = (seq_lens, slot_table)
+        if sync:
+            self.check()
+        if out is None:
+            out = self._torch_view() if _kind_of(q) == _TORCH else self.out
+        return out
+
+    def _torch_view(self):
+        if self._torch_out is None:
+            import torch
+
+            self._torch_out = torch.as_tensor(self.out, device="cuda")
+        return self._torch_out
+
+    def _run_other(self, q, k_cache, v_cache, seq_lens, slot_table, out, lse, stream, sync):
+        """The simulator's run (numba launches of the same kernels) and the
+        no-GPU plan's (checks, then RuntimeError)."""
+        s = self._specs
+        if self.launch_path == "none":
+            for spec, x in zip(s, (q, k_cache, v_cache, seq_lens, slot_table, out, lse)):
+                if x is not None:
+                    pointer(spec, x)
+            raise RuntimeError(f"DecodePlan.run: {self.launch_reason}")
+        if slot_table is None:
+            slot_table = self.identity_slots
+        args = [check_sim_array(sp, x) for sp, x in zip(s[:5], (q, k_cache, v_cache,
+                                                                seq_lens, slot_table))]
+        d_out = self.out if out is None else check_sim_array(s[5], out)
+        d_lse = self.lse if lse is None else check_sim_array(s[6], lse)
+        fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
+                    self.part_ml, 0 if stream is None else stream, err=self.flag)
+        self._last = (seq_lens, slot_table)
+        if sync:
+            self.check()
+        return d_out
+
+    def check(self):
+        """Wait for the work queued so far, read the device error flag and clear
+        it; ``RangeError`` naming ``seq_lens`` or ``slot_table``, the first
+        flagged sequence, its value and the valid range, if a run since the
+        last check met a length outside ``[0, limit]`` or a slot outside
+        ``[0, KV_SLOTS)`` (those sequences were attended as empty)."""
+        if self.launch_path == "none":
+            return
+        lens, slots = self._last
+        fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots)
+
+
+def _array_dtype(x):
+    cai = getattr(x, "__cuda_array_interface__", None) if not hasattr(x, "data_ptr") else None
+    if isinstance(cai, dict):
+        dt = np.dtype(cai["typestr"])
+        return BFLOAT16 if dt.kind == "V" and dt.itemsize == 2 else dt
+    return checks._dtype(x)
