@@ -103,7 +103,6 @@ def test_decode_kernel_keeps_its_kahan_compensation():
     same kernel with a plain ``total * alpha + y`` in place of the helper
     falls below the bound, so the count can fail."""
     import re
-    import types
 
     from numba import cuda
 
@@ -115,14 +114,25 @@ def test_decode_kernel_keeps_its_kahan_compensation():
     def plain_rescale_add(total, comp, alpha, y):
         return total * alpha + y, comp
 
+    from attention.reference import warp_decode
+
     chunks = 4
     fn = batched_decode_kernel(chunks).py_func
-    plain = types.FunctionType(
-        fn.__code__, {**fn.__globals__, "compensated_rescale_add": plain_rescale_add},
-        fn.__name__, fn.__defaults__, fn.__closure__)
     bound = 3 * (1 + chunks)
     assert subs(fn) >= bound, "the compensation was folded away"
-    assert subs(plain) < bound, "control: an uncompensated kernel must fall below the bound"
+    # control: the same kernel built with a plain rescale-add in the shared
+    # position loop (warp_decode.position_loop resolves the helper at compile)
+    saved = warp_decode.compensated_rescale_add
+    try:
+        warp_decode.compensated_rescale_add = plain_rescale_add
+        warp_decode.position_loop.cache_clear()
+        warp_decode.batched_decode_kernel.cache_clear()
+        plain = warp_decode.batched_decode_kernel(chunks).py_func
+        assert subs(plain) < bound, "control: an uncompensated kernel must fall below the bound"
+    finally:
+        warp_decode.compensated_rescale_add = saved
+        warp_decode.position_loop.cache_clear()
+        warp_decode.batched_decode_kernel.cache_clear()
 
 
 @pytest.mark.compile

@@ -121,14 +121,12 @@ def all_defects():
         names += tuple(b.defects)
     return tuple(dict.fromkeys(names))
 
-# flag[0]: nonzero once a step met a sequence out of capacity since the last
-# check (each such sequence adds 1); flag[1]: the smallest such sequence index
-NO_SEQUENCE = np.iinfo(np.int32).max
-
-
-def clear_flag():
-    """The initial (clear) value of the capacity flag: [0, NO_SEQUENCE] int32."""
-    return np.array([0, NO_SEQUENCE], np.int32)
+# The capacity flag is the fast kernel's device error flag (``fast.clear_flag``,
+# int32 [fast.ERR_WORDS]): the prepare kernel counts a sequence out of capacity in
+# ERR_COUNT / ERR_LENGTHS and keeps the smallest such index in ERR_FIRST, and the
+# fast kernel's own range check (which the prepared lengths never trip) writes
+# into the same flag, so one check() reads both.
+ERR_COUNT, ERR_FIRST, ERR_LENGTHS = fast.ERR_COUNT, fast.ERR_FIRST, fast.ERR_LENGTHS
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +137,8 @@ def prepare_kernel(advance=True, done_read=False):
     Grid ceil(M/block), block ``threads_for(M)``.
 
     lengths [M] int32 (advanced in place), done [M] int32 (nonzero: finished),
-    positions [M] int32, seq_lens [M] int32 (written), max_seq int32, flag [2] int32.
+    positions [M] int32, seq_lens [M] int32 (written), max_seq int32, flag
+    [fast.ERR_WORDS] int32 (``fast.clear_flag``).
     """
     ADVANCE, DONE_READ = advance, done_read
 
@@ -156,8 +155,9 @@ def prepare_kernel(advance=True, done_read=False):
             elif length < 0 or length >= max_seq:
                 positions[m] = max_seq
                 seq_lens[m] = 0
-                cuda.atomic.add(flag, 0, 1)
-                cuda.atomic.min(flag, 1, m)
+                cuda.atomic.add(flag, ERR_COUNT, 1)
+                cuda.atomic.add(flag, ERR_LENGTHS, 1)
+                cuda.atomic.min(flag, ERR_FIRST, m)
             else:
                 positions[m] = length
                 seq_lens[m] = length + 1
@@ -290,12 +290,12 @@ class DecodeState:
         self.seq_lens = device_empty((mc,), np.int32)
         self.out = device_empty((mc, h, d), np.float32)
         self.lse = device_empty((mc, h), np.float32)
-        self._flag = to_device(clear_flag())
+        self._flag = to_device(fast.clear_flag())
         self._scratch = self._allocate_scratch()
         # a dry step (every sequence done: nothing written, nothing advanced)
         # compiles and loads every kernel without touching the state
         self._dry = (to_device(np.zeros(mc, np.int32)), to_device(np.ones(mc, np.int32)),
-                     to_device(clear_flag()))
+                     to_device(fast.clear_flag()))
         self._prepare = prepare_kernel(defect != "length_not_advanced",
                                        defect == "done_slot_read")
         self._scatter = scatter_kernel(True, self._scatter_defect)
@@ -360,13 +360,14 @@ class DecodeState:
             lengths, done, self.positions, self.seq_lens, np.int32(self.max_seq), flag)
         self._scatter[(self.m, self.n_kv_heads), self._scatter_threads, stream](
             self.k_new, self.v_new, self.k_cache, self.v_cache, self.positions, self.d_slots)
-        self._attend(stream)
+        self._attend(stream, flag)
 
-    def _attend(self, stream):
+    def _attend(self, stream, flag):
         if self.kernel == "fast":
             pa, pm = self._scratch
             fast.launch(self.plan, self.q, self.k_cache, self.v_cache, self.seq_lens,
-                        self.d_slots, self.scale, self.out, self.lse, pa, pm, stream)
+                        self.d_slots, self.scale, self.out, self.lse, pa, pm, stream,
+                        err=flag)
             return
         self._backend.attend(self, stream)
 
@@ -417,9 +418,10 @@ class DecodeState:
         sequence outside the capacity (it was neither written nor attended);
         clears the flag. Waits for the work queued so far and reads two ints."""
         self.synchronize()
-        raised, first = (int(x) for x in to_host(self._flag))
+        host = to_host(self._flag)
+        raised, first = int(host[ERR_COUNT]), int(host[ERR_FIRST])
         if raised:
-            self._flag.copy_to_device(clear_flag())
+            self._flag.copy_to_device(fast.clear_flag())
             length = int(to_host(self.d_lengths)[first])
             raise checks.RangeError(
                 f"step: sequence {first} holds {length} positions, outside what the cache's "

@@ -52,6 +52,7 @@ from attention.reference.warp_decode import (
     check_output,
     kv_loader,
     n_chunks,
+    position_loop,
     stage_caches,
 )
 from attention.core.device import (
@@ -63,8 +64,7 @@ from attention.core.device import (
     to_device,
     to_host,
 )
-from attention.core.warp import (compensated_rescale_add, online_softmax_merge, online_softmax_update,
-                   warp_sum_down)
+from attention.core.warp import online_softmax_merge
 
 SPLIT_DEFECTS = KERNEL_DEFECTS
 METHODS = ("auto", "warp", "split", "fast")
@@ -85,11 +85,12 @@ def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
     if defect not in (None,) + SPLIT_DEFECTS:
         raise ValueError(f"defect: expected one of {SPLIT_DEFECTS} or None, got {defect!r}")
     CH = chunks
-    STUCK = defect == "stuck_rescale"
     GQA_MOD = defect == "gqa_mod"
     SLOT_SHIFT = 1 if defect == "slot_off_by_one" else 0
     MAX_LEN = defect == "batch_max_len"
-    load, n_kv_of = kv_loader(pointers)
+    _, n_kv_of = kv_loader(pointers)
+    # the warp kernel's position loop over this chunk's positions
+    attend_positions = position_loop(chunks, defect == "stuck_rescale", pointers)
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
                part_max, part_sum, part_acc):
@@ -115,56 +116,18 @@ def flash_decode_chunk_kernel(chunks, defect=None, pointers=None):
         start = split * chunk
         stop = min(start + chunk, length)  # stop <= start: an empty chunk
 
-        # -- this lane's slice of q, pre-scaled --
-        q_reg = cuda.local.array(CH, float32)
         acc = cuda.local.array(CH, float32)
-        acc_c = cuda.local.array(CH, float32)  # Kahan compensation of acc
-        for c in range(CH):
-            d = lane + c * WARP
-            q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
-            acc[c] = float32(0.0)
-            acc_c[c] = float32(0.0)
-
-        m = float32(-math.inf)
-        l = float32(0.0)
-        l_c = float32(0.0)
-        for pos in range(start, stop):
-            # -- score: q . k[pos], reduced across the warp --
-            part = float32(0.0)
-            for c in range(CH):
-                d = lane + c * WARP
-                if d < head_dim:
-                    part += q_reg[c] * float32(load(k_cache, slot, kv_head, pos, d, head_dim))
-            s = warp_sum_down(part)
-
-            # -- online softmax --
-            if STUCK:
-                m_new = max(m, s)
-                m = m_new  # the old max is gone before the rescale reads it
-                alpha = math.exp(m - m_new)
-                p = math.exp(s - m_new)
-            else:
-                m, _, alpha, p = online_softmax_update(m, l, s)
-
-            # -- rescale what came before, add this position's value; a chunk's
-            # sums run over its positions in turn, so they carry Kahan
-            # compensation as the warp kernel's do (attention.reference.warp_decode) --
-            l, l_c = compensated_rescale_add(l, l_c, alpha, p)
-            for c in range(CH):
-                d = lane + c * WARP
-                if d < head_dim:
-                    acc[c], acc_c[c] = compensated_rescale_add(
-                        acc[c], acc_c[c], alpha,
-                        p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
+        m, l = attend_positions(q, k_cache, v_cache, scale, seq, head, slot, kv_head,
+                                start, stop, lane, head_dim, acc)
 
         # -- epilogue: the partial state, unnormalised (empty: -inf, 0, zeros) --
         for c in range(CH):
             d = lane + c * WARP
             if d < head_dim:
-                part_acc[seq, head, split, d] = acc[c] - acc_c[c]
+                part_acc[seq, head, split, d] = acc[c]
         if lane == 0:
             part_max[seq, head, split] = m
-            part_sum[seq, head, split] = l - l_c
+            part_sum[seq, head, split] = l
 
     kernel.__name__ = "flash_decode_chunk" + ("" if pointers is None else "_ptr") + (
         "" if defect is None else "_" + defect)

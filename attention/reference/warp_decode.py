@@ -97,6 +97,75 @@ def kv_loader(pointers):
 
 
 @functools.lru_cache(maxsize=None)
+def position_loop(chunks, stuck=False, pointers=None):
+    """The warp kernels' loop over one sequence's positions ``start .. stop-1``
+    (the warp kernel: all of them; the split-KV chunk kernel: one chunk), as a
+    device function of the calling warp:
+
+        m, l = attend(q, k_cache, v_cache, scale, seq, head, slot, kv_head,
+                      start, stop, lane, head_dim, acc)
+
+    q [M, H, D], caches as ``kv_loader(pointers)`` reads them. Lane ``j`` holds
+    ``d = j + 32 c`` (``c < chunks``) of q (pre-scaled), each score is a
+    ``warp_sum_down``, the online softmax is ``online_softmax_update``, and the
+    running sum ``l`` and accumulator ``acc`` (the caller's local array of
+    ``chunks`` float32, the lane's elements, overwritten) carry Kahan
+    compensation, folded in on return
+    (plain fp32 running sums over every position drift to several times numpy's
+    blocked error). No position: ``(-inf, 0, zeros)``. ``stuck``: the planted
+    "stuck_rescale" (the old max overwritten before the rescale reads it).
+    """
+    CH, STUCK = chunks, stuck
+    load, _ = kv_loader(pointers)
+
+    def attend(q, k_cache, v_cache, scale, seq, head, slot, kv_head, start, stop, lane,
+               head_dim, acc):
+        # -- this lane's slice of q, pre-scaled --
+        q_reg = cuda.local.array(CH, float32)
+        acc_c = cuda.local.array(CH, float32)  # Kahan compensation of acc
+        for c in range(CH):
+            d = lane + c * WARP
+            q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
+            acc[c] = float32(0.0)
+            acc_c[c] = float32(0.0)
+
+        m = float32(-math.inf)
+        l = float32(0.0)
+        l_c = float32(0.0)
+        for pos in range(start, stop):
+            # -- score: q . k[pos], reduced across the warp --
+            part = float32(0.0)
+            for c in range(CH):
+                d = lane + c * WARP
+                if d < head_dim:
+                    part += q_reg[c] * float32(load(k_cache, slot, kv_head, pos, d, head_dim))
+            s = warp_sum_down(part)
+
+            # -- online softmax --
+            if STUCK:
+                m_new = max(m, s)
+                m = m_new  # the old max is gone before the rescale reads it
+                alpha = math.exp(m - m_new)
+                p = math.exp(s - m_new)
+            else:
+                m, _, alpha, p = online_softmax_update(m, l, s)
+
+            # -- rescale what came before, add this position's value (compensated) --
+            l, l_c = compensated_rescale_add(l, l_c, alpha, p)
+            for c in range(CH):
+                d = lane + c * WARP
+                if d < head_dim:
+                    acc[c], acc_c[c] = compensated_rescale_add(
+                        acc[c], acc_c[c], alpha,
+                        p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
+        for c in range(CH):
+            acc[c] = acc[c] - acc_c[c]
+        return m, l - l_c
+
+    return device_fn(attend)
+
+
+@functools.lru_cache(maxsize=None)
 def batched_decode_kernel(chunks, defect=None, pointers=None):
     """The batched warp-per-head kernel for ``chunks = ceil(D/32)`` (1..8).
 
@@ -108,8 +177,8 @@ def batched_decode_kernel(chunks, defect=None, pointers=None):
     if defect not in (None,) + KERNEL_DEFECTS:
         raise ValueError(f"defect: expected one of {KERNEL_DEFECTS} or None, got {defect!r}")
     CH = chunks
-    load, n_kv_of = kv_loader(pointers)
-    STUCK = defect == "stuck_rescale"
+    _, n_kv_of = kv_loader(pointers)
+    attend_positions = position_loop(chunks, defect == "stuck_rescale", pointers)
     GQA_MOD = defect == "gqa_mod"
     SLOT_SHIFT = 1 if defect == "slot_off_by_one" else 0
     MAX_LEN = defect == "batch_max_len"
@@ -134,54 +203,16 @@ def batched_decode_kernel(chunks, defect=None, pointers=None):
             for other in range(seq_lens.shape[0]):
                 length = max(length, seq_lens[other])
 
-        # -- this lane's slice of q, pre-scaled --
-        q_reg = cuda.local.array(CH, float32)
         acc = cuda.local.array(CH, float32)
-        acc_c = cuda.local.array(CH, float32)  # Kahan compensation of acc
-        for c in range(CH):
-            d = lane + c * WARP
-            q_reg[c] = float32(q[seq, head, d]) * scale if d < head_dim else float32(0.0)
-            acc[c] = float32(0.0)
-            acc_c[c] = float32(0.0)
-
-        m = float32(-math.inf)
-        l = float32(0.0)
-        l_c = float32(0.0)
-        for pos in range(length):
-            # -- score: q . k[pos], reduced across the warp --
-            part = float32(0.0)
-            for c in range(CH):
-                d = lane + c * WARP
-                if d < head_dim:
-                    part += q_reg[c] * float32(load(k_cache, slot, kv_head, pos, d, head_dim))
-            s = warp_sum_down(part)
-
-            # -- online softmax --
-            if STUCK:
-                m_new = max(m, s)
-                m = m_new  # the old max is gone before the rescale reads it
-                alpha = math.exp(m - m_new)
-                p = math.exp(s - m_new)
-            else:
-                m, _, alpha, p = online_softmax_update(m, l, s)
-
-            # -- rescale what came before, add this position's value; the sums
-            # run over every position in turn, so they carry Kahan compensation
-            # (plain fp32 sums drift to several times numpy's blocked error) --
-            l, l_c = compensated_rescale_add(l, l_c, alpha, p)
-            for c in range(CH):
-                d = lane + c * WARP
-                if d < head_dim:
-                    acc[c], acc_c[c] = compensated_rescale_add(
-                        acc[c], acc_c[c], alpha,
-                        p * float32(load(v_cache, slot, kv_head, pos, d, head_dim)))
+        m, l = attend_positions(q, k_cache, v_cache, scale, seq, head, slot, kv_head,
+                                0, length, lane, head_dim, acc)
 
         # -- epilogue: normalise; an empty sequence gives zeros and -inf --
-        inv, lse_h = softmax_finish(m, l - l_c)  # accurate 1 / l and log l
+        inv, lse_h = softmax_finish(m, l)  # accurate 1 / l and log l
         for c in range(CH):
             d = lane + c * WARP
             if d < head_dim:
-                out[seq, head, d] = (acc[c] - acc_c[c]) * inv
+                out[seq, head, d] = acc[c] * inv
         if lane == 0:
             lse[seq, head] = lse_h
 
