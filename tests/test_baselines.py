@@ -191,3 +191,22 @@ def test_ex2_rounds_the_argument_as_fast_math_exp_does():
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="kind must be"):
         baselines.baseline("nope", {}, baselines.MATMUL)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-21, 1e19])
+def test_tensor_blocked_matmul_is_the_rz_model(scale):
+    """``blocked_matmul(tensor=True)`` (``tcP``) sums as ``bench.tgemm_emu``'s
+    ``rz`` model, bit for bit: normal sums (the vectorised truncation) and sums
+    whose float32 result is subnormal or overflows (the scalar path)."""
+    from bench import tgemm_emu
+
+    rng = np.random.default_rng(7)
+    a = (rng.standard_normal((5, 72)) * scale).astype(np.float32)
+    b = (rng.standard_normal((72, 19)) * scale).astype(np.float32)
+    got = baselines.blocked_matmul(a, b, 16, tensor=True)
+    want = tgemm_emu.tgemm_emu(a, b, 2, "rz")
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    if scale < 1:  # the case exercises float32 subnormals
+        assert (np.abs(got[got != 0]) < np.finfo(np.float32).tiny).any()
+    if scale > 1:
+        assert np.isinf(got).any()  # and overflows

@@ -487,25 +487,41 @@ def _tc_blocked():
         nz, m, k = a_hi.shape
         n = b_hi.shape[2]
         out = np.zeros((nz, m, n), np.float32)
+        acc = np.zeros(n, np.float32)
+        s = np.zeros(n, np.float64)
+        s_bits = s.view(np.uint64)
+        cut = np.zeros(n, np.uint64)
+        cut_f = cut.view(np.float64)
+        # truncating a float64 to float32 towards zero = dropping its 29 low
+        # significand bits, exact when the result is a normal float32; zeros,
+        # subnormals, overflow and NaN take round_rz
+        low29 = np.uint64(0xFFFFFFFFE0000000)
+        normal_lo, normal_hi = 2.0 ** -126, 2.0 ** 128
         for zi in range(nz * m):
             z, i = zi // m, zi % m
-            acc = np.zeros(n, np.float32)
-            s = np.zeros(n, np.float64)
             total = out[z, i]
             for k0 in range(0, k, part):
                 acc[:] = np.float32(0.0)
                 for k8 in range(k0, min(k, k0 + part), 8):
+                    k8_end = min(k, k8 + 8)
                     for term in range(3):  # lo hi, hi lo, hi hi: small terms first
-                        xa = a_lo if term == 0 else a_hi
-                        xb = b_lo if term == 1 else b_hi
+                        xa = a_lo[z, i] if term == 0 else a_hi[z, i]
+                        xb = b_lo[z] if term == 1 else b_hi[z]
                         for j in range(n):
                             s[j] = np.float64(acc[j])
-                        for kk in range(k8, min(k, k8 + 8)):
-                            x = xa[z, i, kk]
+                        for kk in range(k8, k8_end):
+                            x = xa[kk]
+                            row = xb[kk]
                             for j in range(n):
-                                s[j] += x * xb[z, kk, j]  # exact: 11 x 11 bits
+                                s[j] += x * row[j]  # exact: 11 x 11 bits
+                        # separate loops, so that the common case vectorises
                         for j in range(n):
-                            acc[j] = round_rz(s[j])
+                            cut[j] = s_bits[j] & low29
+                        for j in range(n):
+                            acc[j] = np.float32(cut_f[j])
+                        for j in range(n):
+                            if not (normal_lo <= abs(s[j]) < normal_hi):
+                                acc[j] = round_rz(s[j])
                 for j in range(n):
                     total[j] = np.float32(total[j] + acc[j])
         return out
