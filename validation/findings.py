@@ -43,7 +43,8 @@ FINDINGS = (
         "explain; not measured separately.",
         "Fixed after this report (e739ab8, ad567e3): the epilogues take libdevice's "
         "frcp_rn and logf (attention.core.warp.softmax_finish), the split-KV chunks carry Kahan "
-        "compensation; a partial H200 run passes these cases; full re-run pending."),
+        "compensation. Closed by the full H200 run of 99a23ab (reports/): every case and "
+        "growth run named here passes."),
     Finding(
         "position sums at all-equal scores, bf16 caches",
         ("decode_fast/d96/equal/*/bfloat16", "decode_fast/d111/equal/*/bfloat16",
@@ -60,8 +61,8 @@ FINDINGS = (
         "inputs); the kernel keeps an error the baseline does not have.",
         "Found and fixed after this report (e739ab8): fast-math compiles the epilogue's "
         "1 / l to div.approx, which scales a head's outputs by one inexact factor; the "
-        "epilogues take a correctly rounded reciprocal now. A partial H200 run passes the "
-        "seed-1 and seed-2 cases; full re-run pending."),
+        "epilogues take a correctly rounded reciprocal now. Closed by the full H200 run of "
+        "99a23ab: all 9 cases pass (worst err/bound of decode_fast 0.50)."),
     Finding(
         "tensor-core sums truncate",
         ("mla_gemm/dsv3_q*_kv*/large/s0/float32", "growth/mla_gemm_decode/*"),
@@ -76,8 +77,8 @@ FINDINGS = (
         "bound).",
         "Judged differently after this report (e739ab8): the tensor-core path's baseline "
         "sums as the mma does (tc16: split tf32 halves, truncating sums; bench.tgemm_emu's "
-        "model). A partial H200 run passes both large cases; the growth runs await the "
-        "full re-run."),
+        "model). Closed by the full H200 run of 99a23ab: both large cases pass, the "
+        "128-head growth runs pass (worst err/bound 0.78 fp32, 0.90 fp16)."),
 )
 
 
