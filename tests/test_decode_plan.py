@@ -184,44 +184,6 @@ def test_run_with_torch_tensors(dtype):
 
 # ---- no host copy, allocation or synchronisation ----------------------------
 
-FORBIDDEN = []
-
-
-@pytest.fixture
-def no_host_traffic(monkeypatch):
-    """Every copy, allocation and synchronisation entry point raises."""
-    from numba import cuda
-
-    from attention.core import device
-    from attention.decode import api, fast, plan
-
-    def forbid(what):
-        def raiser(*args, **kwargs):
-            FORBIDDEN.append(what)
-            raise AssertionError(f"{what} called")
-        return raiser
-
-    for name in ("to_device", "synchronize", "device_array", "device_array_like",
-                 "pinned_array", "mapped_array", "as_cuda_array"):
-        monkeypatch.setattr(cuda, name, forbid(f"numba.cuda.{name}"), raising=False)
-    for mod in (device, fast, plan, api):
-        for name in ("to_device", "to_host", "host_ints", "device_empty", "device_fill",
-                     "finish", "as_device_view"):
-            if hasattr(mod, name):
-                monkeypatch.setattr(mod, name, forbid(f"{mod.__name__}.{name}"))
-    names = ["copy_to_host", "copy_to_device", "__array__", "tolist"]
-    if SIMULATOR:  # a simulated kernel indexes its arrays on the host: that stays
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as Arr
-    else:  # an element read on the host is a copy
-        from numba.cuda.cudadrv.devicearray import DeviceNDArrayBase as Arr
-
-        names += ["__getitem__", "__setitem__"]
-    for name in names:
-        monkeypatch.setattr(Arr, name, forbid(f"device array {name}"), raising=False)
-    FORBIDDEN.clear()
-    yield FORBIDDEN
-
-
 @pytest.fixture
 def plan_case():
     """A split plan (fp16, GQA 4, 2 splits: main kernel + combine) and its

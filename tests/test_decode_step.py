@@ -309,3 +309,27 @@ def test_path_records():
         assert graph.path == "graph" and graph.fallback_reason is None
     for st in (eager, graph):
         assert st.pdl["path"] in ("pdl", "plain", "none") and st.pdl["reason"]
+
+
+@pytest.fixture(params=["fast", "warp"])
+def eager_state(request):
+    """An eager state, made before the patches of ``no_host_traffic`` apply."""
+    return _state(mode="eager", kernel=request.param, cap=64)
+
+
+@pytest.mark.device
+def test_eager_step_makes_no_copy_or_sync(eager_state, no_host_traffic):
+    """An eager step over the state's own buffers only enqueues: with every
+    copy / allocation / synchronisation entry point patched to raise
+    (``no_host_traffic``), steps still run. On a GPU they go through the
+    prebuilt launches (``PrebuiltLaunch`` for prepare and scatter, the state's
+    ``DecodePlan`` for the fast kernel's attention)."""
+    from attention.core.device import SIMULATOR
+
+    st = eager_state
+    assert st.path == "eager"
+    assert (st._prebuilt is None) == SIMULATOR
+    assert (st._attn is not None) == (st.kernel == "fast")
+    for _ in range(3):
+        out = st.step()
+    assert out is st.out and no_host_traffic == []

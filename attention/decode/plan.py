@@ -11,9 +11,10 @@ made:
 * sets the dynamic shared memory opt-in of the main kernel's function;
 * allocates the split-KV scratch, the default ``out`` / ``lse`` buffers, an
   identity slot table and the device error flag;
-* builds the launch argument lists in numba's packed form (``_ArgTemplate``:
-  for an array, ``meminfo 0, parent 0, size, itemsize, data pointer,
-  shape..., strides in bytes...``; scalars as ctypes values), in which only
+* builds the launch argument lists in numba's packed form
+  (``attention.core.launch.ArgTemplate``: for an array, ``meminfo 0,
+  parent 0, size, itemsize, data pointer, shape..., strides in bytes...``;
+  scalars as ctypes values), in which only
   the data pointers change from one call to the next.
 
 ``run(...)`` then only checks what is cheap on the host (shapes, dtypes,
@@ -60,6 +61,7 @@ from attention.core.device import (
     device_empty,
     gpu_available,
 )
+from attention.core.launch import ArgTemplate, array_ptr, core_stream
 from attention.decode import fast
 
 _INT32 = np.dtype(np.int32)
@@ -223,66 +225,6 @@ def check_sim_array(spec, x):
     return x
 
 
-class _ArgTemplate:
-    """A kernel's argument list in numba's packed form, built once.
-
-    ``add_array(shape, itemsize)`` appends ``0, 0, size, itemsize, ptr,
-    shape..., C strides in bytes...`` and returns the index of ``ptr``;
-    ``add(value)`` appends a scalar (a ctypes value)."""
-
-    def __init__(self):
-        self.words = []
-
-    def add_array(self, shape, itemsize, ptr=0):
-        strides, step = [], itemsize
-        for n in reversed(shape):
-            strides.append(step)
-            step *= max(int(n), 1)
-        at = len(self.words) + 4
-        self.words += [0, 0, int(np.prod(shape, dtype=np.int64)), int(itemsize), int(ptr)]
-        self.words += [int(n) for n in shape] + list(reversed(strides))
-        return at
-
-    def add(self, value):
-        self.words.append(value)
-
-
-def _array_ptr(a):
-    return a.device_ctypes_pointer.value or 0
-
-
-def core_stream(stream, cache):
-    """A ``cuda.core`` stream (or graph builder) for ``stream``: None or 0 (the
-    default stream), a numba stream, a cuda.core stream / graph builder, a
-    torch stream (``.cuda_stream``) or an int handle. ``cache``: a dict of
-    handles already wrapped."""
-    from cuda.core import Stream
-
-    if stream is None or isinstance(stream, int):
-        handle = int(stream or 0)
-    elif isinstance(stream, Stream):
-        return stream
-    elif hasattr(stream, "cuda_stream"):  # torch
-        handle = int(stream.cuda_stream)
-    elif hasattr(stream, "handle") and type(stream).__module__.startswith("numba"):
-        from numba.cuda.cudadrv import driver
-
-        return driver._to_core_stream(stream)
-    else:
-        from attention.core.pdl import is_graph_builder
-
-        if is_graph_builder(stream):
-            return stream
-        raise TypeError(f"stream: expected None, 0, a numba, cuda.core or torch stream, got "
-                        f"{type(stream).__name__}")
-    core = cache.get(handle)
-    if core is None:
-        if len(cache) > 64:
-            cache.clear()
-        core = cache[handle] = Stream.from_handle(handle)
-    return core
-
-
 class DecodePlan:
     """Batched decode attention over a pooled KV cache, planned once.
 
@@ -297,6 +239,8 @@ class DecodePlan:
                   check flags any length past ``limit``
     scale:        default 1/sqrt(D)
     n_split:      KV chunks a sequence (default: sized to fill the GPU)
+    defect:       a planted defect of the fast kernel (``fast.DEFECTS``;
+                  falsification suite only)
 
     Attributes: ``fast_plan`` (the ``attention.decode.fast.plan`` dict),
     ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
@@ -310,7 +254,7 @@ class DecodePlan:
 
     def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
                  cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
-                 n_split=None):
+                 n_split=None, defect=None):
         m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
         kv_slots, max_seq = int(kv_slots), int(max_seq)
         checks.check_range("m", m, 1, 1 << 30, what="sequence count")
@@ -338,7 +282,8 @@ class DecodePlan:
         self.cache_dtype, self.q_dtype, self.kind = cdt, qdt, kind
         self.out_shape, self.lse_shape = (m, n_heads, head_dim), (m, n_heads)
 
-        pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split)
+        pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
+                       defect=defect)
         self.fast_plan = pl
         self.n_split = pl["n_split"]
         self.limit = fast.range_limit(pl, max_seq)
@@ -412,15 +357,15 @@ class DecodePlan:
         self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
                                          shmem_size=int(pl["dyn_smem"]))
         s = self._specs
-        t = _ArgTemplate()
+        t = ArgTemplate()
         at = [t.add_array(sp.shape, sp.dtype.itemsize) for sp in s[:5]]
         t.add(ctypes.c_float(self.scale))
         t.add(ctypes.c_int32(pl["chunk"]))
-        at.append(t.add_array(s[5].shape, 4, _array_ptr(self.out)))
-        at.append(t.add_array(s[6].shape, 4, _array_ptr(self.lse)))
-        t.add_array(self.part_acc.shape, 4, _array_ptr(self.part_acc))
-        t.add_array(self.part_ml.shape, 4, _array_ptr(self.part_ml))
-        t.add_array((fast.ERR_WORDS,), 4, _array_ptr(self.flag))
+        at.append(t.add_array(s[5].shape, 4, array_ptr(self.out)))
+        at.append(t.add_array(s[6].shape, 4, array_ptr(self.lse)))
+        t.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
+        t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
+        t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
         self._combine_kernel = None
@@ -438,11 +383,11 @@ class DecodePlan:
                     grid=grid, block=block, programmatic_stream_serialization=True)
             else:
                 self._combine_pdl_config = self._combine_config
-            c = _ArgTemplate()
-            c.add_array(self.part_acc.shape, 4, _array_ptr(self.part_acc))
-            c.add_array(self.part_ml.shape, 4, _array_ptr(self.part_ml))
-            cat = (c.add_array(s[5].shape, 4, _array_ptr(self.out)),
-                   c.add_array(s[6].shape, 4, _array_ptr(self.lse)))
+            c = ArgTemplate()
+            c.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
+            c.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
+            cat = (c.add_array(s[5].shape, 4, array_ptr(self.out)),
+                   c.add_array(s[6].shape, 4, array_ptr(self.lse)))
             self._combine_args = c.words
             self._combine_at = cat
         from cuda.core import launch as core_launch
@@ -453,7 +398,7 @@ class DecodePlan:
             GraphBuilder = ()
         self._core_launch = core_launch
         self._builder_type = GraphBuilder
-        self._own_out, self._own_lse = _array_ptr(self.out), _array_ptr(self.lse)
+        self._own_out, self._own_lse = array_ptr(self.out), array_ptr(self.lse)
         self._stream0 = core_stream(0, self._streams)
 
     # -- a call -------------------------------------------------------------

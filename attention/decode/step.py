@@ -39,7 +39,11 @@ is clamped and nothing is written past the capacity.
 
 Modes (``mode=``): ``"graph"`` (default) captures the three launches once as a
 CUDA graph (``attention.core.graph.CapturedLaunches``) and a step replays it:
-one driver call. ``"eager"`` launches them through numba at every step. Where
+one driver call. ``"eager"`` enqueues them at every step through launches
+built once: the prepare and scatter kernels as ``attention.core.launch.
+PrebuiltLaunch``, the attention through the state's ``DecodePlan`` (fast
+kernel), so an eager step does no numba dispatch either (on the simulator,
+which has no ``cuda.core`` launch, they are numba launches). Where
 no graph can be built (the simulator, no GPU, a capture error) a graph state
 runs eager; ``path`` ("graph" / "eager") and ``fallback_reason`` record what
 ``step()`` runs and why, and a failed capture on a GPU warns
@@ -88,8 +92,11 @@ from attention.core.device import (
     to_host,
 )
 from attention.core.graph import CapturedLaunches
+from attention.core.launch import PrebuiltLaunch, core_stream
 from attention.core.pdl import status as pdl_status
 from attention.decode import fast
+from attention.decode.plan import DecodePlan
+
 MODES = ("eager", "graph")
 STATE_DEFECTS = ("length_not_advanced", "done_slot_read")
 STATE_DTYPES = fast.CACHE_DTYPES  # float32, float16, bfloat16 (fast kernel)
@@ -288,10 +295,15 @@ class DecodeState:
         self._d_done = to_device(np.zeros(mc, np.int32))
         self.positions = device_empty((mc,), np.int32)
         self.seq_lens = device_empty((mc,), np.int32)
-        self.out = device_empty((mc, h, d), np.float32)
-        self.lse = device_empty((mc, h), np.float32)
-        self._flag = to_device(fast.clear_flag())
-        self._scratch = self._allocate_scratch()
+        if self._attn is not None:  # the plan's buffers and error flag
+            a = self._attn
+            self.out, self.lse, self._flag = a.out, a.lse, a.flag
+            self._scratch = (a.part_acc, a.part_ml)
+        else:
+            self.out = device_empty((mc, h, d), np.float32)
+            self.lse = device_empty((mc, h), np.float32)
+            self._flag = to_device(fast.clear_flag())
+            self._scratch = self._backend.scratch(self)
         # a dry step (every sequence done: nothing written, nothing advanced)
         # compiles and loads every kernel without touching the state
         self._dry = (to_device(np.zeros(mc, np.int32)), to_device(np.ones(mc, np.int32)),
@@ -301,6 +313,17 @@ class DecodeState:
         self._scatter = scatter_kernel(True, self._scatter_defect)
         self._threads = threads_for(mc)
         self._scatter_threads = int(min(128, max(32, (d + 31) // 32 * 32)))
+        self._streams = {}
+        self._prebuilt = None
+        if not SIMULATOR and gpu_available():  # compiled and loaded here
+            self._prebuilt = (
+                PrebuiltLaunch(self._prepare, (self.d_lengths, self._d_done, self.positions,
+                                               self.seq_lens, np.int32(self.max_seq),
+                                               self._flag),
+                               (mc + self._threads - 1) // self._threads, self._threads),
+                PrebuiltLaunch(self._scatter, (self.k_new, self.v_new, self.k_cache,
+                                               self.v_cache, self.positions, self.d_slots),
+                               (mc, self.n_kv_heads), self._scatter_threads))
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0, dry=True),
                                        enabled=(mode == "graph"), owner="DecodeState",
                                        plain_call="eager launches at every step()",
@@ -321,20 +344,19 @@ class DecodeState:
 
     def _plan_attention(self, n_split, split_chunk):
         """The attention launches' plan, for the cache's full capacity (blocks
-        or chunks past a sequence's length exit at once)."""
+        or chunks past a sequence's length exit at once): a ``DecodePlan`` for
+        the fast kernel (its buffers, flag and prebuilt launches are the
+        state's), the backend's own otherwise."""
+        self._attn = None
         if self.kernel == "fast":
-            self.plan = fast.plan(self.m, self.n_heads, self.n_kv_heads, self.head_dim,
-                                  self.max_seq, fast.dtype_kind(self.dtype), n_split=n_split,
-                                  defect=self._attn_defect)
+            self._attn = DecodePlan(self.m, self.n_heads, self.n_kv_heads, self.head_dim,
+                                    self.kv_slots, self.max_seq, cache_dtype=self.dtype,
+                                    q_dtype=self.q_dtype, scale=self.scale, n_split=n_split,
+                                    defect=self._attn_defect)
+            self.plan = self._attn.fast_plan
             self.n_split = self.plan["n_split"]
         else:
             self._backend.plan(self, n_split, split_chunk)
-
-    def _allocate_scratch(self):
-        mc, h, d, ns = self.m, self.n_heads, self.head_dim, self.n_split
-        if self.kernel == "fast":
-            return fast.scratch(mc, h, d, ns)
-        return self._backend.scratch(self)
 
     def _pdl_record(self):
         if self.kernel != "fast":
@@ -354,7 +376,14 @@ class DecodeState:
         """Enqueue one step (prepare, scatter, attention) on ``stream`` (0, a
         numba stream, or a cuda.core stream / graph builder). ``dry``: every
         sequence treated as done and the lengths and flag of scratch copies:
-        nothing is written to the caches or the state."""
+        nothing is written to the caches or the state (numba launches: a dry
+        step only compiles and loads)."""
+        if self._prebuilt is not None and not dry:
+            st = core_stream(stream, self._streams)
+            for launch in self._prebuilt:
+                launch.launch(st)
+            self._attend(st, self._flag)
+            return
         lengths, done, flag = self._dry if dry else (self.d_lengths, self._d_done, self._flag)
         self._prepare[(self.m + self._threads - 1) // self._threads, self._threads, stream](
             lengths, done, self.positions, self.seq_lens, np.int32(self.max_seq), flag)
@@ -363,11 +392,9 @@ class DecodeState:
         self._attend(stream, flag)
 
     def _attend(self, stream, flag):
-        if self.kernel == "fast":
-            pa, pm = self._scratch
-            fast.launch(self.plan, self.q, self.k_cache, self.v_cache, self.seq_lens,
-                        self.d_slots, self.scale, self.out, self.lse, pa, pm, stream,
-                        err=flag)
+        if self._attn is not None:  # the plan's error flag is the state's
+            self._attn.run(self.q, self.k_cache, self.v_cache, self.seq_lens, self.d_slots,
+                           out=self.out, lse=self.lse, stream=stream)
             return
         self._backend.attend(self, stream)
 
