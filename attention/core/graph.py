@@ -16,9 +16,10 @@ built (the simulator, no GPU, a capture error) ``graph`` is None and
 The path taken is recorded: ``path`` is "graph" or "plain" and
 ``fallback_reason`` says why a graph was asked for and not built (None when
 ``path`` is what was asked for, ``enabled=False`` included). Plain launches
-cost tens of microseconds of host time each (a decode step: 278 us against
-5.6 us replayed, notes/bench.md), so a failed capture on a GPU also emits a
-``checks.FallbackWarning``. The simulator and a machine with no GPU have no
+cost more host time than a replay (numba launches: tens of microseconds each,
+a decode step through them 278 us against 5.6 us replayed; the decode state's
+prebuilt launches about 40 us, notes/bench.md), so a failed capture on a GPU
+also emits a ``checks.FallbackWarning`` with the owner's measured costs. The simulator and a machine with no GPU have no
 graphs at all (nothing faster to fall back from): recorded, no warning.
 
 Used by ``attention.decode.step.DecodeState`` and ``mla.decode_graph.MLADecodeGraph``.
@@ -33,7 +34,8 @@ from numba import cuda
 from attention.core.checks import FallbackWarning
 from attention.core.device import SIMULATOR, gpu_available
 
-# host time of one decode step (B 32 fp16), notes/bench.md: replayed vs plain launches
+# host time of one decode step (B 32 fp16), notes/bench.md: replayed vs plain numba
+# launches (the default costs a warning quotes; owners pass their own)
 REPLAY_US, PLAIN_US = 5.6, 278.0
 
 
@@ -42,11 +44,14 @@ class CapturedLaunches:
 
     ``owner`` names the object in the fallback warning (e.g. "DecodeState");
     ``plain_call`` the method that then runs the plain launches;
-    ``plain_hint`` the argument that asks for them (e.g. ``mode="eager"``).
+    ``plain_hint`` the argument that asks for them (e.g. ``mode="eager"``);
+    ``costs``: (plain, replayed) host microseconds of one call, measured
+    (notes/bench.md), quoted by the fallback warning.
     """
 
     def __init__(self, enqueue, warm, enabled=True, *, owner="CapturedLaunches",
-                 plain_call="plain launches", plain_hint="graph=False"):
+                 plain_call="plain launches", plain_hint="graph=False",
+                 costs=(PLAIN_US, REPLAY_US)):
         self.graph = None
         self.error = None
         self.path = "plain"
@@ -72,8 +77,8 @@ class CapturedLaunches:
             self.fallback_reason = f"graph capture failed ({self.error})"
             warnings.warn(FallbackWarning(
                 f"{owner}: {self.fallback_reason}; running {plain_call} instead, about "
-                f"{PLAIN_US / REPLAY_US:.0f}x the host time of a graph replay (decode step: "
-                f"{PLAIN_US:g} us against {REPLAY_US:g} us, notes/bench.md). Ask for plain "
+                f"{costs[0] / costs[1]:.0f}x the host time of a graph replay ({costs[0]:g} us "
+                f"against {costs[1]:g} us a call, notes/bench.md). Ask for plain "
                 f"launches ({plain_hint}) to choose them without this warning."), stacklevel=3)
 
     def _capture(self, enqueue, warm):

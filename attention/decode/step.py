@@ -100,6 +100,9 @@ from attention.decode.plan import DecodePlan
 MODES = ("eager", "graph")
 STATE_DEFECTS = ("length_not_advanced", "done_slot_read")
 STATE_DTYPES = fast.CACHE_DTYPES  # float32, float16, bfloat16 (fast kernel)
+# host us of one step, eager (prebuilt launches) and replayed, B 32 fp32 on the
+# H200 (notes/bench.md, run 17): quoted when a graph cannot be built
+EAGER_COSTS = (38.8, 5.5)
 
 # Other attention kernels a state can run instead of the fast one, registered
 # by name from outside the product path: ``attention.reference.decode_step``
@@ -327,7 +330,7 @@ class DecodeState:
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0, dry=True),
                                        enabled=(mode == "graph"), owner="DecodeState",
                                        plain_call="eager launches at every step()",
-                                       plain_hint='mode="eager"')
+                                       plain_hint='mode="eager"', costs=EAGER_COSTS)
         self.graph, self.graph_error = self._graph.graph, self._graph.error
         self.path = "graph" if self.graph is not None else "eager"
         self.fallback_reason = self._graph.fallback_reason
