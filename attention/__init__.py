@@ -1,9 +1,12 @@
 """Decode and prefill attention kernels in Numba CUDA: the product path.
 
     decode(...)         decode attention in one call (numpy or device arrays)
-    DecodePlan          decode planned once; ``run(...)`` only enqueues
+    DecodePlan          decode planned once; ``run(...)`` only enqueues; pooled
+                        or paged caches (``page_size=``, HND / NHD layouts),
+                        batch-invariant splits (``batch_invariant=True``)
     prefill_attention   causal prefill attention
     kv_scatter, batched_kv_scatter   write new K/V rows into the cache
+    paged_append        write 1..T new tokens a sequence into a paged cache
     DecodeState         append-and-attend decode steps over a pooled cache
                         (eager or captured as a CUDA graph)
     errors              AttentionInputError and its subclasses
@@ -34,6 +37,7 @@ from attention.decode.plan import DecodePlan  # noqa: E402
 from attention.decode.api import decode  # noqa: E402
 from attention.decode.step import DecodeState  # noqa: E402
 from attention.cache.scatter import batched_kv_scatter, kv_scatter  # noqa: E402
+from attention.cache.paged import paged_append  # noqa: E402
 from attention.prefill.kernels import prefill_attention  # noqa: E402
 
 __all__ = [
@@ -47,5 +51,6 @@ __all__ = [
     "batched_kv_scatter",
     "decode",
     "kv_scatter",
+    "paged_append",
     "prefill_attention",
 ]

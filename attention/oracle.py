@@ -93,6 +93,46 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=N
     return out, lse
 
 
+def paged_rows(pages, page_table, m, length, layout="HND"):
+    """Rows 0..length-1 of sequence ``m`` of a paged cache, gathered in order:
+    [H_kv, length, D]. pages: [num_pages, H_kv, P, D] ("HND") or [num_pages, P,
+    H_kv, D] ("NHD"); page_table [M, max_pages]: position p is row p % P of
+    page ``page_table[m, p // P]``. Only the entries of the first
+    ceil(length / P) pages are read."""
+    pages = np.asarray(pages)
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"layout: expected 'HND' or 'NHD', got {layout!r}")
+    size = pages.shape[2] if layout == "HND" else pages.shape[1]
+    rows = []
+    for p in range(int(length)):
+        page = int(page_table[m][p // size])
+        rows.append(pages[page, :, p % size] if layout == "HND" else pages[page, p % size])
+    if not rows:
+        n_kv = pages.shape[1] if layout == "HND" else pages.shape[2]
+        return np.zeros((n_kv, 0, pages.shape[3]), pages.dtype)
+    return np.stack(rows, axis=1)
+
+
+def decode_attention_paged_ref(q, k_pages, v_pages, page_table, seq_lens, layout="HND",
+                               scale=None, dtype=np.float64):
+    """``decode_attention_ref`` over a paged cache: each sequence's rows are
+    gathered through its page table (``paged_rows``) into a cache of one slot a
+    sequence, then attended as the pooled oracle does. q [M, H, D]; returns
+    (out [M, H, D], lse [M, H]) in ``dtype``."""
+    q = np.asarray(q)
+    m_count = q.shape[0]
+    lens = [int(x) for x in np.asarray(seq_lens).reshape(-1)]
+    longest = max(lens + [1])
+    n_kv = k_pages.shape[1] if layout == "HND" else k_pages.shape[2]
+    shape = (m_count, n_kv, longest, q.shape[2])
+    k = np.zeros(shape, dtype)
+    v = np.zeros(shape, dtype)
+    for m, length in enumerate(lens):
+        k[m, :, :length] = paged_rows(k_pages, page_table, m, length, layout)
+        v[m, :, :length] = paged_rows(v_pages, page_table, m, length, layout)
+    return decode_attention_ref(q, k, v, lens, None, scale=scale, dtype=dtype)
+
+
 def prefill_attention_ref(q, k, v, n_heads, n_kv_heads=None, causal=False, scale=None,
                           dtype=np.float64):
     """Multi-head prefill attention over T tokens, interleaved rows.

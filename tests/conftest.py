@@ -88,6 +88,20 @@ def pytest_sessionfinish(session, exitstatus):
                        "tests": _outcomes}, f, indent=1)
 
 
+def storage_dtype(name, why="the CUDA simulator has no bfloat16"):
+    """The numpy dtype of a cache dtype name; bfloat16 skips the test on the
+    simulator (``why``), which has no bfloat16."""
+    import numpy as np
+
+    from attention.core.device import BFLOAT16
+
+    if name == "bfloat16":
+        if MODE == "sim":
+            pytest.skip(why)
+        return BFLOAT16
+    return np.dtype(name)
+
+
 # ---- no host copy, allocation or synchronisation (decode plan and state) ----
 
 FORBIDDEN = []

@@ -18,20 +18,16 @@ import numpy as np
 import pytest
 
 from attention.core import checks
-from attention.core.device import BFLOAT16
 import attention.reference.decode_step  # noqa: F401  (registers the reference kernels)
-from tests.conftest import MODE
+from tests.conftest import MODE, storage_dtype
 
 DTYPES = ["float32", "float16", "bfloat16"]
 MODES = ["eager", "graph"]
 
 
+
 def _dtype(name):
-    if name == "bfloat16":
-        if MODE == "sim":
-            pytest.skip("the CUDA simulator has no bfloat16")
-        return BFLOAT16
-    return np.dtype(name)
+    return storage_dtype(name)
 
 
 def _state(dtype=np.float32, mode="eager", kernel="fast", m=2, h=4, kv=2, d=32, cap=8,

@@ -91,6 +91,47 @@ def decode_inputs(rng, *, m, h, h_kv, d, lens, max_seq, kv_slots, scores="normal
     }
 
 
+HUGE_PAGE = 2 ** 30  # unused page-table entries: an index no cache has, never to be read
+
+
+def paged_from_pooled(k_cache, v_cache, seq_lens, slot_table, page, layout, rng):
+    """The rows of a pooled decode case as a paged cache (the same values:
+    the oracle of the pooled case judges it).
+
+    k_cache, v_cache [KV_SLOTS, H_kv, max_seq, D]; page >= 1; layout "HND"
+    ([num_pages, H_kv, P, D]) or "NHD" ([num_pages, P, H_kv, D]). Each
+    sequence gets ``ceil(len / P)`` pages drawn from a shuffled pool (the page
+    order is asserted not to be the identity where there are two pages or
+    more) with spare pages; rows past a length in its last page, and the spare
+    pages, hold NaN; table entries past a sequence's pages hold ``HUGE_PAGE``.
+    Returns (k_pages, v_pages, page_table [M, ceil(max_seq / P)] int32)."""
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    n_slots, h_kv, max_seq, d = k_cache.shape
+    lens = [int(x) for x in np.asarray(seq_lens)]
+    need = [-(-n // page) for n in lens]
+    width = -(-max_seq // page)
+    owned = sum(need) + 2  # two spare pages
+    order = rng.permutation(owned)
+    if owned > 1 and np.array_equal(order, np.arange(owned)):
+        order = order[::-1].copy()
+    table = np.full((len(lens), width), HUGE_PAGE, np.int32)
+    shape = (owned, h_kv, page, d) if layout == "HND" else (owned, page, h_kv, d)
+    k_pages = np.full(shape, np.nan, k_cache.dtype)
+    v_pages = np.full(shape, np.nan, v_cache.dtype)
+    at = 0
+    for m, n in enumerate(need):
+        table[m, :n] = order[at:at + n]
+        at += n
+        slot = int(slot_table[m])
+        for p in range(lens[m]):
+            pg, off = table[m, p // page], p % page
+            if layout == "HND":
+                k_pages[pg, :, off], v_pages[pg, :, off] = k_cache[slot, :, p], v_cache[slot, :, p]
+            else:
+                k_pages[pg, off], v_pages[pg, off] = k_cache[slot, :, p], v_cache[slot, :, p]
+    return k_pages, v_pages, table
+
+
 def prefill_inputs(rng, *, t, h, h_kv, d, causal, scores="normal"):
     """Inputs of prefill attention: ``q [T, H*D]``, ``k``/``v [T, H_kv*D]`` float32
     (interleaved rows), ``n_heads``, ``n_kv_heads``, ``causal``, ``scale``."""

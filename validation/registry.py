@@ -249,6 +249,30 @@ def _run_mla(method):
     return run
 
 
+def _run_paged(page, layout):
+    """Run wrapper of the paged fast decode: the case's pooled rows laid out in
+    pages of ``page`` positions (``fixtures.paged_from_pooled``: shuffled
+    pages, NaN tails and spare pages, huge unused table entries), then a
+    ``DecodePlan(page_size=page, layout=layout)`` run. ``fn`` is ``DecodePlan``."""
+    def run(fn, x):
+        from attention.core.device import to_device, to_host
+
+        q, k = x["q"], x["k_cache"]
+        m, h, d = q.shape
+        rng = np.random.default_rng([page, len(layout), m, int(np.sum(x["seq_lens"]))])
+        kp, vp, table = fixtures.paged_from_pooled(k, x["v_cache"], x["seq_lens"],
+                                                   x["slot_table"], page, layout, rng)
+        plan = fn(m, h, k.shape[1], d, kp.shape[0], k.shape[2], cache_dtype=k.dtype,
+                  q_dtype=q.dtype, page_size=page, layout=layout)
+        d_lse = to_device(np.zeros((m, h), np.float32))
+        out = plan.run(to_device(q), to_device(kp), to_device(vp),
+                       to_device(np.asarray(x["seq_lens"], np.int32)),
+                       page_table=to_device(table), lse=d_lse, sync=True)
+        return {"out": np.asarray(to_host(out)), "lse": np.asarray(to_host(d_lse))}
+
+    return run
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -290,6 +314,14 @@ KERNELS = (
     KernelSpec("decode_fast", "decode_fast", "decode", "attention.decode.fast",
                "batched_decode_attention_fast", _run_batched, ("k_cache", "v_cache"),
                "group-shared split-KV decode (fp32/fp16/bf16 caches), vector loads",
+               "decode_fast/before/recip_after/ex2"),
+    KernelSpec("decode_paged16", "decode_paged", "decode", "attention.decode.plan", "DecodePlan",
+               _run_paged(16, "HND"), ("k_cache", "v_cache"),
+               "the fast decode over a paged cache: pages of 16, HND, shuffled",
+               "decode_fast/before/recip_after/ex2"),
+    KernelSpec("decode_paged3_nhd", "decode_paged", "decode", "attention.decode.plan",
+               "DecodePlan", _run_paged(3, "NHD"), ("k_cache", "v_cache"),
+               "the fast decode over a paged cache: pages of 3 (not a power of two), NHD",
                "decode_fast/before/recip_after/ex2"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",

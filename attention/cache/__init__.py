@@ -1,1 +1,2 @@
-"""KV-cache kernels: write new K/V rows into pooled caches (``scatter``)."""
+"""KV-cache kernels: write new K/V rows into pooled caches (``scatter``) and
+new tokens into paged caches (``paged``)."""

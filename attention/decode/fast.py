@@ -63,6 +63,11 @@ one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
     "slot_off_by_one"      reads slot ``(slot_table[m] + 1) % KV_SLOTS``
     "one_short"            each sequence attends its first ``length - 1`` positions
     "combine_drops_split"  the combine ignores the last split
+``PAGED_DEFECTS`` (paged plans only):
+    "page_off_by_one"      reads page ``(table[m, j] + 1) % num_pages`` (in bounds:
+                           another page's rows)
+    "page_offset_stride"   addresses a row inside its page with the other
+                           layout's strides (HND as NHD and back; in the page)
 ``PRECISION_MUTANTS`` (roundings by ``attention.core.rounding``):
     "p_fp16" / "p_bf16"    every softmax weight multiplied into V (``p``, or
                            ``p * beta`` in the pipelined forms) rounded to fp16 / bf16
@@ -164,6 +169,9 @@ GROSS_DEFECTS = ("gqa_mod", "slot_off_by_one", "one_short", "combine_drops_split
 PRECISION_MUTANTS = ("p_fp16", "p_bf16", "q_bf16", "scale_fp16", "max_fp16", "lse_fp16",
                      "exp_approx", "combine_no_max", "split_off_by_one", "ring_stale")
 DEFECTS = GROSS_DEFECTS + PRECISION_MUTANTS
+# switches of the paged kernels only (``plan(paging=...)``; a pooled plan ignores
+# them): the falsification suite ``validation.suite_decode_paged``
+PAGED_DEFECTS = ("page_off_by_one", "page_offset_stride")
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
 
 # words of the int32 flag the main kernel counts bad sequences in
@@ -186,8 +194,9 @@ def dtype_kind(dt):
 
 def check_defect(defect):
     """``defect`` itself when it is None or one of ``DEFECTS``; else ValueError."""
-    if defect is not None and defect not in DEFECTS:
-        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+    if defect is not None and defect not in DEFECTS + PAGED_DEFECTS:
+        raise ValueError(f"defect: expected None or one of {DEFECTS + PAGED_DEFECTS}, got "
+                         f"{defect!r}")
     return defect
 
 
@@ -209,7 +218,7 @@ def applies(defect, kind, n_split, stages):
         return int(n_split) > 1
     if defect == "ring_stale":
         return kind != "f32" and int(stages) > 0
-    return True
+    return True  # PAGED_DEFECTS: wherever the plan is paged
 
 
 def _merge_chop_exp(m, l, m2, l2):
@@ -533,7 +542,8 @@ def heads_per_block(group, per_lane):
 
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, lanes=WARP,
-                       pipeline=False, scatter=True, stages=0, pdl=False, defect=None):
+                       pipeline=False, scatter=True, stages=0, pdl=False, defect=None,
+                       paging=None):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
@@ -547,7 +557,19 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     two register buffers; see below), pdl: every block releases the combine
     launched after it as it starts (``attention.core.pdl``; sm_90 and later),
     defect: None or a planted switch of ``DEFECTS`` (module docstring; the
-    combine's own switches leave this kernel unchanged).
+    combine's own switches leave this kernel unchanged), paging: None (a
+    pooled cache and a slot table) or a page layout, "HND" / "NHD" (a paged
+    cache and a page table; below).
+
+    Paging: with ``paging`` the fifth argument is a page table ``[M,
+    max_pages]`` int32 and the caches are ``[num_pages, H_kv, P, D]`` ("HND")
+    or ``[num_pages, P, H_kv, D]`` ("NHD"), P the page size: position ``pos``
+    of sequence ``m`` is row ``pos % P`` of page ``table[m, pos // P]`` (a
+    shift and a mask when P is a power of two). Each row's address is formed
+    from its own page, so pages may be shared and in any order. The pooled
+    cache is the HND case with one page a sequence (P = max_seq), and keeps
+    its own address form (``paging=None``: one base a block, rows a constant
+    apart), so the pooled kernel is unchanged.
 
     A warp holds ``R = 32 / LPR`` rows at once: lane group ``g`` takes
     positions ``tile + R u + g``, so one butterfly of
@@ -596,6 +618,11 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     ``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] = min(err[ERR_FIRST], seq)``,
     and ``err[ERR_SLOTS]`` or ``err[ERR_LENGTHS]`` += 1 (``raise_flagged``
     turns it into a ``RangeError``). Two comparisons a block, before any load.
+    Paged: max_seq is ``max_pages * P``; the page entries of a block's own
+    chunk (positions below the length only: entries past them are never read)
+    are checked by the block's threads together before any row load, and a
+    chunk holding a page outside ``[0, num_pages)`` is attended as empty and
+    counted (``ERR_SLOTS``) by each head block 0 of such a chunk.
     """
     VEC, CH, GB, NW, U, LPR = vec, chunks, heads, warps, unroll, lanes
     R = WARP // LPR  # rows a warp holds at once
@@ -638,6 +665,62 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     EXP_APPROX = defect == "exp_approx"
     SPLIT_OFF = defect == "split_off_by_one"
     RING_STALE = defect == "ring_stale"
+    if paging not in (None, "HND", "NHD"):
+        raise ValueError(f"paging: expected None, 'HND' or 'NHD', got {paging!r}")
+    PAGED = paging is not None
+    NHD = paging == "NHD"
+    PAGE_OFF = defect == "page_off_by_one"
+    PAGE_STRIDE = defect == "page_offset_stride"
+
+    def page_at(table, seq, pos, page, shift, n_pages):
+        # (page index, row in the page) of position pos; P = page, shift =
+        # log2(P) or -1
+        if shift >= 0:
+            j = pos >> shift
+            off = pos & (page - 1)
+        else:
+            j = pos // page
+            off = pos - j * page
+        pg = int64(table[seq, j])
+        if PAGE_OFF:
+            pg = (pg + 1) % n_pages
+        return pg, off
+
+    page_at = device_fn(page_at)
+
+    def page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages):
+        # row index (in rows of D elements) of position pos
+        pg, off = page_at(table, seq, pos, page, shift, n_pages)
+        if NHD != PAGE_STRIDE:  # the planted switch takes the other layout's form
+            return (pg * page + off) * n_kv + kv_head
+        return (pg * n_kv + kv_head) * page + off
+
+    page_row = device_fn(page_row)
+
+    def page_axes(off, kv_head, n_kv, page):
+        # a row's indices on the page's two middle axes: (kv head, offset) for
+        # HND, (offset, kv head) for NHD; the planted stride switch takes the
+        # row-in-page number of the other layout's form, decoded in this one's
+        # (so it stays inside the page)
+        if PAGE_STRIDE:
+            if NHD:
+                r = kv_head * page + off
+                return r // n_kv, r % n_kv
+            r = off * n_kv + kv_head
+            return r // page, r % page
+        if NHD:
+            return off, kv_head
+        return kv_head, off
+
+    page_axes = device_fn(page_axes)
+
+    def row_of(table, seq, row0, pos, n_kv, kv_head, page, shift, n_pages):
+        # the row of position pos: pooled, row0 + pos; paged, through the table
+        if PAGED:
+            return page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages)
+        return row0 + pos
+
+    row_of = device_fn(row_of)
 
     def round_p(x):
         # a softmax weight as the p_fp16 / p_bf16 mutants hold it
@@ -690,9 +773,15 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     kbuf[(u * CH + c) * W + w] = kt[w]
                     vbuf[(u * CH + c) * W + w] = vt[w]
 
-        def load_rows(kbuf, vbuf, k_cache, v_cache, row0, tile, end, grp, sub):
+        def load_rows(kbuf, vbuf, k_cache, v_cache, row0, tile, end, grp, sub, table, seq,
+                      n_kv, kv_head, page, shift, n_pages):
             # U rows of K and V per lane group, packed (a row is ROW == D elements)
-            if tile + U * R <= end:
+            if PAGED:  # each row through its page
+                for u in range(U):
+                    pos = min(tile + u * R + grp, end - 1)
+                    r = page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages)
+                    load_row(kbuf, vbuf, k_cache, v_cache, r * ROW + sub * VEC, u)
+            elif tile + U * R <= end:
                 # every row of the step is in the chunk: one address, and each
                 # row's a constant offset from it (loads with immediate offsets)
                 base = (row0 + tile + grp) * ROW + sub * VEC
@@ -822,9 +911,15 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 copy(ring, word, k_cache, flat + c * STRIDE)
                 copy(ring, word + PIECES * W, v_cache, flat + c * STRIDE)
 
-        def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane):
+        def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane, table,
+                       seq, n_kv, kv_head, page, shift, n_pages):
             # as load_rows, into the ring stage at word ``at``
-            if tile + U * R <= end:
+            if PAGED:
+                for u in range(U):
+                    pos = min(tile + u * R + grp, end - 1)
+                    r = page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages)
+                    issue_row(ring, at, k_cache, v_cache, r * ROW + sub * VEC, u, lane)
+            elif tile + U * R <= end:
                 base = (row0 + tile + grp) * ROW + sub * VEC
                 for u in range(U):
                     issue_row(ring, at, k_cache, v_cache, base + u * R * ROW, u, lane)
@@ -868,15 +963,28 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         sub = lane % LPR  # the lane within its row
         n_heads = q.shape[1]
         head_dim = q.shape[2]
-        n_kv = k_cache.shape[1]
-        max_seq = k_cache.shape[2]
+        if NHD:
+            n_kv = k_cache.shape[2]
+            page = k_cache.shape[1]
+        else:
+            n_kv = k_cache.shape[1]
+            page = k_cache.shape[2]
+        max_seq = page  # pooled: one page a sequence
+        n_pages = k_cache.shape[0]
+        shift = -1
+        if PAGED:
+            max_seq = slot_table.shape[1] * page
+            if page & (page - 1) == 0:
+                shift = 0
+                while (1 << shift) < page:
+                    shift += 1
 
         # -- which kv group, query heads, slot and chunk this block reads --
         kv_head = head_block // BLOCKS_PER_GROUP
         head0 = kv_head * GROUP + (head_block % BLOCKS_PER_GROUP) * GB
         if GQA_MOD:
             kv_head = head0 % n_kv
-        slot = slot_table[seq]
+        slot = 0 if PAGED else slot_table[seq]
         length = seq_lens[seq]
         # -- the device range check: a length past the positions the grid covers
         # (or the capacity), or a slot outside the pool, makes the sequence
@@ -900,6 +1008,22 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         end = min(length, start + chunk)
         if SPLIT_OFF:
             end = min(length, start + chunk + 1)
+        if PAGED:
+            # the chunk's page entries, checked by the block's threads together
+            bad = 0
+            if end > start:
+                j = start // page + cuda.threadIdx.x
+                while j <= (end - 1) // page:
+                    pg = slot_table[seq, j]
+                    if pg < 0 or pg >= k_cache.shape[0]:
+                        bad = 1
+                    j += cuda.blockDim.x
+            if cuda.syncthreads_or(bad):
+                if head_block == 0 and cuda.threadIdx.x == 0:
+                    cuda.atomic.add(err, ERR_COUNT, 1)
+                    cuda.atomic.min(err, ERR_FIRST, int32(seq))
+                    cuda.atomic.add(err, ERR_SLOTS, 1)
+                end = start
 
         # -- q of GB heads (pre-scaled) and the per-head running state --
         q_reg = cuda.local.array(N_HEAD_REG, float32)
@@ -948,14 +1072,16 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 for i in range(STG - 1):
                     if tile + i * STEP < end:
                         issue_rows(ring, at0 + i * RING_STAGE, k_cache, v_cache, row0,
-                                   tile + i * STEP, end, grp, sub, lane)
+                                   tile + i * STEP, end, grp, sub, lane, slot_table, seq,
+                                   n_kv, kv_head, page, shift, n_pages)
                     commit()  # one group a step, empty past the end: the wait counts steps
                 i = 0
                 while tile < end:
                     ahead = tile + (STG - 1) * STEP
                     if ahead < end:
                         issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
-                                   v_cache, row0, ahead, end, grp, sub, lane)
+                                   v_cache, row0, ahead, end, grp, sub, lane, slot_table,
+                                   seq, n_kv, kv_head, page, shift, n_pages)
                     commit()
                     wait()  # step i's group has landed
                     read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)
@@ -971,11 +1097,13 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 kb = cuda.local.array(N_BUF, WORD)
                 vb = cuda.local.array(N_BUF, WORD)
                 if tile < end:
-                    load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub)
+                    load_rows(ka, va, k_cache, v_cache, row0, tile, end, grp, sub, slot_table,
+                              seq, n_kv, kv_head, page, shift, n_pages)
                 while tile < end:
                     nxt = tile + STEP
                     if nxt < end:
-                        load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub)
+                        load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub,
+                                  slot_table, seq, n_kv, kv_head, page, shift, n_pages)
                     tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile = nxt
@@ -983,7 +1111,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         break
                     nxt = tile + STEP
                     if nxt < end:
-                        load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub)
+                        load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub,
+                                  slot_table, seq, n_kv, kv_head, page, shift, n_pages)
                     tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile = nxt
@@ -1002,7 +1131,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for u in range(U):
                 pos = min(tile + u * R + grp, end - 1)  # past the end: re-read the last row
                 if VECTOR:
-                    base = (row0 + pos) * head_dim + sub * VEC
+                    base = (row_of(slot_table, seq, row0, pos, n_kv, kv_head, page, shift, n_pages)
+                            * head_dim + sub * VEC)
                     for c in range(CH):
                         kt = load(k_cache, base + c * STRIDE)
                         vt = load(v_cache, base + c * STRIDE)
@@ -1014,7 +1144,12 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         d = c * LPR + sub
                         k_reg[u * E + c] = float32(0.0)
                         v_reg[u * E + c] = float32(0.0)
-                        if d < head_dim:
+                        if d < head_dim and PAGED:
+                            pg, off = page_at(slot_table, seq, pos, page, shift, n_pages)
+                            a1, a2 = page_axes(off, kv_head, n_kv, page)
+                            k_reg[u * E + c] = float32(k_cache[pg, a1, a2, d])
+                            v_reg[u * E + c] = float32(v_cache[pg, a1, a2, d])
+                        elif d < head_dim:
                             k_reg[u * E + c] = float32(k_cache[slot, kv_head, pos, d])
                             v_reg[u * E + c] = float32(v_cache[slot, kv_head, pos, d])
 
@@ -1111,6 +1246,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         ("decode_fast_pdl_" if pdl else "decode_fast_") + f"{kind}_v{VEC}c{CH}g{GB}of{GROUP}w{NW}u{U}"
         + ("" if LPR == WARP else f"l{LPR}")
         + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else "")
+        + ("" if paging is None else "_paged" + paging)
         + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
@@ -1153,7 +1289,7 @@ def range_limit(pl, max_seq):
     return min(int(max_seq), int(pl["n_split"]) * int(pl["chunk"]))
 
 
-def raise_flagged(flag, seq_lens, slot_table, limit, n_slots):
+def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False):
     """RangeError for a host copy ``flag`` of a set device flag, else nothing.
 
     flag:       int32 [ERR_WORDS] as the main kernel left it
@@ -1161,6 +1297,8 @@ def raise_flagged(flag, seq_lens, slot_table, limit, n_slots):
                 of it is read here)
     slot_table: [M] int, the slots launched with (None: ``arange(M)``)
     limit:      the longest valid length (``range_limit``), n_slots: KV_SLOTS
+                (paged: the page count)
+    paged:      ``slot_table`` is a page table [M, max_pages]
     The message names ``slot_table`` or ``seq_lens``, the first flagged
     sequence, its value (as it is now) and the valid range, and how many
     sequences were flagged.
@@ -1170,7 +1308,15 @@ def raise_flagged(flag, seq_lens, slot_table, limit, n_slots):
         return
     m = int(flag[ERR_FIRST])
     more = "" if count == 1 else f" ({count} sequences flagged, this is the first)"
-    slot = None if slot_table is None else _element(slot_table, m)
+    if paged and int(flag[ERR_SLOTS]):
+        length = _element(seq_lens, m)
+        if 0 <= length <= limit:
+            raise checks.RangeError(
+                f"page_table: sequence {m} (length {length}) has a page index outside "
+                f"[0, num_pages={n_slots}) among the entries of its first "
+                f"ceil(length / page_size) pages; the splits holding it were attended as "
+                f"empty{more}")
+    slot = None if (slot_table is None or paged) else _element(slot_table, m)
     if slot is not None and not 0 <= slot < n_slots:
         raise checks.RangeError(
             f"slot_table: sequence {m} has slot {slot}, expected a slot in "
@@ -1191,13 +1337,13 @@ def _element(x, i):
     return int(np.asarray(to_host(as_device_view(x)[i:i + 1]))[0])
 
 
-def read_flag(flag, seq_lens, slot_table, limit, n_slots):
+def read_flag(flag, seq_lens, slot_table, limit, n_slots, paged=False):
     """Synchronise, read device ``flag``, clear it, and ``raise_flagged``."""
     cuda.synchronize()
     host = to_host(flag)
     if int(host[ERR_COUNT]):
         flag.copy_to_device(clear_flag())
-        raise_flagged(host, seq_lens, slot_table, limit, n_slots)
+        raise_flagged(host, seq_lens, slot_table, limit, n_slots, paged)
 
 
 COMBINE_BATCH = 8  # partials a warp loads together before it merges them
@@ -1426,7 +1572,7 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
          warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None,
-         defect=None):
+         defect=None, paging=None, chunk=None):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
@@ -1442,7 +1588,15 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     splits empty). ``pdl`` (default ``attention.core.pdl.capable()``): a split plan's
     combine is launched as a programmatic dependent of the main kernel.
     ``defect``: None or a planted switch of ``DEFECTS`` for both kernels (kept
-    in the plan: ``launch`` builds the combine with it).
+    in the plan: ``launch`` builds the combine with it). ``paging``: None (a
+    pooled cache and slot table) or "HND" / "NHD" (a paged cache and page
+    table; ``fast_decode_kernel``).
+
+    ``chunk`` (batch-invariant plans): the positions a split covers, fixed
+    by the caller (rounded up to whole warp steps); ``n_split`` is then the
+    chunks ``max_len`` needs, and nothing in the plan depends on ``m_count``
+    but the grid's last axis, so a sequence's result does not depend on the
+    batch it is decoded in (``invariant_chunk``).
     """
     check_defect(defect)
     lanes = LANES[kind] if lanes is None else int(lanes)
@@ -1458,21 +1612,28 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         stages = min(stages, RING_LIMIT // max(per_stage, 1))
         stages = stages if stages >= 2 else 0
     stages = int(stages) if pipeline else 0
-    trim = n_split is None
+    if chunk is not None and n_split is not None:
+        raise ValueError("plan: give n_split or chunk, not both")
+    trim = n_split is None and chunk is None
     if trim:
         n_split = split_count(m_count * head_blocks, max_len, RESIDENT_BLOCKS[pipeline])
+    if chunk is not None:
+        chunk = max(1, int(chunk))
+        n_split = -(-max(max_len, 1) // chunk)
     n_split = max(1, int(n_split))
-    chunk = -(-max(max_len, 1) // n_split)
+    fixed = chunk is not None
+    chunk = -(-max(max_len, 1) // n_split) if chunk is None else chunk
     if unroll is None:
         unroll = 8 if chunk >= LONG_CHUNK and lanes == WARP else 4
     step = warps * unroll * (WARP // lanes)
     chunk = -(-chunk // step) * step  # whole warp steps
-    if trim:  # no split left without a position
+    if trim or fixed:  # no split left without a position
         n_split = -(-max(max_len, 1) // chunk)
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
-                                     pipeline, SCATTERED, stages, pdl, defect),
+                                     pipeline, SCATTERED, stages, pdl, defect, paging),
+        "paging": paging,
         "group": group,
         "pdl": pdl,
         "stages": stages,
@@ -1489,6 +1650,14 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         "pipeline": pipeline,
         "defect": defect,
     }
+
+
+def invariant_chunk(n_heads, n_kv, head_dim, max_len, kind):
+    """The split length of a batch-invariant plan (``plan(chunk=...)``): the
+    chunk the default plan gives a lone sequence of ``max_len`` positions, so
+    that one sequence still fills the GPU. It depends on the geometry, the
+    capacity and the GPU, never on the batch."""
+    return plan(1, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
 
 
 def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
@@ -1548,9 +1717,10 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     ``err``: the device range check's flag, int32 [ERR_WORDS] device array
     (``clear_flag``); default ``default_flag()``. A bad length or slot makes
     its sequence empty and is counted there (``read_flag`` raises it)."""
-    if d_q.shape[1] != pl["group"] * d_k.shape[1]:  # the kernel's group is a constant
+    n_kv = d_k.shape[2 if pl.get("paging") == "NHD" else 1]
+    if d_q.shape[1] != pl["group"] * n_kv:  # the kernel's group is a constant
         raise checks.ShapeError(
-            f"q: expected H = {pl['group']} * H_kv = {pl['group'] * d_k.shape[1]} heads "
+            f"q: expected H = {pl['group']} * H_kv = {pl['group'] * n_kv} heads "
             f"(the plan's group size), got {d_q.shape[1]}")
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
             d_out, d_lse, d_part_acc, d_part_ml, default_flag() if err is None else err)

@@ -65,6 +65,7 @@ from attention.core.launch import ArgTemplate, array_ptr, core_stream
 from attention.decode import fast
 
 _INT32 = np.dtype(np.int32)
+PLAN_DEFECTS = ("chunk_follows_batch",)  # planted in the plan itself (``defect=``)
 _FLOAT32 = np.dtype(np.float32)
 
 # how run() reads an argument, by its Python type (filled as types are met)
@@ -239,8 +240,27 @@ class DecodePlan:
                   check flags any length past ``limit``
     scale:        default 1/sqrt(D)
     n_split:      KV chunks a sequence (default: sized to fill the GPU)
-    defect:       a planted defect of the fast kernel (``fast.DEFECTS``;
-                  falsification suite only)
+    page_size:    None (a pooled cache: sequence m reads slot ``slot_table[m]``)
+                  or P >= 1: a paged cache of ``kv_slots`` pages of P positions,
+                  read through a page table ``[M, ceil(max_seq / P)]`` int32;
+                  ``max_seq`` is then the most positions a sequence may hold
+    layout:       a paged cache's layout: "HND" (default) ``[num_pages, H_kv, P,
+                  D]``, or "NHD" ``[num_pages, P, H_kv, D]``. HND is the default
+                  because it is the pooled cache's layout (the pooled cache is
+                  the case P = max_seq with one page a sequence) and keeps a
+                  page's rows of one kv head contiguous (P * D elements), which a
+                  block streams; NHD is vLLM's and FlashInfer's default
+    batch_invariant: split every sequence in chunks of a fixed number of
+                  positions (``fast.invariant_chunk``: from the geometry, the
+                  capacity and the GPU, not the batch) instead of a split count
+                  sized to the batch, so that a sequence's output and LSE are
+                  bit-identical whatever else the batch holds (the splits are
+                  merged in a fixed order). Not with ``n_split``
+    defect:       a planted defect (falsification suite only): the fast
+                  kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``) or the
+                  plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
+                  batch-invariant plan whose split length is the default plan's
+                  for its M (so the merge follows the batch)
 
     Attributes: ``fast_plan`` (the ``attention.decode.fast.plan`` dict),
     ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
@@ -254,15 +274,26 @@ class DecodePlan:
 
     def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
                  cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
-                 n_split=None, defect=None):
+                 n_split=None, page_size=None, layout="HND", batch_invariant=False,
+                 defect=None):
         m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
         kv_slots, max_seq = int(kv_slots), int(max_seq)
         checks.check_range("m", m, 1, 1 << 30, what="sequence count")
         checks.check_heads(n_heads, n_kv, q_name="n_heads", kv_name="n_kv_heads")
         checks.check_head_dim("head_dim", head_dim)
         checks.check_range("max_seq", max_seq, 1, 1 << 30, what="cache capacity")
-        if kv_slots < m:
+        if page_size is not None:
+            checks.check_range("page_size", int(page_size), 1, 1 << 30, what="page size")
+            if layout not in ("HND", "NHD"):
+                raise checks.LayoutError(
+                    f"layout: expected 'HND' ([num_pages, H_kv, P, D]) or 'NHD' "
+                    f"([num_pages, P, H_kv, D]), got {layout!r}")
+            checks.check_range("kv_slots", kv_slots, 1, 1 << 31 - 1, what="page count")
+        elif kv_slots < m:
             raise checks.RangeError(f"kv_slots: expected KV_SLOTS >= m={m}, got {kv_slots}")
+        if batch_invariant and n_split is not None:
+            raise checks.AttentionInputError(
+                "n_split: a batch-invariant plan fixes its chunk length; give no n_split")
         max_len = max_seq if max_len is None else int(max_len)
         checks.check_range("max_len", max_len, 1, max_seq, what="longest length")
         if n_split is not None:
@@ -282,20 +313,47 @@ class DecodePlan:
         self.cache_dtype, self.q_dtype, self.kind = cdt, qdt, kind
         self.out_shape, self.lse_shape = (m, n_heads, head_dim), (m, n_heads)
 
+        self.paged = page_size is not None
+        self.page_size = int(page_size) if self.paged else max_seq
+        self.layout = layout if self.paged else "HND"
+        self.batch_invariant = bool(batch_invariant)
+        paging = self.layout if self.paged else None
+        if defect is not None and defect not in PLAN_DEFECTS:
+            fast.check_defect(defect)
+        chunk = None
+        if self.batch_invariant:
+            chunk = fast.invariant_chunk(n_heads, n_kv, head_dim, max_len, kind)
+            if defect == "chunk_follows_batch":
+                chunk = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
+        kernel_defect = None if defect in PLAN_DEFECTS else defect
         pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
-                       defect=defect)
+                       defect=kernel_defect, paging=paging, chunk=chunk)
         self.fast_plan = pl
         self.n_split = pl["n_split"]
-        self.limit = fast.range_limit(pl, max_seq)
+        P = self.page_size
+        if self.paged:
+            self.max_pages = -(-max_seq // P)
+            self.limit = fast.range_limit(pl, self.max_pages * P)
+            if layout == "HND":
+                cache_shape, cache_dims = (kv_slots, n_kv, P, head_dim), (
+                    "num_pages", "H_kv", "page_size", "D")
+            else:
+                cache_shape, cache_dims = (kv_slots, P, n_kv, head_dim), (
+                    "num_pages", "page_size", "H_kv", "D")
+            table = _Spec("page_table", (m, self.max_pages), _INT32, 1, ("M", "max_pages"))
+        else:
+            self.max_pages = 1
+            self.limit = fast.range_limit(pl, max_seq)
+            cache_shape = (kv_slots, n_kv, max_seq, head_dim)
+            cache_dims = ("KV_SLOTS", "H_kv", "max_seq", "D")
+            table = _Spec("slot_table", (m,), _INT32, 1, ("M",))
         align = 16 if pl["vec"] > 1 else 1
-        cache_shape = (kv_slots, n_kv, max_seq, head_dim)
-        cache_dims = ("KV_SLOTS", "H_kv", "max_seq", "D")
         self._specs = (
             _Spec("q", (m, n_heads, head_dim), qdt, align, ("M", "H", "D")),
             _Spec("k_cache", cache_shape, cdt, align, cache_dims),
             _Spec("v_cache", cache_shape, cdt, align, cache_dims),
             _Spec("seq_lens", (m,), _INT32, 1, ("M",)),
-            _Spec("slot_table", (m,), _INT32, 1, ("M",)),
+            table,
             _Spec("out", (m, n_heads, head_dim), _FLOAT32, 1, ("M", "H", "D")),
             _Spec("lse", (m, n_heads), _FLOAT32, 1, ("M", "H")),
         )
@@ -341,7 +399,8 @@ class DecodePlan:
         qe = types.float32 if self.q_dtype == _FLOAT32 else elem[self.kind]
         cache = types.Array(elem[self.kind], 4, "C")
         argtypes = (types.Array(qe, 3, "C"), cache, cache, types.Array(i32, 1, "C"),
-                    types.Array(i32, 1, "C"), f32, i32, types.Array(f32, 3, "C"),
+                    types.Array(i32, 2 if self.paged else 1, "C"), f32, i32,
+                    types.Array(f32, 3, "C"),
                     types.Array(f32, 2, "C"), types.Array(f32, 4, "C"),
                     types.Array(f32, 4, "C"), types.Array(i32, 1, "C"))
         compiled = pl["kernel"].compile(argtypes)
@@ -403,16 +462,21 @@ class DecodePlan:
 
     # -- a call -------------------------------------------------------------
 
-    def run(self, q, k_cache, v_cache, seq_lens, slot_table=None, *, out=None, lse=None,
-            stream=None, sync=False):
+    def run(self, q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
+            out=None, lse=None, stream=None, sync=False):
         """Enqueue one decode; returns ``out``.
 
         q:          [M, H, D] the plan's q dtype (device array)
-        k_cache:    [KV_SLOTS, H_kv, max_seq, D] the plan's cache dtype
-        v_cache:    [KV_SLOTS, H_kv, max_seq, D] same
+        k_cache:    [KV_SLOTS, H_kv, max_seq, D] the plan's cache dtype; paged:
+                    [num_pages, H_kv, P, D] (HND) or [num_pages, P, H_kv, D] (NHD)
+        v_cache:    the same shape and dtype
         seq_lens:   [M] int32, each in [0, limit] (checked on the device)
         slot_table: [M] int32, each in [0, KV_SLOTS) (checked on the device);
-                    None: sequence m reads slot m
+                    None: sequence m reads slot m. Pooled plans only
+        page_table: paged plans: [M, max_pages] int32; the entries of the pages
+                    below each length must be in [0, num_pages) (checked on the
+                    device; entries past them are never read). A paged plan also
+                    takes it in ``slot_table``'s place
         out, lse:   [M, H, D] / [M, H] float32 device arrays; None: the plan's
                     ``out`` / ``lse`` (with torch q, ``out`` comes back as a torch
                     view of the plan's buffer)
@@ -422,6 +486,16 @@ class DecodePlan:
         slot makes its sequence empty and is raised by ``check()``.
         """
         specs = self._specs
+        if page_table is not None:
+            if not self.paged:
+                raise checks.AttentionInputError(
+                    "page_table: this plan reads a pooled cache (made without page_size); "
+                    "pass slot_table")
+            slot_table = page_table
+        elif slot_table is None and self.paged:
+            raise checks.ShapeError(
+                f"page_table: a paged plan needs a page table [M={self.m}, max_pages="
+                f"{self.max_pages}] int32, got None")
         if self.launch_path != "cuda.core":
             return self._run_other(q, k_cache, v_cache, seq_lens, slot_table, out, lse,
                                    stream, sync)
@@ -493,7 +567,7 @@ class DecodePlan:
         if self.launch_path == "none":
             return
         lens, slots = self._last
-        fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots)
+        fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots, paged=self.paged)
 
 
 def _array_dtype(x):
