@@ -385,16 +385,16 @@ class DecodeState:
             st = core_stream(stream, self._streams)
             for launch in self._prebuilt:
                 launch.launch(st)
-            self._attend(st, self._flag)
+            self._attend(st)
             return
         lengths, done, flag = self._dry if dry else (self.d_lengths, self._d_done, self._flag)
         self._prepare[(self.m + self._threads - 1) // self._threads, self._threads, stream](
             lengths, done, self.positions, self.seq_lens, np.int32(self.max_seq), flag)
         self._scatter[(self.m, self.n_kv_heads), self._scatter_threads, stream](
             self.k_new, self.v_new, self.k_cache, self.v_cache, self.positions, self.d_slots)
-        self._attend(stream, flag)
+        self._attend(stream)
 
-    def _attend(self, stream, flag):
+    def _attend(self, stream):
         if self._attn is not None:  # the plan's error flag is the state's
             self._attn.run(self.q, self.k_cache, self.v_cache, self.seq_lens, self.d_slots,
                            out=self.out, lse=self.lse, stream=stream)
