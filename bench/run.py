@@ -35,8 +35,11 @@ never fatal):
      arrays and with torch tensors, torch SDPA's call (backend named), and the
      one-call functions, each with its device time, fp16 B 32 / H 32 / H_kv 8
      / D 128 / L 4096 (``bench_host``)
+  7. paged caches and batch invariance (bench/paged.py): ``DecodePlan.run``
+     on contiguous and paged (HND / NHD, pages of 1, 16, 64) fp16 / bf16
+     caches, batch-invariant plans, fixed split lengths, torch SDPA
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, host.csv, prefill.csv,
-summary.md}.
+paged.csv, summary.md}.
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
 median of the repeats after warm-up; before each repeat the L2 is flushed
@@ -60,6 +63,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .paged import COLUMNS as PAGED_COLUMNS
+from .paged import bench_paged
+from .paged import summary_lines as paged_summary_lines
 from .prefill import COLUMNS as PREFILL_COLUMNS
 from .prefill import bench_prefill
 from .prefill import summary_lines as prefill_summary_lines
@@ -874,7 +880,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="two decode shapes only")
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
-    ap.add_argument("--skip", default="", help="comma list of: host,decode,mla,step,mla_long,prefill")
+    ap.add_argument("--skip", default="",
+                    help="comma list of: host,decode,mla,step,mla_long,prefill,paged")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -924,14 +931,15 @@ def main(argv=None):
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
     rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
-    host_rows, long_rows = [], []
+    host_rows, long_rows, paged_rows = [], [], []
     for name, fn in (("host", lambda: bench_host(timer, torch, host_rows, checks_log)),
                      ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
                      ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
                      ("step", lambda: bench_step(timer, step_rows)),
                      ("mla_long", lambda: bench_long_mla(timer, long_rows)),
-                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log))):
+                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log)),
+                     ("paged", lambda: bench_paged(timer, copy_gbps, torch, paged_rows, log))):
         if name in skip:
             continue
         log(f"== {name} ({time.time() - t_start:.0f} s)")
@@ -952,6 +960,7 @@ def main(argv=None):
     write_csv(out_dir / "host.csv", host_rows)
     write_csv(out_dir / "mla_long.csv", long_rows)
     write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
+    write_csv(out_dir / "paged.csv", paged_rows, PAGED_COLUMNS)
     try:
         plot(out_dir / "decode.png", rows, copy_gbps)
     except Exception as exc:
@@ -966,5 +975,8 @@ def main(argv=None):
     if prefill_rows:
         with open(out_dir / "summary.md", "a") as fh:
             fh.write("\n".join(prefill_summary_lines(prefill_rows)) + "\n")
+    if paged_rows:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("\n".join(paged_summary_lines(paged_rows)) + "\n")
     log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
     log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])

@@ -206,3 +206,44 @@ def test_partials_rejects_bad_lengths_and_needs_a_gpu():
     if not cuda.is_available():
         with pytest.raises(SystemExit, match="needs a GPU"):
             partials.main(["4"])
+
+
+def test_page_layout_puts_every_row_where_its_table_says():
+    from bench.paged import page_layout
+
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 3, 8, 4)).astype(np.float32)
+    for layout in ("HND", "NHD"):
+        for page in (1, 4, 8):
+            pages, table = page_layout(k, page, layout, np.random.default_rng(1))
+            assert table.shape == (2, 8 // page) and table.dtype == np.int32
+            assert sorted(table.ravel()) == list(range(pages.shape[0]))
+            if pages.shape[0] > 1:
+                assert not np.array_equal(table.ravel(), np.arange(pages.shape[0]))
+            for b in range(2):
+                for p in range(8):
+                    pg, off = table[b, p // page], p % page
+                    row = pages[pg, :, off] if layout == "HND" else pages[pg, off]
+                    assert np.array_equal(row, k[b, :, p])
+
+
+def test_paged_summary_judges_each_target():
+    from bench.paged import summary_lines
+
+    def row(kernel, ms, vs=None, dname="float16", b=32, seq=4096, splits=1):
+        return {"kernel": kernel, "dtype": dname, "batch": b, "seq_len": seq, "ms": ms,
+                "GBps": 1.0, "frac_of_copy": 0.5, "vs_contiguous": vs, "n_split": splits,
+                "max_abs_diff": 0.0}
+
+    rows = [row("contiguous", 0.100), row("contiguous_invariant", 0.102, 0.98, splits=4),
+            row("paged_HND_p16", 0.104, 0.96), row("paged_HND_p1", 0.120, 0.83),
+            row("torch_sdpa[flash]", 0.110),
+            row("contiguous", 0.050, b=1, seq=32768, splits=32),
+            row("contiguous_invariant", 0.060, b=1, seq=32768, splits=32)]
+    text = "\n".join(summary_lines(rows))
+    assert "paged_HND_p16 float16 B 32 / L 4096: x0.960 of contiguous (target >= 0.97): MISSED" \
+        in text
+    assert "paged_HND_p1 float16 B 32 / L 4096: x0.830 of contiguous (target >= 0.8): met" in text
+    assert "against torch_sdpa[flash] (contiguous): x1.058 (target >= 1.0): met" in text
+    assert "batch-invariant cost float16 B 32 / L 4096: +2.0 %" in text
+    assert "batch-invariant cost float16 B 1 / L 32768: +20.0 %" in text and "MISSED" in text
