@@ -93,6 +93,35 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=N
     return out, lse
 
 
+def decode_attention_multi_ref(q, k_cache, v_cache, seq_lens, slot_table=None, scale=None,
+                               dtype=np.float64):
+    """Multi-token decode: T new queries a sequence, causal among themselves.
+
+    q:        [M, T, H, D]
+    k_cache, v_cache, slot_table, scale, dtype: as ``decode_attention_ref``
+    seq_lens: [M] ints, each 0 or >= T: the length counts the T new tokens;
+              query i of sequence m attends positions 0 .. seq_lens[m] - T + i
+              (0: an empty sequence, every query gets zeros and LSE -inf)
+    Returns (out [M, T, H, D], lse [M, T, H]) in ``dtype``: query i is
+    ``decode_attention_ref`` of sequence m over its first
+    ``seq_lens[m] - T + 1 + i`` positions.
+    """
+    q = np.asarray(q)
+    m_count, t_q = q.shape[0], q.shape[1]
+    lens = [int(x) for x in np.asarray(seq_lens).reshape(-1)]
+    slots = np.arange(m_count) if slot_table is None else np.asarray(slot_table)
+    outs, lses = [], []
+    for i in range(t_q):
+        seen = [0 if n == 0 else n - t_q + 1 + i for n in lens]
+        if min(seen) < 0:
+            raise ValueError(f"seq_lens: expected 0 or at least T={t_q}, got {lens}")
+        o, s = decode_attention_ref(q[:, i], k_cache, v_cache, seen, slots, scale=scale,
+                                    dtype=dtype)
+        outs.append(o)
+        lses.append(s)
+    return np.stack(outs, axis=1), np.stack(lses, axis=1)
+
+
 def paged_rows(pages, page_table, m, length, layout="HND"):
     """Rows 0..length-1 of sequence ``m`` of a paged cache, gathered in order:
     [H_kv, length, D]. pages: [num_pages, H_kv, P, D] ("HND") or [num_pages, P,

@@ -298,8 +298,9 @@ def test_paged_suite_clean_passes():
 
 @pytest.mark.device
 @pytest.mark.parametrize("defect", ["page_off_by_one", "page_offset_stride",
-                                    "append_page_off_by_one", "append_offset_stride",
-                                    "append_behind", "chunk_follows_batch"])
+                                    "causal_off_by_one", "append_page_off_by_one",
+                                    "append_offset_stride", "append_behind",
+                                    "chunk_follows_batch"])
 def test_paged_suite_catches_each_defect(defect):
     """Each planted defect fails the suite's check that is built for it (the
     whole suite runs every check for every defect in the validation run)."""
@@ -309,12 +310,16 @@ def test_paged_suite_catches_each_defect(defect):
     from validation.suite import caught
     from validation.suite_decode_fast import cases_for
 
-    assert set(S.DEFECTS) == {"page_off_by_one", "page_offset_stride", "append_page_off_by_one",
-                              "append_offset_stride", "append_behind", "chunk_follows_batch"}
+    assert set(S.DEFECTS) == {"page_off_by_one", "page_offset_stride", "causal_off_by_one",
+                              "append_page_off_by_one", "append_offset_stride", "append_behind",
+                              "chunk_follows_batch"}
     if defect in PAGED_DEFECTS:
         case = [c for c in cases_for(True) if c.dtype == "float32" and c.n_split == 3][0]
         checks = [c for layout, page in S.LAYOUTS
                   for c in S.check_layout(case, layout, page, defect)]
+    elif defect == "causal_off_by_one":
+        case = [c for c in cases_for(True) if c.dtype == "float32" and c.n_split == 3][0]
+        checks = S.check_multi(case, defect)
     elif defect in APPEND_DEFECTS:
         checks = S.check_append(defect)
     else:

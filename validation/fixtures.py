@@ -132,6 +132,36 @@ def paged_from_pooled(k_cache, v_cache, seq_lens, slot_table, page, layout, rng)
     return k_pages, v_pages, table
 
 
+def multi_token_case(q, seq_lens, capacity, t_q):
+    """A one-query decode case as a multi-token one whose outputs the case's
+    oracle judges, every query position exercised across the batch.
+
+    q [M, H, D], seq_lens [M], capacity (the cache's positions, >= t_q).
+    Sequence m's judged query is ``pick[m]`` (``m % t_q`` where its length
+    allows, else the nearest index that does); its length is raised by
+    ``t_q - 1 - pick[m]`` so that that query sees exactly the case's
+    ``seq_lens[m]`` positions (the later queries see the rows past it, which
+    the case leaves hostile; their outputs are not judged). Every query of a
+    sequence is its q. A length of 0 stays 0 (an empty sequence: every
+    query's output is zeros). Returns (q_multi [M, t_q, H, D], lengths [M]
+    int32, pick [M] int): the judged outputs are ``out[arange(M), pick]``."""
+    q = np.asarray(q)
+    lens = [int(n) for n in np.asarray(seq_lens).reshape(-1)]
+    if capacity < t_q:
+        raise ValueError(f"capacity: expected at least t_q={t_q} positions, got {capacity}")
+    pick = np.zeros(len(lens), np.int64)
+    new = np.zeros(len(lens), np.int32)
+    for m, n in enumerate(lens):
+        if n == 0:
+            pick[m] = m % t_q
+            continue
+        i = min(m % t_q, n - 1)  # the raised length must hold the t_q new tokens
+        i = max(i, t_q - 1 - (capacity - n))  # and stay within the cache
+        pick[m], new[m] = i, n + t_q - 1 - i
+    q_multi = np.ascontiguousarray(np.repeat(q[:, None], t_q, axis=1))
+    return q_multi, new, pick
+
+
 def prefill_inputs(rng, *, t, h, h_kv, d, causal, scores="normal"):
     """Inputs of prefill attention: ``q [T, H*D]``, ``k``/``v [T, H_kv*D]`` float32
     (interleaved rows), ``n_heads``, ``n_kv_heads``, ``causal``, ``scale``."""

@@ -25,6 +25,14 @@ Runs (``GROWTH_KERNELS``):
   in 16 bits, everything computed in float32; the oracle and the baseline read
   the stored values exactly, so they are judged as the float32 run, in the
   fast kernel's lane order for that dtype: ``lanes16x8`` at D 128);
+* ``paged_decode`` / ``paged_decode_t4``: the same sequences in a paged cache
+  (HND pages of 16, 4 on the simulator, in a shuffled order, two sequences
+  sharing a prefix page where their starts allow, NaN in every unwritten
+  row and huge unused table entries), each call appending T tokens a sequence
+  through ``attention.cache.paged.paged_append`` and attending them with a
+  ``DecodePlan(page_size=..., t_q=T)``: T = 1, and T = 4 (the run's steps
+  taken 4 at a time, every query judged; a step of the series is a call);
+  at the end every page must equal the mirror's rows, NaN elsewhere;
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
@@ -49,8 +57,11 @@ import numpy as np
 
 from validation import baselines, fixtures, metrics
 
-GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "mla_decode",
-                  "mla_gemm_decode", "mla_gemm_fma_decode")
+GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
+                  "paged_decode_t4", "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode")
+# the paged runs: queries a call (tokens appended a call) and page size (GPU, simulator)
+PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4}
+PAGED_PAGE = {False: 16, True: 4}
 DEFAULT_GPU = GROWTH_KERNELS
 MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_decode": "gemm_fma"}
 # heads of the GPU runs (DeepSeek-V3 widths): 16 keep the float64 recompute cheap; the
@@ -61,7 +72,8 @@ DEFAULT_SIM = ("batched_decode", "mla_decode")
 KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
 # each run's baseline order: its kernel's in the registry (validation.baselines)
 REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_decode",
-                   "fast_decode": "decode_fast", "mla_decode": "mla", "mla_gemm_decode": "mla_gemm",
+                   "fast_decode": "decode_fast", "paged_decode": "decode_fast",
+                   "paged_decode_t4": "decode_fast", "mla_decode": "mla", "mla_gemm_decode": "mla_gemm",
                    "mla_gemm_fma_decode": "mla_gemm_fma"}
 
 
@@ -86,6 +98,9 @@ MLA_START = {True: 3, False: 16}
 MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "flash_decode": ("attention.decode.step", "attention.oracle"),
            "fast_decode": ("attention.decode.step", "attention.decode.fast", "attention.oracle"),
+           "paged_decode": ("attention.decode.plan", "attention.cache.paged", "attention.oracle"),
+           "paged_decode_t4": ("attention.decode.plan", "attention.cache.paged",
+                               "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
@@ -190,6 +205,99 @@ def _decode_growth(job, method):
     return series, cache_ok, "; ".join(problems), geometry
 
 
+def _paged_growth(job, t_q):
+    from attention.cache.paged import paged_append
+    from attention.core.device import to_device, to_host
+    from attention.decode.plan import DecodePlan
+    from attention.oracle import decode_attention_multi_ref
+
+    g = DECODE_GEOMETRY[job.small]
+    m, h, h_kv, d = g["m"], g["h"], g["h_kv"], g["d"]
+    page = PAGED_PAGE[job.small]
+    start = np.array(g["start"], np.int32)
+    calls = -(-job.steps // t_q)
+    max_seq = int(start.max()) + calls * t_q + 1  # one position is never written
+    width = -(-max_seq // page)
+    dt = fixtures.resolve_dtype(job.dtype)
+    rng = fixtures.case_rng(job.seed, "growth", "paged", job.small)
+    n_pages = m * width + 2  # two spare pages nobody owns
+    order = rng.permutation(n_pages).astype(np.int32)
+    if np.array_equal(order, np.arange(n_pages)):
+        order = order[::-1].copy()
+    table = order[:m * width].reshape(m, width).copy()
+    # sequences whose starts fill a first page share the longest one's (a common prefix)
+    owner = int(np.argmax(start))
+    sharing = [i for i in range(m) if i != owner and start[i] >= page]
+    for i in sharing:
+        table[i, 0] = table[owner, 0]
+    for i in range(m):  # entries past the pages a run can reach: never read
+        table[i, -(-(int(start[i]) + calls * t_q) // page):] = fixtures.HUGE_PAGE
+    mirror_k = np.full((m, h_kv, max_seq, d), np.nan)  # sequence-major, float64
+    mirror_v = np.full((m, h_kv, max_seq, d), np.nan)
+    pages_k = np.full((n_pages, h_kv, page, d), np.nan, dt)
+    pages_v = np.full((n_pages, h_kv, page, d), np.nan, dt)
+    k_pre = rng.standard_normal((h_kv, int(start.max()), d)).astype(dt)
+    v_pre = rng.standard_normal((h_kv, int(start.max()), d)).astype(dt)
+    for i in range(m):
+        # every sequence's prefix rows are the owner's (so a shared page holds them all)
+        n = int(start[i])
+        mirror_k[i, :, :n], mirror_v[i, :, :n] = k_pre[:, :n], v_pre[:, :n]
+        for p in range(n):
+            pg, off = table[i, p // page], p % page
+            pages_k[pg, :, off], pages_v[pg, :, off] = k_pre[:, p], v_pre[:, p]
+    d_k, d_v, d_table = to_device(pages_k), to_device(pages_v), to_device(table)
+    plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype=dt, q_dtype=np.float32,
+                      page_size=page, layout="HND", t_q=t_q)
+    series = _series()
+    lengths = start.copy()
+    label = None
+    for call in range(calls):
+        q = rng.standard_normal((m, t_q, h, d)).astype(np.float32)
+        k_new = rng.standard_normal((m, t_q, h_kv, d)).astype(dt)
+        v_new = rng.standard_normal((m, t_q, h_kv, d)).astype(dt)
+        paged_append(k_new, v_new, d_k, d_v, d_table, lengths, layout="HND")
+        for i in range(m):
+            p = int(lengths[i])
+            mirror_k[i, :, p:p + t_q] = k_new[i].transpose(1, 0, 2)
+            mirror_v[i, :, p:p + t_q] = v_new[i].transpose(1, 0, 2)
+        lengths = lengths + t_q
+        q_in = q if t_q > 1 else q[:, 0]
+        out = plan.run(to_device(q_in), d_k, d_v, to_device(lengths), page_table=d_table,
+                       sync=True)
+        out = np.asarray(to_host(out)).reshape(m, t_q, h, d)
+        lse = np.asarray(to_host(plan.lse)).reshape(m, t_q, h)
+        o64, l64 = decode_attention_multi_ref(q, mirror_k, mirror_v, lengths)
+        k32, v32 = np.nan_to_num(mirror_k).astype(np.float32), np.nan_to_num(
+            mirror_v).astype(np.float32)
+        label = baseline_order("paged_decode", {"q": q[:, 0]}, dt)
+        o32 = np.empty_like(out)
+        l32 = np.empty_like(lse)
+        for j in range(t_q):
+            seen = lengths - t_q + 1 + j
+            o32[:, j], l32[:, j] = baselines.decode_order(q[:, j], k32, v32, seen,
+                                                          np.arange(m), label)
+        judged = {"out": metrics.judge(out, o64, o32, label),
+                  "lse": metrics.judge(lse, l64, l32, label)}
+        _record_step(series, call + 1, int(lengths.max()), judged)
+    # the pages after the run: every row a sequence holds as the mirror says, NaN elsewhere
+    problems = []
+    for name, dev, mirror in (("k_pages", d_k, mirror_k), ("v_pages", d_v, mirror_v)):
+        want = np.full((n_pages, h_kv, page, d), np.nan)
+        for i in range(m):
+            for p in range(int(lengths[i])):
+                want[table[i, p // page], :, p % page] = mirror[i, :, p]
+        got = np.asarray(to_host(dev), dtype=np.float64)
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        if not same.all():
+            bad = np.argwhere(~same)
+            problems.append(f"{name} differs from the appended rows at {tuple(bad[0])} "
+                            f"({len(bad)} elements)")
+    geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+    geometry.update(path=f"paged HND P={page}, t_q={t_q}, {plan.launch_path}",
+                    shared_prefix=len(sharing), calls=calls)
+    return series, not problems, "; ".join(problems), geometry
+
+
 def mla_growth_inputs(job):
     """The MLA run's inputs: (dims, dtype, start, w_uk [nh, d_nope, r], w_uv [nh, d_v, r],
     c_all [start + steps, r], k_all [start + steps, d_rope], queries), ``queries``
@@ -283,6 +391,8 @@ def run_growth(job):
     try:
         if job.kernel in MLA_METHODS:
             series, cache_ok, problems, geometry = _mla_growth(job)
+        elif job.kernel in PAGED_T_Q:
+            series, cache_ok, problems, geometry = _paged_growth(job, PAGED_T_Q[job.kernel])
         else:
             method = DECODE_METHODS[job.kernel]
             series, cache_ok, problems, geometry = _decode_growth(job, method)

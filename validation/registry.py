@@ -273,6 +273,33 @@ def _run_paged(page, layout):
     return run
 
 
+def _run_multi(t_q, page, layout):
+    """Run wrapper of the multi-token fast decode over a paged cache: the case
+    as a ``t_q``-query decode (``fixtures.multi_token_case``: sequence m's
+    judged query sees exactly the case's positions, the judged query index
+    varying over the batch), laid out in pages as ``_run_paged`` does, then a
+    ``DecodePlan(t_q=t_q, page_size=page, layout=layout)`` run; the judged
+    queries' out and LSE are returned. ``fn`` is ``DecodePlan``."""
+    def run(fn, x):
+        from attention.core.device import to_device, to_host
+
+        q, k = x["q"], x["k_cache"]
+        m, h, d = q.shape
+        q_multi, lens, pick = fixtures.multi_token_case(q, x["seq_lens"], k.shape[2], t_q)
+        rng = np.random.default_rng([page, t_q, m, int(np.sum(lens))])
+        kp, vp, table = fixtures.paged_from_pooled(k, x["v_cache"], lens, x["slot_table"],
+                                                   page, layout, rng)
+        plan = fn(m, h, k.shape[1], d, kp.shape[0], k.shape[2], cache_dtype=k.dtype,
+                  q_dtype=q.dtype, page_size=page, layout=layout, t_q=t_q)
+        out = plan.run(to_device(q_multi), to_device(kp), to_device(vp), to_device(lens),
+                       page_table=to_device(table), sync=True)
+        rows = np.arange(m)
+        return {"out": np.asarray(to_host(out))[rows, pick],
+                "lse": np.asarray(to_host(plan.lse))[rows, pick]}
+
+    return run
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -322,6 +349,11 @@ KERNELS = (
     KernelSpec("decode_paged3_nhd", "decode_paged", "decode", "attention.decode.plan",
                "DecodePlan", _run_paged(3, "NHD"), ("k_cache", "v_cache"),
                "the fast decode over a paged cache: pages of 3 (not a power of two), NHD",
+               "decode_fast/before/recip_after/ex2"),
+    KernelSpec("decode_paged16_t4", "decode_paged", "decode", "attention.decode.plan",
+               "DecodePlan", _run_multi(4, 16, "HND"), ("k_cache", "v_cache"),
+               "multi-token decode (4 queries a sequence, causal) over pages of 16, HND; "
+               "each sequence judged at one query, the index varying over the batch",
                "decode_fast/before/recip_after/ex2"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",

@@ -8,6 +8,8 @@ fails for every planted defect ``d`` in ``DEFECTS``:
   through ``DecodePlan(page_size=..., defect=d)``): "page_off_by_one" (another
   page's rows), "page_offset_stride" (a row addressed with the other layout's
   strides);
+* the multi-token kernel's (``attention.decode.fast.MULTI_DEFECTS``):
+  "causal_off_by_one" (query i of T sees one position past its causal end);
 * the append's (``attention.cache.paged.APPEND_DEFECTS``): "append_page_off_by_one",
   "append_offset_stride", "append_behind" (a token written one position early,
   into the page of the last cached row: a page shared with another sequence);
@@ -22,6 +24,10 @@ Checks (each named ``<check>[<case>]``):
   shuffled pages, NaN tails and spare pages, huge unused table entries), HND
   pages of 4 and NHD pages of 3, one split and a forced split count, against
   the float64 oracle under the derived budget (``suite_batched_decode.compare``);
+* ``out`` / ``lse`` ``[<case>_t4_HND4]``: the same case as a 4-query decode
+  (``fixtures.multi_token_case``: each sequence judged at one query whose
+  causal end is the case's length, the query index varying over the batch),
+  HND pages of 4, against the same oracle;
 * ``append``: two new tokens a sequence appended through ``paged_append`` into
   HND pages of 4 where two sequences share a full prefix page: every element
   of the pages compared bit for bit with the expected pages (the written rows,
@@ -48,25 +54,26 @@ from validation.suite_batched_decode import build_caches, compare, q_values, slo
 from validation.suite_decode_fast import cases_for
 
 FAMILY = "decode_paged"
-DEFECTS = decode_fast.PAGED_DEFECTS + paged_cache.APPEND_DEFECTS + PLAN_DEFECTS
+DEFECTS = (decode_fast.PAGED_DEFECTS + decode_fast.MULTI_DEFECTS + paged_cache.APPEND_DEFECTS
+           + PLAN_DEFECTS)
+T_Q = 4  # queries a sequence of the multi-token check
 LAYOUTS = (("HND", 4), ("NHD", 3))  # (layout, page size): H_kv 2 and P > 1 expose the strides
 
 
 def _kernel_defect(defect):
-    return defect if defect in decode_fast.PAGED_DEFECTS else None
+    return defect if defect in decode_fast.PAGED_DEFECTS + decode_fast.MULTI_DEFECTS else None
 
 
 def _run(q, k_pages, v_pages, lens, table, page, layout, max_seq, defect=None, n_split=None):
-    m, h, d = q.shape
+    m, h, d = q.shape[0], q.shape[-2], q.shape[-1]
+    t_q = q.shape[1] if q.ndim == 4 else 1
     n_kv = k_pages.shape[1] if layout == "HND" else k_pages.shape[2]
     pl = DecodePlan(m, h, n_kv, d, k_pages.shape[0], max_seq, cache_dtype=k_pages.dtype,
                     q_dtype=np.float32, page_size=page, layout=layout, n_split=n_split,
-                    defect=defect)
-    d_lse = to_device(np.zeros((m, h), np.float32))
+                    defect=defect, t_q=t_q)
     out = pl.run(to_device(q), to_device(k_pages), to_device(v_pages),
-                 to_device(np.asarray(lens, np.int32)), page_table=to_device(table), lse=d_lse,
-                 sync=True)
-    return np.asarray(to_host(out)), np.asarray(to_host(d_lse))
+                 to_device(np.asarray(lens, np.int32)), page_table=to_device(table), sync=True)
+    return np.asarray(to_host(out)), np.asarray(to_host(pl.lse))
 
 
 def check_layout(case, layout, page, defect=None):
@@ -84,6 +91,30 @@ def check_layout(case, layout, page, defect=None):
     ref, ref_lse = decode_attention_ref(q, k, v, lengths, slots)
     base, base_lse = decode_attention_ref(q, k, v, lengths, slots, dtype=np.float32)
     return [compare("out" + tag, out, ref, base), compare("lse" + tag, lse, ref_lse, base_lse)]
+
+
+def check_multi(case, defect=None):
+    """The fast suite's case as a 4-query decode in HND pages of 4
+    (``fixtures.multi_token_case``: each sequence judged at one query, whose
+    causal end is the case's length, the index varying over the batch), vs
+    the oracle. A query that sees a position past its causal end reads the
+    case's NaN rows."""
+    tag = f"[{case.name}_t{T_Q}_HND4]"
+    lengths = np.array(case.seq_lens, np.int32)
+    slots = slot_table_for(case)
+    k32, v32 = build_caches(case, lengths, slots)
+    k, v = k32.astype(case.cache_dtype()), v32.astype(case.cache_dtype())
+    q = q_values(case)
+    q_multi, lens, pick = fixtures.multi_token_case(q, lengths, case.max_seq, T_Q)
+    rng = np.random.default_rng(case.seed + T_Q)
+    kp, vp, table = fixtures.paged_from_pooled(k, v, lens, slots, 4, "HND", rng)
+    out, lse = _run(q_multi, kp, vp, lens, table, 4, "HND", case.max_seq,
+                    _kernel_defect(defect), case.n_split)
+    rows = np.arange(len(lengths))
+    ref, ref_lse = decode_attention_ref(q, k, v, lengths, slots)
+    base, base_lse = decode_attention_ref(q, k, v, lengths, slots, dtype=np.float32)
+    return [compare("out" + tag, out[rows, pick], ref, base),
+            compare("lse" + tag, lse[rows, pick], ref_lse, base_lse)]
 
 
 def check_append(defect=None, small=True):
@@ -166,6 +197,7 @@ def run_suite(defect=None, *, small=True):
     for case in cases:
         for layout, page in LAYOUTS:
             results += check_layout(case, layout, page, defect)
+        results += check_multi(case, defect)
     results += check_append(defect, small)
     results += check_invariant_chunk(defect)
     return results

@@ -68,6 +68,9 @@ one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
                            another page's rows)
     "page_offset_stride"   addresses a row inside its page with the other
                            layout's strides (HND as NHD and back; in the page)
+``MULTI_DEFECTS`` (multi-token plans only, ``t_q > 1``):
+    "causal_off_by_one"    query i of T sees positions 0 .. len - T + i + 1 (one
+                           more than causal) for i < T - 1
 ``PRECISION_MUTANTS`` (roundings by ``attention.core.rounding``):
     "p_fp16" / "p_bf16"    every softmax weight multiplied into V (``p``, or
                            ``p * beta`` in the pipelined forms) rounded to fp16 / bf16
@@ -172,6 +175,9 @@ DEFECTS = GROSS_DEFECTS + PRECISION_MUTANTS
 # switches of the paged kernels only (``plan(paging=...)``; a pooled plan ignores
 # them): the falsification suite ``validation.suite_decode_paged``
 PAGED_DEFECTS = ("page_off_by_one", "page_offset_stride")
+# switches of the multi-token kernels only (``plan(t_q=T > 1)``)
+MULTI_DEFECTS = ("causal_off_by_one",)
+MAX_T_Q = 16  # most queries a sequence in one multi-token decode
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
 
 # words of the int32 flag the main kernel counts bad sequences in
@@ -194,9 +200,9 @@ def dtype_kind(dt):
 
 def check_defect(defect):
     """``defect`` itself when it is None or one of ``DEFECTS``; else ValueError."""
-    if defect is not None and defect not in DEFECTS + PAGED_DEFECTS:
-        raise ValueError(f"defect: expected None or one of {DEFECTS + PAGED_DEFECTS}, got "
-                         f"{defect!r}")
+    known = DEFECTS + PAGED_DEFECTS + MULTI_DEFECTS
+    if defect is not None and defect not in known:
+        raise ValueError(f"defect: expected None or one of {known}, got {defect!r}")
     return defect
 
 
@@ -543,7 +549,7 @@ def heads_per_block(group, per_lane):
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, lanes=WARP,
                        pipeline=False, scatter=True, stages=0, pdl=False, defect=None,
-                       paging=None):
+                       paging=None, t_q=1):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
@@ -559,7 +565,21 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     defect: None or a planted switch of ``DEFECTS`` (module docstring; the
     combine's own switches leave this kernel unchanged), paging: None (a
     pooled cache and a slot table) or a page layout, "HND" / "NHD" (a paged
-    cache and a page table; below).
+    cache and a page table; below), t_q: queries a sequence (below).
+
+    Multi-token decode (``t_q = T > 1``): q holds T queries a sequence, the
+    kernel's q / out / lse / partials carry ``T * H`` heads, query-major (q
+    ``[M, T, H, D]`` viewed as ``[M, T * H, D]``), and query ``i`` of sequence
+    ``m`` attends positions ``0 .. len_m - T + i`` (causal within the new
+    tokens; the length counts them). A block serves one query of its kv
+    group's heads: grid axis 1 is ``(head block, query)`` with the query
+    fastest, so the T blocks that read the same K/V rows are neighbours and
+    the repeats of a row come from L2, not from memory; the block's length is
+    its query's, ``len_m - T + 1 + i``, so nothing else in the kernel changes.
+    A length in ``1 .. T - 1`` cannot hold the new tokens: it is flagged as a
+    bad length (``ERR_LENGTHS``) and attended as empty, as a length past the
+    capacity is; a length of 0 is an empty sequence. ``t_q = 1`` compiles the
+    single-query kernel unchanged.
 
     Paging: with ``paging`` the fifth argument is a page table ``[M,
     max_pages]`` int32 and the caches are ``[num_pages, H_kv, P, D]`` ("HND")
@@ -644,6 +664,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     if GROUP % GB:
         raise ValueError(f"heads: expected a divisor of the group size {GROUP}, got {GB}")
     BLOCKS_PER_GROUP = GROUP // GB
+    TQ = int(t_q)
+    if not 1 <= TQ <= MAX_T_Q:
+        raise ValueError(f"t_q: expected 1..{MAX_T_Q} queries a sequence, got {t_q}")
     PIPE = bool(pipeline)
     # scores reduce-scattered: one (head, position) a lane (GB * U == LPR)
     SCATTER = PIPE and bool(scatter) and GB * U == LPR and (U & (U - 1)) == 0
@@ -671,29 +694,46 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     NHD = paging == "NHD"
     PAGE_OFF = defect == "page_off_by_one"
     PAGE_STRIDE = defect == "page_offset_stride"
+    CAUSAL_OFF = defect == "causal_off_by_one"
 
-    def page_at(table, seq, pos, page, shift, n_pages):
-        # (page index, row in the page) of position pos; P = page, shift =
+    def page_split(pos, page, shift):
+        # (table column, row in the page) of position pos; P = page, shift =
         # log2(P) or -1
         if shift >= 0:
-            j = pos >> shift
-            off = pos & (page - 1)
-        else:
-            j = pos // page
-            off = pos - j * page
-        pg = int64(table[seq, j])
+            return pos >> shift, pos & (page - 1)
+        j = pos // page
+        return j, pos - j * page
+
+    page_split = device_fn(page_split)
+
+    def page_entry(entry, n_pages):
+        # the page a table entry names (the planted switch: the next one)
+        pg = int64(entry)
         if PAGE_OFF:
             pg = (pg + 1) % n_pages
-        return pg, off
+        return pg
+
+    page_entry = device_fn(page_entry)
+
+    def page_at(table, seq, pos, page, shift, n_pages):
+        # (page index, row in the page) of position pos
+        j, off = page_split(pos, page, shift)
+        return page_entry(table[seq, j], n_pages), off
 
     page_at = device_fn(page_at)
+
+    def row_in_page(pg, off, n_kv, kv_head, page):
+        # row index (in rows of D elements) of row ``off`` of page ``pg``
+        if NHD != PAGE_STRIDE:  # the planted switch takes the other layout's form
+            return (pg * page + off) * n_kv + kv_head
+        return (pg * n_kv + kv_head) * page + off
+
+    row_in_page = device_fn(row_in_page)
 
     def page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages):
         # row index (in rows of D elements) of position pos
         pg, off = page_at(table, seq, pos, page, shift, n_pages)
-        if NHD != PAGE_STRIDE:  # the planted switch takes the other layout's form
-            return (pg * page + off) * n_kv + kv_head
-        return (pg * n_kv + kv_head) * page + off
+        return row_in_page(pg, off, n_kv, kv_head, page)
 
     page_row = device_fn(page_row)
 
@@ -911,13 +951,24 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 copy(ring, word, k_cache, flat + c * STRIDE)
                 copy(ring, word + PIECES * W, v_cache, flat + c * STRIDE)
 
-        def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane, table,
-                       seq, n_kv, kv_head, page, shift, n_pages):
-            # as load_rows, into the ring stage at word ``at``
+        def fetch_pages(pgs, table, seq, tile, end, grp, page, shift):
+            # the page-table entries of the step at ``tile`` (this lane group's U
+            # rows), loaded a step before issue_rows uses them: nothing reads
+            # them until then, so the table's latency hides behind a step
+            for u in range(U):
+                pos = min(tile + u * R + grp, end - 1)
+                j, _ = page_split(pos, page, shift)
+                pgs[u] = table[seq, j]
+
+        def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane, pgs,
+                       n_kv, kv_head, page, shift, n_pages):
+            # as load_rows, into the ring stage at word ``at``; paged: the rows'
+            # table entries were fetched into ``pgs`` (fetch_pages)
             if PAGED:
                 for u in range(U):
                     pos = min(tile + u * R + grp, end - 1)
-                    r = page_row(table, seq, pos, n_kv, kv_head, page, shift, n_pages)
+                    _, off = page_split(pos, page, shift)
+                    r = row_in_page(page_entry(pgs[u], n_pages), off, n_kv, kv_head, page)
                     issue_row(ring, at, k_cache, v_cache, r * ROW + sub * VEC, u, lane)
             elif tile + U * R <= end:
                 base = (row0 + tile + grp) * ROW + sub * VEC
@@ -941,13 +992,14 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         vbuf[(u * CH + c) * W + w] = vt[w]
 
         issue_row = device_fn(issue_row)
+        fetch_pages = device_fn(fetch_pages)
         issue_rows = device_fn(issue_rows)
         read_rows = device_fn(read_rows)
         load_row = device_fn(load_row)
         load_rows = device_fn(load_rows)
         tile_step = device_fn(tile_step_scattered if SCATTER else tile_step)
     else:
-        load_rows = tile_step = issue_rows = read_rows = commit = wait = None
+        load_rows = tile_step = issue_rows = read_rows = commit = wait = fetch_pages = None
         N_BUF, WORD, STEP, STG, RING_STAGE = 1, float32, 1, 0, 0
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
@@ -980,18 +1032,28 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     shift += 1
 
         # -- which kv group, query heads, slot and chunk this block reads --
+        t = 0  # the block's query (multi-token decode)
+        if TQ > 1:
+            t = head_block % TQ
+            head_block = head_block // TQ
         kv_head = head_block // BLOCKS_PER_GROUP
         head0 = kv_head * GROUP + (head_block % BLOCKS_PER_GROUP) * GB
         if GQA_MOD:
             kv_head = head0 % n_kv
+        qh0 = head0  # the block's first row of q / out (query-major with TQ > 1)
+        if TQ > 1:
+            qh0 = t * (n_heads // TQ) + head0
         slot = 0 if PAGED else slot_table[seq]
         length = seq_lens[seq]
         # -- the device range check: a length past the positions the grid covers
         # (or the capacity), or a slot outside the pool, makes the sequence
         # empty (nothing is read) and is counted in ``err`` (once a sequence) --
+        if TQ > 1:
+            if 0 < length < TQ:
+                length = -1  # cannot hold the new tokens: a bad length (below)
         if (length < 0 or length > min(max_seq, n_split * chunk) or slot < 0
                 or slot >= k_cache.shape[0]):
-            if split == 0 and head_block == 0 and cuda.threadIdx.x == 0:
+            if split == 0 and head_block == 0 and t == 0 and cuda.threadIdx.x == 0:
                 cuda.atomic.add(err, ERR_COUNT, 1)
                 cuda.atomic.min(err, ERR_FIRST, int32(seq))
                 if slot < 0 or slot >= k_cache.shape[0]:
@@ -1004,6 +1066,10 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             slot = (slot + 1) % k_cache.shape[0]
         if ONE_SHORT:
             length = max(length - 1, 0)
+        if TQ > 1 and length > 0:
+            # query t sees positions 0 .. length - TQ + t (the planted switch: one more)
+            extra = 1 if CAUSAL_OFF and t < TQ - 1 else 0
+            length = length - TQ + 1 + t + extra
         start = split * chunk
         end = min(length, start + chunk)
         if SPLIT_OFF:
@@ -1019,7 +1085,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         bad = 1
                     j += cuda.blockDim.x
             if cuda.syncthreads_or(bad):
-                if head_block == 0 and cuda.threadIdx.x == 0:
+                if head_block == 0 and t == 0 and cuda.threadIdx.x == 0:
                     cuda.atomic.add(err, ERR_COUNT, 1)
                     cuda.atomic.min(err, ERR_FIRST, int32(seq))
                     cuda.atomic.add(err, ERR_SLOTS, 1)
@@ -1032,7 +1098,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         l_run = cuda.local.array(GB, float32)
         for h in range(GB):
             if VECTOR:  # a lane's VEC elements of a chunk in one vector load
-                q_at = (int64(seq) * n_heads + head0 + h) * head_dim + sub * VEC
+                q_at = (int64(seq) * n_heads + qh0 + h) * head_dim + sub * VEC
                 for c in range(CH):
                     qt = load_q(q, q_at + c * STRIDE)
                     for v in range(VEC):
@@ -1048,9 +1114,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     acc[h * E + c] = float32(0.0)
                     q_reg[h * E + c] = float32(0.0)
                     if d < head_dim:
-                        q_reg[h * E + c] = float32(q[seq, head0 + h, d]) * scale
+                        q_reg[h * E + c] = float32(q[seq, qh0 + h, d]) * scale
                         if Q_BF16:
-                            q_reg[h * E + c] = round_bf16(float32(q[seq, head0 + h, d])) * scale
+                            q_reg[h * E + c] = round_bf16(float32(q[seq, qh0 + h, d])) * scale
                         if SCALE_FP16:
                             q_reg[h * E + c] = round_fp16(q_reg[h * E + c])
             m_run[h] = float32(-math.inf)
@@ -1069,19 +1135,29 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 # -- the warp's ring: steps t+1 .. t+S-1 in flight while t is computed --
                 ring = cuda.shared.array(0, WORD)
                 at0 = warp * STG * RING_STAGE
+                pgs = cuda.local.array(U, int32)  # paged: the next issue's table entries
                 for i in range(STG - 1):
                     if tile + i * STEP < end:
+                        if PAGED:
+                            fetch_pages(pgs, slot_table, seq, tile + i * STEP, end, grp, page,
+                                        shift)
                         issue_rows(ring, at0 + i * RING_STAGE, k_cache, v_cache, row0,
-                                   tile + i * STEP, end, grp, sub, lane, slot_table, seq,
+                                   tile + i * STEP, end, grp, sub, lane, pgs,
                                    n_kv, kv_head, page, shift, n_pages)
                     commit()  # one group a step, empty past the end: the wait counts steps
+                if PAGED and tile + (STG - 1) * STEP < end:
+                    fetch_pages(pgs, slot_table, seq, tile + (STG - 1) * STEP, end, grp, page,
+                                shift)
                 i = 0
                 while tile < end:
                     ahead = tile + (STG - 1) * STEP
                     if ahead < end:
                         issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
-                                   v_cache, row0, ahead, end, grp, sub, lane, slot_table,
-                                   seq, n_kv, kv_head, page, shift, n_pages)
+                                   v_cache, row0, ahead, end, grp, sub, lane, pgs,
+                                   n_kv, kv_head, page, shift, n_pages)
+                        if PAGED and ahead + STEP < end:  # the next issue's entries, now
+                            fetch_pages(pgs, slot_table, seq, ahead + STEP, end, grp, page,
+                                        shift)
                     commit()
                     wait()  # step i's group has landed
                     read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)
@@ -1227,7 +1303,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         wt = math.exp(sh_ml[(w * GB + h) * 2] - m_ref)
                     l_all += wt * sh_ml[(w * GB + h) * 2 + 1]
                     a_all += wt * sh_acc[(w * GB + h) * ROW + d]
-                head = head0 + h
+                head = qh0 + h
                 if n_split == 1:
                     # -- one chunk: normalise; an empty sequence gives zeros, -inf --
                     inv, lse_h = softmax_finish(m_all, l_all)  # accurate 1 / l, log l
@@ -1247,6 +1323,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         + ("" if LPR == WARP else f"l{LPR}")
         + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else "")
         + ("" if paging is None else "_paged" + paging)
+        + ("" if TQ == 1 else f"_t{TQ}")
         + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
@@ -1289,7 +1366,7 @@ def range_limit(pl, max_seq):
     return min(int(max_seq), int(pl["n_split"]) * int(pl["chunk"]))
 
 
-def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False):
+def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False, t_q=1):
     """RangeError for a host copy ``flag`` of a set device flag, else nothing.
 
     flag:       int32 [ERR_WORDS] as the main kernel left it
@@ -1299,6 +1376,7 @@ def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False):
     limit:      the longest valid length (``range_limit``), n_slots: KV_SLOTS
                 (paged: the page count)
     paged:      ``slot_table`` is a page table [M, max_pages]
+    t_q:        queries a sequence (a length of 1 .. t_q - 1 is flagged too)
     The message names ``slot_table`` or ``seq_lens``, the first flagged
     sequence, its value (as it is now) and the valid range, and how many
     sequences were flagged.
@@ -1310,7 +1388,7 @@ def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False):
     more = "" if count == 1 else f" ({count} sequences flagged, this is the first)"
     if paged and int(flag[ERR_SLOTS]):
         length = _element(seq_lens, m)
-        if 0 <= length <= limit:
+        if (length == 0 or t_q <= length) and length <= limit:
             raise checks.RangeError(
                 f"page_table: sequence {m} (length {length}) has a page index outside "
                 f"[0, num_pages={n_slots}) among the entries of its first "
@@ -1322,6 +1400,11 @@ def raise_flagged(flag, seq_lens, slot_table, limit, n_slots, paged=False):
             f"slot_table: sequence {m} has slot {slot}, expected a slot in "
             f"[0, KV_SLOTS={n_slots}); it was attended as empty{more}")
     length = _element(seq_lens, m)
+    if t_q > 1 and 0 < length < t_q:
+        raise checks.RangeError(
+            f"seq_lens: sequence {m} has length {length}, fewer than the t_q={t_q} new "
+            f"tokens it must hold; expected 0 or a length in [{t_q}, {limit}]; it was "
+            f"attended as empty{more}")
     raise checks.RangeError(
         f"seq_lens: sequence {m} has length {length}, expected a length in [0, {limit}] "
         f"(the cache's capacity, or the positions the plan's splits cover); it was "
@@ -1337,13 +1420,13 @@ def _element(x, i):
     return int(np.asarray(to_host(as_device_view(x)[i:i + 1]))[0])
 
 
-def read_flag(flag, seq_lens, slot_table, limit, n_slots, paged=False):
+def read_flag(flag, seq_lens, slot_table, limit, n_slots, paged=False, t_q=1):
     """Synchronise, read device ``flag``, clear it, and ``raise_flagged``."""
     cuda.synchronize()
     host = to_host(flag)
     if int(host[ERR_COUNT]):
         flag.copy_to_device(clear_flag())
-        raise_flagged(host, seq_lens, slot_table, limit, n_slots, paged)
+        raise_flagged(host, seq_lens, slot_table, limit, n_slots, paged, t_q)
 
 
 COMBINE_BATCH = 8  # partials a warp loads together before it merges them
@@ -1572,7 +1655,7 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
          warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None,
-         defect=None, paging=None, chunk=None):
+         defect=None, paging=None, chunk=None, t_q=1):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
@@ -1597,8 +1680,15 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     chunks ``max_len`` needs, and nothing in the plan depends on ``m_count``
     but the grid's last axis, so a sequence's result does not depend on the
     batch it is decoded in (``invariant_chunk``).
+
+    ``t_q`` (1 .. ``MAX_T_Q``): queries a sequence (``fast_decode_kernel``'s
+    multi-token decode); the grid's middle axis has ``t_q`` blocks a head
+    block, and the split count counts them.
     """
     check_defect(defect)
+    t_q = int(t_q)
+    if not 1 <= t_q <= MAX_T_Q:
+        raise checks.RangeError(f"t_q: expected 1..{MAX_T_Q} queries a sequence, got {t_q}")
     lanes = LANES[kind] if lanes is None else int(lanes)
     vec, chunks = row_layout(head_dim, kind, lanes)
     group = n_heads // n_kv
@@ -1616,7 +1706,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         raise ValueError("plan: give n_split or chunk, not both")
     trim = n_split is None and chunk is None
     if trim:
-        n_split = split_count(m_count * head_blocks, max_len, RESIDENT_BLOCKS[pipeline])
+        n_split = split_count(m_count * head_blocks * t_q, max_len, RESIDENT_BLOCKS[pipeline])
     if chunk is not None:
         chunk = max(1, int(chunk))
         n_split = -(-max(max_len, 1) // chunk)
@@ -1632,14 +1722,15 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
-                                     pipeline, SCATTERED, stages, pdl, defect, paging),
+                                     pipeline, SCATTERED, stages, pdl, defect, paging, t_q),
         "paging": paging,
+        "t_q": t_q,
         "group": group,
         "pdl": pdl,
         "stages": stages,
         "dyn_smem": ring_bytes(warps, stages, unroll, chunks, kind, vec),
         "static_smem": 4 * warps * gb * (2 + lanes * vec * chunks),
-        "grid": (n_split, head_blocks, m_count),
+        "grid": (n_split, head_blocks * t_q, m_count),
         "block": warps * WARP,
         "chunk": int(chunk),
         "n_split": n_split,
@@ -1706,6 +1797,15 @@ def _output(name, given, shape, stream):
     return to_device(given, stream)
 
 
+def _query_rows(x, rank):
+    """A multi-token array ``[M, T, H, ...]`` of ``rank`` dimensions as ``[M, T
+    * H, ...]`` (a view); one already of rank ``rank - 1`` is returned as is."""
+    if x.ndim != rank:
+        return x
+    sh = tuple(int(x.shape[i]) for i in range(x.ndim))
+    return x.reshape(sh[0], sh[1] * sh[2], *sh[3:])
+
+
 def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, d_part_ml,
            stream, *, err=None):
     """Enqueue a planned decode (one or two launches) on ``stream`` (a numba
@@ -1716,12 +1816,19 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
 
     ``err``: the device range check's flag, int32 [ERR_WORDS] device array
     (``clear_flag``); default ``default_flag()``. A bad length or slot makes
-    its sequence empty and is counted there (``read_flag`` raises it)."""
+    its sequence empty and is counted there (``read_flag`` raises it).
+
+    Multi-token plans (``pl["t_q"] = T > 1``): q ``[M, T, H, D]``, out ``[M, T,
+    H, D]``, lse ``[M, T, H]`` (or their ``[M, T * H, ...]`` views), the scratch
+    from ``scratch(M, T * H, D, n_split)``."""
+    tq = pl.get("t_q", 1)
+    if tq > 1:  # [M, T, H, ...] as [M, T * H, ...]
+        d_q, d_out, d_lse = _query_rows(d_q, 4), _query_rows(d_out, 4), _query_rows(d_lse, 3)
     n_kv = d_k.shape[2 if pl.get("paging") == "NHD" else 1]
-    if d_q.shape[1] != pl["group"] * n_kv:  # the kernel's group is a constant
+    if d_q.shape[1] != tq * pl["group"] * n_kv:  # the kernel's group is a constant
         raise checks.ShapeError(
             f"q: expected H = {pl['group']} * H_kv = {pl['group'] * n_kv} heads "
-            f"(the plan's group size), got {d_q.shape[1]}")
+            f"(the plan's group size) for each of {tq} queries, got {d_q.shape[1]} rows")
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
             d_out, d_lse, d_part_acc, d_part_ml, default_flag() if err is None else err)
     _allow_shared(pl, args)

@@ -256,6 +256,14 @@ class DecodePlan:
                   sized to the batch, so that a sequence's output and LSE are
                   bit-identical whatever else the batch holds (the splits are
                   merged in a fixed order). Not with ``n_split``
+    t_q:          T, new queries a sequence in each run, 1 .. ``fast.MAX_T_Q``
+                  (multi-token decode: speculative or multi-token-prediction
+                  steps). With T > 1, q is ``[M, T, H, D]``, out ``[M, T, H, D]``
+                  and lse ``[M, T, H]``; query i of sequence m attends positions
+                  ``0 .. seq_lens[m] - T + i`` (the length counts the T new
+                  tokens, already in the cache: ``paged_append`` /
+                  ``kv_scatter`` first). A length of 1 .. T - 1 is flagged on the
+                  device (``check()`` names ``seq_lens``); 0 is an empty sequence
     defect:       a planted defect (falsification suite only): the fast
                   kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``) or the
                   plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
@@ -275,13 +283,18 @@ class DecodePlan:
     def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
                  cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
                  n_split=None, page_size=None, layout="HND", batch_invariant=False,
-                 defect=None):
+                 t_q=1, defect=None):
         m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
         kv_slots, max_seq = int(kv_slots), int(max_seq)
         checks.check_range("m", m, 1, 1 << 30, what="sequence count")
         checks.check_heads(n_heads, n_kv, q_name="n_heads", kv_name="n_kv_heads")
         checks.check_head_dim("head_dim", head_dim)
         checks.check_range("max_seq", max_seq, 1, 1 << 30, what="cache capacity")
+        t_q = int(t_q)
+        checks.check_range("t_q", t_q, 1, fast.MAX_T_Q, what="queries a sequence")
+        if t_q > max_seq:
+            raise checks.RangeError(
+                f"t_q: expected at most max_seq={max_seq} queries a sequence, got {t_q}")
         if page_size is not None:
             checks.check_range("page_size", int(page_size), 1, 1 << 30, what="page size")
             if layout not in ("HND", "NHD"):
@@ -311,7 +324,11 @@ class DecodePlan:
         self.m, self.n_heads, self.n_kv_heads, self.head_dim = m, n_heads, n_kv, head_dim
         self.kv_slots, self.max_seq, self.max_len = kv_slots, max_seq, max_len
         self.cache_dtype, self.q_dtype, self.kind = cdt, qdt, kind
-        self.out_shape, self.lse_shape = (m, n_heads, head_dim), (m, n_heads)
+        self.t_q = t_q
+        lead = (m, t_q) if t_q > 1 else (m,)
+        self.out_shape, self.lse_shape = lead + (n_heads, head_dim), lead + (n_heads,)
+        # the kernel's view: the T queries' heads as T * H rows
+        self._kernel_q, self._kernel_lse = (m, t_q * n_heads, head_dim), (m, t_q * n_heads)
 
         self.paged = page_size is not None
         self.page_size = int(page_size) if self.paged else max_seq
@@ -327,7 +344,7 @@ class DecodePlan:
                 chunk = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
         kernel_defect = None if defect in PLAN_DEFECTS else defect
         pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
-                       defect=kernel_defect, paging=paging, chunk=chunk)
+                       defect=kernel_defect, paging=paging, chunk=chunk, t_q=t_q)
         self.fast_plan = pl
         self.n_split = pl["n_split"]
         P = self.page_size
@@ -348,14 +365,15 @@ class DecodePlan:
             cache_dims = ("KV_SLOTS", "H_kv", "max_seq", "D")
             table = _Spec("slot_table", (m,), _INT32, 1, ("M",))
         align = 16 if pl["vec"] > 1 else 1
+        lab = ("M", "T") if t_q > 1 else ("M",)
         self._specs = (
-            _Spec("q", (m, n_heads, head_dim), qdt, align, ("M", "H", "D")),
+            _Spec("q", self.out_shape, qdt, align, lab + ("H", "D")),
             _Spec("k_cache", cache_shape, cdt, align, cache_dims),
             _Spec("v_cache", cache_shape, cdt, align, cache_dims),
             _Spec("seq_lens", (m,), _INT32, 1, ("M",)),
             table,
-            _Spec("out", (m, n_heads, head_dim), _FLOAT32, 1, ("M", "H", "D")),
-            _Spec("lse", (m, n_heads), _FLOAT32, 1, ("M", "H")),
+            _Spec("out", self.out_shape, _FLOAT32, 1, lab + ("H", "D")),
+            _Spec("lse", self.lse_shape, _FLOAT32, 1, lab + ("H",)),
         )
         self._last = (None, None)  # (seq_lens, slot_table) of the last run
         self._streams = {}
@@ -381,9 +399,9 @@ class DecodePlan:
 
     def _allocate(self):
         m, h, d = self.m, self.n_heads, self.head_dim
-        self.out = device_empty((m, h, d), np.float32)
-        self.lse = device_empty((m, h), np.float32)
-        self.part_acc, self.part_ml = fast.scratch(m, h, d, self.n_split)
+        self.out = device_empty(self.out_shape, np.float32)
+        self.lse = device_empty(self.lse_shape, np.float32)
+        self.part_acc, self.part_ml = fast.scratch(m, self.t_q * h, d, self.n_split)
         self.flag = cuda.to_device(fast.clear_flag())
         self.identity_slots = cuda.to_device(np.arange(m, dtype=np.int32))
         if not SIMULATOR:
@@ -417,11 +435,12 @@ class DecodePlan:
                                          shmem_size=int(pl["dyn_smem"]))
         s = self._specs
         t = ArgTemplate()
-        at = [t.add_array(sp.shape, sp.dtype.itemsize) for sp in s[:5]]
+        at = [t.add_array(self._kernel_q, s[0].dtype.itemsize)]
+        at += [t.add_array(sp.shape, sp.dtype.itemsize) for sp in s[1:5]]
         t.add(ctypes.c_float(self.scale))
         t.add(ctypes.c_int32(pl["chunk"]))
-        at.append(t.add_array(s[5].shape, 4, array_ptr(self.out)))
-        at.append(t.add_array(s[6].shape, 4, array_ptr(self.lse)))
+        at.append(t.add_array(self._kernel_q, 4, array_ptr(self.out)))
+        at.append(t.add_array(self._kernel_lse, 4, array_ptr(self.lse)))
         t.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
         t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
@@ -434,7 +453,7 @@ class DecodePlan:
                        types.Array(f32, 3, "C"), types.Array(f32, 2, "C"))
             cfn = ck.compile(ctypes_)._codelibrary.get_cufunc()
             self._combine_kernel = cfn.kernel
-            grid = (self.n_heads, self.m)
+            grid = (self.t_q * self.n_heads, self.m)
             block = fast.combine_warps(self.n_split) * fast.WARP
             self._combine_config = LaunchConfig(grid=grid, block=block)
             if pl["pdl"]:
@@ -445,8 +464,8 @@ class DecodePlan:
             c = ArgTemplate()
             c.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
             c.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
-            cat = (c.add_array(s[5].shape, 4, array_ptr(self.out)),
-                   c.add_array(s[6].shape, 4, array_ptr(self.lse)))
+            cat = (c.add_array(self._kernel_q, 4, array_ptr(self.out)),
+                   c.add_array(self._kernel_lse, 4, array_ptr(self.lse)))
             self._combine_args = c.words
             self._combine_at = cat
         from cuda.core import launch as core_launch
@@ -466,7 +485,8 @@ class DecodePlan:
             out=None, lse=None, stream=None, sync=False):
         """Enqueue one decode; returns ``out``.
 
-        q:          [M, H, D] the plan's q dtype (device array)
+        q:          [M, H, D] the plan's q dtype (device array); [M, T, H, D]
+                    with ``t_q = T > 1``
         k_cache:    [KV_SLOTS, H_kv, max_seq, D] the plan's cache dtype; paged:
                     [num_pages, H_kv, P, D] (HND) or [num_pages, P, H_kv, D] (NHD)
         v_cache:    the same shape and dtype
@@ -477,7 +497,8 @@ class DecodePlan:
                     below each length must be in [0, num_pages) (checked on the
                     device; entries past them are never read). A paged plan also
                     takes it in ``slot_table``'s place
-        out, lse:   [M, H, D] / [M, H] float32 device arrays; None: the plan's
+        out, lse:   [M, H, D] / [M, H] ([M, T, H, D] / [M, T, H] with ``t_q``)
+                    float32 device arrays; None: the plan's
                     ``out`` / ``lse`` (with torch q, ``out`` comes back as a torch
                     view of the plan's buffer)
         stream:     None or 0 (default stream), a numba, cuda.core or torch stream
@@ -567,7 +588,8 @@ class DecodePlan:
         if self.launch_path == "none":
             return
         lens, slots = self._last
-        fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots, paged=self.paged)
+        fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots, paged=self.paged,
+                       t_q=self.t_q)
 
 
 def _array_dtype(x):
