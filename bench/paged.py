@@ -67,7 +67,7 @@ def page_layout(k_host, page, layout, rng):
     perm = rng.permutation(b * per).astype(np.int32)
     if b * per > 1 and np.array_equal(perm, np.arange(b * per)):
         perm = perm[::-1].copy()  # never the identity order
-    pages = np.empty_like(logical)
+    pages = np.empty(logical.shape, logical.dtype)  # C order (empty_like keeps the view's)
     pages[perm] = logical
     return pages, perm.reshape(b, per)
 
@@ -125,7 +125,7 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                 if plan.t_q > 1:  # the last query sees every position: the T_q = 1 result
                     out = np.ascontiguousarray(out[:, -1])
                 diff = None if ref_out is None else float(np.abs(out - ref_out).max())
-                record(name, ms, plan, diff, ref=ref)
+                record(name, ms, plan, diff, ref=ref, note=f"({plan.registers} registers)")
                 return ms, out
 
             mk = dict(cache_dtype=dt, q_dtype=dt)

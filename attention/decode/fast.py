@@ -178,6 +178,7 @@ PAGED_DEFECTS = ("page_off_by_one", "page_offset_stride")
 # switches of the multi-token kernels only (``plan(t_q=T > 1)``)
 MULTI_DEFECTS = ("causal_off_by_one",)
 MAX_T_Q = 16  # most queries a sequence in one multi-token decode
+CHECK_AHEAD = 8  # paged: table entries a thread loads at once in the block's page check
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
 
 # words of the int32 flag the main kernel counts bad sequences in
@@ -951,24 +952,38 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 copy(ring, word, k_cache, flat + c * STRIDE)
                 copy(ring, word + PIECES * W, v_cache, flat + c * STRIDE)
 
-        def fetch_pages(pgs, table, seq, tile, end, grp, page, shift):
+        def fetch_pages(pgs, table, seq, tile, end, grp, page, shift, whole):
             # the page-table entries of the step at ``tile`` (this lane group's U
             # rows), loaded a step before issue_rows uses them: nothing reads
-            # them until then, so the table's latency hides behind a step
-            for u in range(U):
-                pos = min(tile + u * R + grp, end - 1)
-                j, _ = page_split(pos, page, shift)
-                pgs[u] = table[seq, j]
+            # them until then, so the table's latency hides behind a step.
+            # ``whole``: a step's R * U positions lie in one page (pgs[0])
+            if whole:
+                j, _ = page_split(min(tile + grp, end - 1), page, shift)
+                pgs[0] = table[seq, j]
+            else:
+                for u in range(U):
+                    pos = min(tile + u * R + grp, end - 1)
+                    j, _ = page_split(pos, page, shift)
+                    pgs[u] = table[seq, j]
 
         def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane, pgs,
-                       n_kv, kv_head, page, shift, n_pages):
+                       n_kv, kv_head, page, shift, n_pages, whole):
             # as load_rows, into the ring stage at word ``at``; paged: the rows'
             # table entries were fetched into ``pgs`` (fetch_pages)
-            if PAGED:
+            if PAGED and whole and tile + U * R <= end:
+                # one page, rows a constant apart: the pooled path's address form
+                _, off = page_split(tile + grp, page, shift)
+                r = row_in_page(page_entry(pgs[0], n_pages), off, n_kv, kv_head, page)
+                base = r * ROW + sub * VEC
+                apart = R * ROW if NHD == PAGE_STRIDE else R * n_kv * ROW
+                for u in range(U):
+                    issue_row(ring, at, k_cache, v_cache, base + u * apart, u, lane)
+            elif PAGED:
                 for u in range(U):
                     pos = min(tile + u * R + grp, end - 1)
                     _, off = page_split(pos, page, shift)
-                    r = row_in_page(page_entry(pgs[u], n_pages), off, n_kv, kv_head, page)
+                    pg = pgs[0] if whole else pgs[u]
+                    r = row_in_page(page_entry(pg, n_pages), off, n_kv, kv_head, page)
                     issue_row(ring, at, k_cache, v_cache, r * ROW + sub * VEC, u, lane)
             elif tile + U * R <= end:
                 base = (row0 + tile + grp) * ROW + sub * VEC
@@ -1024,6 +1039,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         max_seq = page  # pooled: one page a sequence
         n_pages = k_cache.shape[0]
         shift = -1
+        # a warp step's R * U positions (aligned to R * U) lie in one page
+        whole = PAGED and page % (R * U) == 0
         if PAGED:
             max_seq = slot_table.shape[1] * page
             if page & (page - 1) == 0:
@@ -1079,11 +1096,19 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             bad = 0
             if end > start:
                 j = start // page + cuda.threadIdx.x
-                while j <= (end - 1) // page:
+                last = (end - 1) // page
+                nb = cuda.blockDim.x
+                while j + (CHECK_AHEAD - 1) * nb <= last:  # CHECK_AHEAD loads in flight
+                    for a in range(CHECK_AHEAD):
+                        pg = slot_table[seq, j + a * nb]
+                        if pg < 0 or pg >= n_pages:
+                            bad = 1
+                    j += CHECK_AHEAD * nb
+                while j <= last:
                     pg = slot_table[seq, j]
-                    if pg < 0 or pg >= k_cache.shape[0]:
+                    if pg < 0 or pg >= n_pages:
                         bad = 1
-                    j += cuda.blockDim.x
+                    j += nb
             if cuda.syncthreads_or(bad):
                 if head_block == 0 and t == 0 and cuda.threadIdx.x == 0:
                     cuda.atomic.add(err, ERR_COUNT, 1)
@@ -1140,24 +1165,24 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if tile + i * STEP < end:
                         if PAGED:
                             fetch_pages(pgs, slot_table, seq, tile + i * STEP, end, grp, page,
-                                        shift)
+                                        shift, whole)
                         issue_rows(ring, at0 + i * RING_STAGE, k_cache, v_cache, row0,
                                    tile + i * STEP, end, grp, sub, lane, pgs,
-                                   n_kv, kv_head, page, shift, n_pages)
+                                   n_kv, kv_head, page, shift, n_pages, whole)
                     commit()  # one group a step, empty past the end: the wait counts steps
                 if PAGED and tile + (STG - 1) * STEP < end:
                     fetch_pages(pgs, slot_table, seq, tile + (STG - 1) * STEP, end, grp, page,
-                                shift)
+                                shift, whole)
                 i = 0
                 while tile < end:
                     ahead = tile + (STG - 1) * STEP
                     if ahead < end:
                         issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
                                    v_cache, row0, ahead, end, grp, sub, lane, pgs,
-                                   n_kv, kv_head, page, shift, n_pages)
+                                   n_kv, kv_head, page, shift, n_pages, whole)
                         if PAGED and ahead + STEP < end:  # the next issue's entries, now
                             fetch_pages(pgs, slot_table, seq, ahead + STEP, end, grp, page,
-                                        shift)
+                                        shift, whole)
                     commit()
                     wait()  # step i's group has landed
                     read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)

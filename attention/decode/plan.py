@@ -274,7 +274,8 @@ class DecodePlan:
     ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
     output buffers, overwritten by every run that is given none), ``flag``
     (int32 [fast.ERR_WORDS] device error flag), ``launch_path`` ("cuda.core",
-    "numba" or "none") and ``launch_reason``.
+    "numba" or "none"), ``launch_reason`` and ``registers`` (the main kernel's
+    registers a thread where the plan compiled it for a GPU, else None).
 
     A plan belongs to the device current when it was made. ``run`` is not
     thread-safe (it writes pointers into the plan's argument lists).
@@ -376,6 +377,7 @@ class DecodePlan:
             _Spec("lse", self.lse_shape, _FLOAT32, 1, lab + ("H",)),
         )
         self._last = (None, None)  # (seq_lens, slot_table) of the last run
+        self.registers = None  # the main kernel's registers a thread (cuda.core plans)
         self._streams = {}
         self._torch_out = None
 
@@ -423,6 +425,7 @@ class DecodePlan:
                     types.Array(f32, 4, "C"), types.Array(i32, 1, "C"))
         compiled = pl["kernel"].compile(argtypes)
         fn = compiled._codelibrary.get_cufunc()
+        self.registers = int(compiled.regs_per_thread)
         if pl["static_smem"] + pl["dyn_smem"] > SMEM_STATIC_LIMIT:
             from cuda.bindings import driver as binding
             from numba.cuda.cudadrv import driver
