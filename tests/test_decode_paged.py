@@ -160,17 +160,35 @@ def test_split_plans_read_pages_across_chunks():
 
 @pytest.mark.device
 @pytest.mark.parametrize("where", ["negative", "past the pages"])
-def test_bad_page_index_is_flagged_not_read(where):
+@pytest.mark.parametrize("dtype,page", [("float32", 4), ("float16", 4), ("float16", 16)])
+def test_bad_page_index_is_flagged_not_read(where, dtype, page):
     """A page index outside [0, num_pages) among a sequence's used pages: not
     read (the simulator would raise on the read), flagged, and ``check()``
-    raises naming page_table; entries past a length are never looked at."""
+    raises naming page_table; entries past a length are never looked at. fp32
+    checks a chunk's entries before its loads; fp16 (the cp.async ring) as it
+    streams them, one entry a row (P 4) or a warp step (P 16), and discards
+    the chunk: its sequence comes out empty."""
+    from attention.core.device import to_device, to_host
+
+    dt = np.dtype(dtype)
     rng = np.random.default_rng(9)
-    lens = np.array([9, 6], np.int32)
-    k, v, table = paged_case(rng, lens, 4, 1, 16, np.float32, "HND", share=False)
+    lens = np.array([2 * page + 1, page + 2], np.int32)
+    k, v, table = paged_case(rng, lens, page, 1, 64, dt, "HND", share=False)
     table[1, 1] = -1 if where == "negative" else k.shape[0]
-    q = rng.standard_normal((2, 2, 16)).astype(np.float32)
-    with pytest.raises(checks.RangeError, match=r"page_table: sequence 1 \(length 6\)"):
-        run_plan(q, k, v, lens, table, np.float32, 4)
+    q = rng.standard_normal((2, 2, 64)).astype(np.float32)
+    with pytest.raises(checks.RangeError, match=rf"page_table: sequence 1 \(length {page + 2}\)"):
+        run_plan(q, k, v, lens, table, dt, page)
+    # the good sequence is still attended, the bad one is empty
+    from attention.decode.plan import DecodePlan
+
+    pl = DecodePlan(2, 2, 1, 64, k.shape[0], table.shape[1] * page, cache_dtype=dt,
+                    q_dtype=np.float32, page_size=page)
+    out = pl.run(to_device(q), to_device(k), to_device(v), to_device(lens),
+                 page_table=to_device(table))
+    out = np.asarray(to_host(out))
+    assert np.all(out[1] == 0) and np.isfinite(out[0]).all() and np.any(out[0] != 0)
+    with pytest.raises(checks.RangeError, match="page_table"):
+        pl.check()
 
 
 def test_paged_plan_arguments_are_named():

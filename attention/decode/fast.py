@@ -952,28 +952,39 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 copy(ring, word, k_cache, flat + c * STRIDE)
                 copy(ring, word + PIECES * W, v_cache, flat + c * STRIDE)
 
-        def fetch_pages(pgs, table, seq, tile, end, grp, page, shift, whole):
+        def fetch_pages(pgs, slot0, table, seq, tile, end, grp, page, shift, whole):
             # the page-table entries of the step at ``tile`` (this lane group's U
-            # rows), loaded a step before issue_rows uses them: nothing reads
-            # them until then, so the table's latency hides behind a step.
-            # ``whole``: a step's R * U positions lie in one page (pgs[0])
+            # rows) into pgs[slot0 ...], loaded before issue_rows uses them:
+            # nothing reads them until then, so the table's latency hides behind
+            # other work. ``whole``: a step's R * U positions lie in one page
+            # (pgs[slot0] only)
             if whole:
                 j, _ = page_split(min(tile + grp, end - 1), page, shift)
-                pgs[0] = table[seq, j]
+                pgs[slot0] = table[seq, j]
             else:
                 for u in range(U):
                     pos = min(tile + u * R + grp, end - 1)
                     j, _ = page_split(pos, page, shift)
-                    pgs[u] = table[seq, j]
+                    pgs[slot0 + u] = table[seq, j]
+
+        def checked_page(entry, n_pages, bad):
+            # a table entry as a page index; one outside [0, num_pages) is never
+            # dereferenced: page 0 is read instead and ``bad[0]`` set (the block
+            # then discards its chunk: the merge below)
+            if entry < 0 or entry >= n_pages:
+                bad[0] = 1
+                return page_entry(0, n_pages)
+            return page_entry(entry, n_pages)
 
         def issue_rows(ring, at, k_cache, v_cache, row0, tile, end, grp, sub, lane, pgs,
-                       n_kv, kv_head, page, shift, n_pages, whole):
+                       slot0, n_kv, kv_head, page, shift, n_pages, whole, bad):
             # as load_rows, into the ring stage at word ``at``; paged: the rows'
-            # table entries were fetched into ``pgs`` (fetch_pages)
+            # table entries were fetched into pgs[slot0 ...] (fetch_pages)
             if PAGED and whole and tile + U * R <= end:
                 # one page, rows a constant apart: the pooled path's address form
                 _, off = page_split(tile + grp, page, shift)
-                r = row_in_page(page_entry(pgs[0], n_pages), off, n_kv, kv_head, page)
+                pg = checked_page(pgs[slot0], n_pages, bad)
+                r = row_in_page(pg, off, n_kv, kv_head, page)
                 base = r * ROW + sub * VEC
                 apart = R * ROW if NHD == PAGE_STRIDE else R * n_kv * ROW
                 for u in range(U):
@@ -982,8 +993,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 for u in range(U):
                     pos = min(tile + u * R + grp, end - 1)
                     _, off = page_split(pos, page, shift)
-                    pg = pgs[0] if whole else pgs[u]
-                    r = row_in_page(page_entry(pg, n_pages), off, n_kv, kv_head, page)
+                    pg = checked_page(pgs[slot0] if whole else pgs[slot0 + u], n_pages, bad)
+                    r = row_in_page(pg, off, n_kv, kv_head, page)
                     issue_row(ring, at, k_cache, v_cache, r * ROW + sub * VEC, u, lane)
             elif tile + U * R <= end:
                 base = (row0 + tile + grp) * ROW + sub * VEC
@@ -1008,6 +1019,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
 
         issue_row = device_fn(issue_row)
         fetch_pages = device_fn(fetch_pages)
+        checked_page = device_fn(checked_page)
         issue_rows = device_fn(issue_rows)
         read_rows = device_fn(read_rows)
         load_row = device_fn(load_row)
@@ -1016,6 +1028,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     else:
         load_rows = tile_step = issue_rows = read_rows = commit = wait = fetch_pages = None
         N_BUF, WORD, STEP, STG, RING_STAGE = 1, float32, 1, 0, 0
+    RING = PIPE and STG > 0  # rows through the shared-memory ring
+    N_PGS = max(STG - 1, 1) * U  # paged ring: table entries a lane holds
 
     def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
                out, lse, part_acc, part_ml, err):
@@ -1091,9 +1105,11 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         end = min(length, start + chunk)
         if SPLIT_OFF:
             end = min(length, start + chunk + 1)
-        if PAGED:
+        bad = cuda.local.array(1, int32)  # ring kernels: a bad page met while streaming
+        bad[0] = 0
+        if PAGED and not RING:
             # the chunk's page entries, checked by the block's threads together
-            bad = 0
+            flagged = 0
             if end > start:
                 j = start // page + cuda.threadIdx.x
                 last = (end - 1) // page
@@ -1102,14 +1118,14 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     for a in range(CHECK_AHEAD):
                         pg = slot_table[seq, j + a * nb]
                         if pg < 0 or pg >= n_pages:
-                            bad = 1
+                            flagged = 1
                     j += CHECK_AHEAD * nb
                 while j <= last:
                     pg = slot_table[seq, j]
                     if pg < 0 or pg >= n_pages:
-                        bad = 1
+                        flagged = 1
                     j += nb
-            if cuda.syncthreads_or(bad):
+            if cuda.syncthreads_or(flagged):
                 if head_block == 0 and t == 0 and cuda.threadIdx.x == 0:
                     cuda.atomic.add(err, ERR_COUNT, 1)
                     cuda.atomic.min(err, ERR_FIRST, int32(seq))
@@ -1160,28 +1176,32 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 # -- the warp's ring: steps t+1 .. t+S-1 in flight while t is computed --
                 ring = cuda.shared.array(0, WORD)
                 at0 = warp * STG * RING_STAGE
-                pgs = cuda.local.array(U, int32)  # paged: the next issue's table entries
+                # paged: the table entries of the prologue's steps (all loaded
+                # before any is used), then of the next issue (slot 0)
+                pgs = cuda.local.array(N_PGS, int32)
+                if PAGED:
+                    for i in range(STG - 1):
+                        if tile + i * STEP < end:
+                            fetch_pages(pgs, i * U, slot_table, seq, tile + i * STEP, end, grp,
+                                        page, shift, whole)
                 for i in range(STG - 1):
                     if tile + i * STEP < end:
-                        if PAGED:
-                            fetch_pages(pgs, slot_table, seq, tile + i * STEP, end, grp, page,
-                                        shift, whole)
                         issue_rows(ring, at0 + i * RING_STAGE, k_cache, v_cache, row0,
-                                   tile + i * STEP, end, grp, sub, lane, pgs,
-                                   n_kv, kv_head, page, shift, n_pages, whole)
+                                   tile + i * STEP, end, grp, sub, lane, pgs, i * U,
+                                   n_kv, kv_head, page, shift, n_pages, whole, bad)
                     commit()  # one group a step, empty past the end: the wait counts steps
                 if PAGED and tile + (STG - 1) * STEP < end:
-                    fetch_pages(pgs, slot_table, seq, tile + (STG - 1) * STEP, end, grp, page,
-                                shift, whole)
+                    fetch_pages(pgs, 0, slot_table, seq, tile + (STG - 1) * STEP, end, grp,
+                                page, shift, whole)
                 i = 0
                 while tile < end:
                     ahead = tile + (STG - 1) * STEP
                     if ahead < end:
                         issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
-                                   v_cache, row0, ahead, end, grp, sub, lane, pgs,
-                                   n_kv, kv_head, page, shift, n_pages, whole)
+                                   v_cache, row0, ahead, end, grp, sub, lane, pgs, 0,
+                                   n_kv, kv_head, page, shift, n_pages, whole, bad)
                         if PAGED and ahead + STEP < end:  # the next issue's entries, now
-                            fetch_pages(pgs, slot_table, seq, ahead + STEP, end, grp, page,
+                            fetch_pages(pgs, 0, slot_table, seq, ahead + STEP, end, grp, page,
                                         shift, whole)
                     commit()
                     wait()  # step i's group has landed
@@ -1275,6 +1295,20 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         pv += score[h * U + u] * v_reg[u * E + e]
                     acc[h * E + e] = acc[h * E + e] * alpha + pv * beta
             tile += NW * R * U
+
+        if PAGED and RING:
+            # a page outside [0, num_pages) met while streaming (read as page 0,
+            # never dereferenced): the chunk is attended as empty, and counted
+            if cuda.syncthreads_or(bad[0]):
+                for h in range(GB):
+                    m_run[h] = float32(-math.inf)
+                    l_run[h] = float32(0.0)
+                    for e in range(E):
+                        acc[h * E + e] = float32(0.0)
+                if head_block == 0 and t == 0 and cuda.threadIdx.x == 0:
+                    cuda.atomic.add(err, ERR_COUNT, 1)
+                    cuda.atomic.min(err, ERR_FIRST, int32(seq))
+                    cuda.atomic.add(err, ERR_SLOTS, 1)
 
         # -- merge the R lane groups of each warp (butterfly over groups) --
         off = WARP // 2

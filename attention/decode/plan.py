@@ -255,7 +255,10 @@ class DecodePlan:
                   capacity and the GPU, not the batch) instead of a split count
                   sized to the batch, so that a sequence's output and LSE are
                   bit-identical whatever else the batch holds (the splits are
-                  merged in a fixed order). Not with ``n_split``
+                  merged in a fixed order). Not with ``n_split``. An option, not
+                  the default: on the H200 (``bench/paged.py``, fp16 / bf16) it
+                  costs +23..25 % at B 32 / L 4096 (one split becomes 16 and a
+                  combine) and +1 % at B 1 / L 32768 (32 splits either way)
     t_q:          T, new queries a sequence in each run, 1 .. ``fast.MAX_T_Q``
                   (multi-token decode: speculative or multi-token-prediction
                   steps). With T > 1, q is ``[M, T, H, D]``, out ``[M, T, H, D]``
@@ -263,7 +266,12 @@ class DecodePlan:
                   ``0 .. seq_lens[m] - T + i`` (the length counts the T new
                   tokens, already in the cache: ``paged_append`` /
                   ``kv_scatter`` first). A length of 1 .. T - 1 is flagged on the
-                  device (``check()`` names ``seq_lens``); 0 is an empty sequence
+                  device (``check()`` names ``seq_lens``); 0 is an empty sequence.
+                  Cost: one block a query reads the same K/V (memory once, L2
+                  the rest), but each does a query's arithmetic on CUDA cores:
+                  T = 4 takes 3.1x the time of T = 1 at B 32 / L 4096 fp16 on the
+                  H200 (``bench/paged.py``); the T queries of a kv group as one
+                  16-row tensor-core tile is the way to the 1.2x of K/V reads
     defect:       a planted defect (falsification suite only): the fast
                   kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``) or the
                   plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
