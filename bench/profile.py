@@ -11,6 +11,9 @@
     ncu --clock-control none -k "regex:flash|fmha|attention" --launch-count 3 \
         python3 -m bench.profile sdpa float16 4096 [batch]
 
+    ncu --clock-control none -k regex:decode_fast --launch-skip 2 --launch-count 1 \
+        python3 -m bench.profile paged float16 4096 16 HND
+
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
 twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
@@ -23,6 +26,8 @@ two calls to warm up, then one between ``cudaProfilerStart`` and
 ``cudaProfilerStop``, so every kernel of one call is profiled. The fourth runs torch's
 ``scaled_dot_product_attention`` (GQA) at the decode shape, for the kernel the
 fp16/bf16 targets are measured against (skipped, with a message, without torch).
+The fifth runs the fast decode over a paged cache (pages of P, HND or NHD, a
+shuffled page table) at B 32, q in the cache's dtype, three times.
 """
 
 import math
@@ -96,7 +101,30 @@ def sdpa(dname, seq, b):
     print("torch sdpa", tuple(o.shape), dname, "L", seq)
 
 
+def paged(dname, seq, page, layout, b=32):
+    """The fast decode over a paged cache (pages of ``page`` positions, a
+    shuffled table) at the decode shape, three launches."""
+    h, kv, d = 32, 8, 128
+    dt = np_dtype(dname)
+    n_pages = b * seq // page
+    shape = (n_pages, kv, page, d) if layout == "HND" else (n_pages, page, kv, d)
+    k, v = random_array(shape, dt, 1), random_array(shape, dt, 2)
+    q = random_array((b, h, d), dt, 3)
+    table = cuda.to_device(np.random.default_rng(0).permutation(n_pages).astype(np.int32)
+                           .reshape(b, seq // page))
+    lens = cuda.to_device(np.full(b, seq, np.int32))
+    out, lse = cuda.device_array((b, h, d), np.float32), cuda.device_array((b, h), np.float32)
+    pl = F.plan(b, h, kv, d, seq, F.dtype_kind(dt), paging=layout)
+    pa, pm = F.scratch(b, h, d, pl["n_split"])
+    for _ in range(3):
+        F.launch(pl, q, k, v, lens, table, np.float32(1 / math.sqrt(d)), out, lse, pa, pm, 0)
+    cuda.synchronize()
+    print("paged plan", layout, "P", page, {k_: v_ for k_, v_ in pl.items() if k_ != "kernel"})
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "paged":  # paged DTYPE L PAGE LAYOUT
+        return paged(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     if len(sys.argv) > 1 and sys.argv[1] == "mla":
         return mla(sys.argv[2] if len(sys.argv) > 2 else "float32")
     if len(sys.argv) > 1 and sys.argv[1] == "einsum":
