@@ -265,6 +265,45 @@ def test_batch_invariant_plans_give_a_sequence_the_same_bits(paged):
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
 
 
+@pytest.mark.device
+def test_batch_invariant_plan_is_the_same_eager_graph_and_run_to_run():
+    """A batch-invariant paged plan (several splits and the combine): three eager
+    runs and, on a GPU, the same run captured as a CUDA graph and replayed
+    (``attention.core.graph.CapturedLaunches``) give ``==`` outputs and LSE. The
+    simulator cannot capture: it checks the runs against each other."""
+    from attention.core.device import SIMULATOR, to_device, to_host
+    from attention.core.graph import CapturedLaunches
+    from attention.decode.plan import DecodePlan
+
+    rng = np.random.default_rng(13)
+    cap, page, h, n_kv, d = (300 if MODE == "sim" else 600), 16, 4, 2, 32
+    lens = np.array([cap - 5, 40, 0], np.int32)
+    k, v, table = paged_case(rng, lens, page, n_kv, d, np.float16, "HND",
+                             max_pages=-(-cap // page))
+    q = rng.standard_normal((3, h, d)).astype(np.float16)
+    pl = DecodePlan(3, h, n_kv, d, k.shape[0], cap, cache_dtype=np.float16, page_size=page,
+                    batch_invariant=True)
+    assert pl.n_split > 1
+    args = (to_device(q), to_device(k), to_device(v), to_device(lens))
+    d_table = to_device(table)
+    runs = []
+    for _ in range(3):
+        pl.run(*args, page_table=d_table, sync=True)
+        runs.append((np.asarray(to_host(pl.out)).copy(), np.asarray(to_host(pl.lse)).copy()))
+    if not SIMULATOR:
+        graph = CapturedLaunches(lambda st: pl.run(*args, page_table=d_table, stream=st),
+                                 lambda: pl.run(*args, page_table=d_table, sync=True))
+        assert graph.path == "graph", graph.fallback_reason
+        for buf in (pl.out, pl.lse):  # the replay must write them again
+            buf.copy_to_device(np.full(buf.shape, np.nan, np.float32))
+        graph.launch(sync=True)
+        pl.check()
+        runs.append((np.asarray(to_host(pl.out)).copy(), np.asarray(to_host(pl.lse)).copy()))
+    for out, lse in runs[1:]:
+        assert np.array_equal(out, runs[0][0]) and np.array_equal(lse, runs[0][1])
+    assert np.isfinite(runs[0][0]).all() and np.any(runs[0][0] != 0)
+
+
 def test_invariant_chunk_does_not_follow_the_batch():
     from attention.decode import fast
 
