@@ -7,6 +7,7 @@
     prefill_attention   causal prefill attention
     kv_scatter, batched_kv_scatter   write new K/V rows into the cache
     paged_append        write 1..T new tokens a sequence into a paged cache
+    fp8_append          quantize 1..T new tokens a sequence into an fp8 (e4m3) paged cache
     DecodeState         append-and-attend decode steps over a pooled cache
                         (eager or captured as a CUDA graph)
     errors              AttentionInputError and its subclasses
@@ -37,6 +38,7 @@ from attention.decode.plan import DecodePlan  # noqa: E402
 from attention.decode.api import decode  # noqa: E402
 from attention.decode.step import DecodeState  # noqa: E402
 from attention.cache.scatter import batched_kv_scatter, kv_scatter  # noqa: E402
+from attention.cache.fp8 import fp8_append  # noqa: E402
 from attention.cache.paged import paged_append  # noqa: E402
 from attention.prefill.kernels import prefill_attention  # noqa: E402
 
@@ -52,5 +54,6 @@ __all__ = [
     "decode",
     "kv_scatter",
     "paged_append",
+    "fp8_append",
     "prefill_attention",
 ]
