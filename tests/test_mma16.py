@@ -1,0 +1,122 @@
+"""The 16-bit tensor-core building blocks (``attention.gemm.mma16``).
+
+* the swizzled tile layout: a bijection onto the tile's words, and every
+  ldmatrix phase (8 rows of one 16-byte column chunk) on 8 distinct 16-byte
+  bank groups, for rows of 1, 2, 4 and 8 chunks;
+* the simulator's emulation of the fragment layouts (``mma`` as a warp
+  collective, ``ldmatrix`` plain and transposed): a one-warp tile GEMM through
+  swizzled shared tiles equals the mma model (each 16-k step's exact sum plus
+  the accumulator, truncated to fp32) computed on the host, for f16 and bf16,
+  B given as n rows of k and as k rows of n; a wrong fragment mapping would
+  permute rows or columns (checked to fail: the positive control);
+* compile-only: the kernels compile for sm_90 with ``mma.sync...m16n8k16`` for
+  f16 / bf16, ``ldmatrix`` x4, x2 and x2.trans, and no local-memory spills.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention.gemm import mma16
+
+
+def _bank_groups(cols, rows=16):
+    return {r: [(mma16.tile_index_host(r, c, cols) // 4) % 8 for c in range(0, cols, 8)]
+            for r in range(rows)}
+
+
+@pytest.mark.parametrize("cols", [8, 16, 32, 64])
+def test_swizzle_is_a_bijection_without_bank_conflicts(cols):
+    rows = 16
+    words = [mma16.tile_index_host(r, c, cols) for r in range(rows) for c in range(0, cols, 2)]
+    assert sorted(words) == list(range(rows * cols // 2))
+    chunks = cols // 8
+    for r0 in range(0, rows, 8):
+        for c in range(chunks):
+            groups = [(mma16.tile_index_host(r0 + r, 8 * c, cols) // 4) % 8 for r in range(8)]
+            assert len(set(groups)) == 8, (cols, r0, c, groups)
+
+
+def _rz(x):
+    from attention.gemm.tgemm import round_rz
+
+    return round_rz(x)
+
+
+def model(a, b_kn, c):
+    """The mma model on the host: per 16-k step, exact sum + accumulator, truncated."""
+    d = c.astype(np.float32).copy()
+    a64, b64 = a.astype(np.float64), b_kn.astype(np.float64)
+    for k0 in range(0, a.shape[1], 16):
+        part = a64[:, k0:k0 + 16] @ b64[k0:k0 + 16]
+        for i in range(16):
+            for j in range(8):
+                d[i, j] = _rz(float(d[i, j]) + float(part[i, j]))
+    return d
+
+
+def _operands(rng, kind, k):
+    import ml_dtypes
+
+    dt = np.float16 if kind == "f16" else ml_dtypes.bfloat16
+    a = rng.standard_normal((16, k)).astype(dt)
+    b = rng.standard_normal((k, 8)).astype(dt)  # [K, N]
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    return a, b, c
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("b_kmajor", [False, True])
+@pytest.mark.parametrize("k", [16, 64])
+def test_tile_gemm_is_the_mma_model(kind, b_kmajor, k):
+    from attention.core.device import to_device, to_host
+
+    rng = np.random.default_rng(k + 7 * b_kmajor)
+    a, b, c = _operands(rng, kind, k)
+    bw = mma16.pack_rows(b if b_kmajor else np.ascontiguousarray(b.T), kind)
+    d_c = to_device(c.copy())
+    kern = mma16.tile_gemm_kernel(kind, b_kmajor)
+    kern[1, 32](to_device(mma16.pack_rows(a, kind)), to_device(bw), d_c, np.int32(k))
+    got = np.asarray(to_host(d_c))
+    want = model(a, b, c)
+    assert np.array_equal(got, want), np.abs(got - want).max()
+    exact = a.astype(np.float64) @ b.astype(np.float64) + c
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max() * k
+    # positive control: transposed fragments would give another matrix
+    assert not np.array_equal(got, model(a, b[:, ::-1].copy(), c))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,ptx_t", [("f16", "f16"), ("bf16", "bf16")])
+@pytest.mark.parametrize("b_kmajor", [False, True])
+def test_tile_gemm_compiles_to_mma_and_ldmatrix(kind, ptx_t, b_kmajor):
+    from numba import cuda, types
+
+    kern = mma16.tile_gemm_kernel(kind, b_kmajor)
+    u32 = types.Array(types.uint32, 1, "C")
+    sig = (u32, u32, types.Array(types.float32, 2, "C"), types.int32)
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    want = "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16" if b_kmajor else \
+        "ldmatrix.sync.aligned.m8n8.x2.shared.b16"
+    assert want in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,cvt", [("f16", "cvt.rn.f16x2.f32"), ("bf16", "cvt.rn.bf16x2.f32")])
+def test_pack_compiles_to_one_cvt(kind, cvt):
+    from numba import cuda, types
+
+    _, pack = mma16.ops(kind)
+
+    def kernel(x, out):
+        i = cuda.threadIdx.x
+        out[i] = pack(x[2 * i], x[2 * i + 1])
+
+    ptx, _ = cuda.compile_ptx(kernel, (types.Array(types.float32, 1, "C"),
+                                       types.Array(types.uint32, 1, "C")), cc=(9, 0))
+    assert cvt in ptx
