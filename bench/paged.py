@@ -18,6 +18,9 @@ device time: CUDA events with the L2 flushed and the host cover of
   same K/V bytes; its last query sees every position, so its diff is
   against the one-query output (the ratio to the T_q = 1 row is the cost of
   the three more queries);
+* ``paged_<layout>_p<P>_ordered`` / ``_split2`` (probes, ``PROBES``): the same
+  pages in logical order (no shuffle: the access pattern's share of the
+  paged rows' cost), and a plan of two splits a sequence;
 * ``torch_sdpa[<backend>]``: torch's SDPA on the contiguous data
   (``[B, H_kv, L, D]``, ``enable_gqa``; it has no paging), the backend that ran named.
 
@@ -46,6 +49,10 @@ SHAPES = [(32, 32, 8, 128, 4096), (1, 32, 8, 128, 32768)]
 DTYPES = ("float16", "bfloat16")
 PAGES = {(32, 4096): (("HND", 16), ("NHD", 16), ("HND", 64), ("HND", 1), ("NHD", 1)),
          (1, 32768): (("HND", 16), ("HND", 1))}
+# probes of where the paged rows lose time (B 32 / L 4096): the same pages in logical
+# order (the access pattern without the shuffle), and two splits a sequence (more
+# blocks, more bytes in flight an SM)
+PROBES = {(32, 4096): (("HND", 16), ("HND", 1))}
 CHUNKS = (512, 1024, 2048)
 MULTI = {(32, 4096): 4}  # T_q of the multi-token rows (their diff: the last query's, vs T_q 1)
 COLUMNS = ["kernel", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms",
@@ -53,10 +60,11 @@ COLUMNS = ["kernel", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len
 TARGETS = {"p16": 0.97, "p1": 0.80, "sdpa": 1.0, "invariant_cost": 0.03, "t4": 1.2}
 
 
-def page_layout(k_host, page, layout, rng):
+def page_layout(k_host, page, layout, rng, shuffle=True):
     """A contiguous cache ``[B, H_kv, L, D]`` (host array) as pages of ``page``
     positions in a shuffled physical order (never the identity where there are two
-    pages or more): (pages, table [B, L / page] int32)."""
+    pages or more; ``shuffle=False``: in logical order): (pages, table [B, L / page]
+    int32)."""
     b, kv, seq, d = k_host.shape
     per = seq // page
     blocks = k_host.reshape(b, kv, per, page, d)
@@ -64,8 +72,9 @@ def page_layout(k_host, page, layout, rng):
         logical = blocks.transpose(0, 2, 1, 3, 4).reshape(b * per, kv, page, d)
     else:
         logical = blocks.transpose(0, 2, 3, 1, 4).reshape(b * per, page, kv, d)
-    perm = rng.permutation(b * per).astype(np.int32)
-    if b * per > 1 and np.array_equal(perm, np.arange(b * per)):
+    perm = rng.permutation(b * per).astype(np.int32) if shuffle else np.arange(
+        b * per, dtype=np.int32)
+    if shuffle and b * per > 1 and np.array_equal(perm, np.arange(b * per)):
         perm = perm[::-1].copy()  # never the identity order
     pages = np.empty(logical.shape, logical.dtype)  # C order (empty_like keeps the view's)
     pages[perm] = logical
@@ -176,6 +185,17 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                                      layout=layout, batch_invariant=True, **mk)
                     plan_row(name + "_invariant", ppi, (kp, vp), tab, inv_out,
                              ref="contiguous_invariant")
+                if (layout, page) in PROBES.get((b, seq), ()):
+                    p2 = DecodePlan(b, h, kv, d, n_pages, seq, page_size=page, layout=layout,
+                                    n_split=2, **mk)
+                    plan_row(name + "_split2", p2, (kp, vp), tab, None)
+                    kp_o, _ = page_layout(k_host, page, layout, None, shuffle=False)
+                    vp_o, tab_o = page_layout(v_host, page, layout, None, shuffle=False)
+                    kp_o, vp_o = (cuda.to_device(x.view(np.uint16)).view(dt)
+                                  for x in (kp_o, vp_o))
+                    plan_row(name + "_ordered", pp, (kp_o, vp_o), cuda.to_device(tab_o),
+                             ref_out)
+                    del kp_o, vp_o
                 del kp, vp, tab, pp
                 cuda.current_context().deallocations.clear()
             if torch is not None:
