@@ -44,6 +44,9 @@ Layouts (C-contiguous, device memory):
     v_cache     [KV_SLOTS, H_kv, max_seq, D]  same dtype
     seq_lens    [M] int32, slot_table [M] int32 (None: sequence m in slot m)
     out         [M, H, D] float32, lse [M, H] float32
+Paged plans (``page_size=P``): k_cache / v_cache [num_pages, H_kv, P, D] ("HND") or
+[num_pages, P, H_kv, D] ("NHD"), page_table [M, ceil(max_seq / P)] int32 in the slot
+table's place. Multi-token plans (``t_q=T``): q and out [M, T, H, D], lse [M, T, H].
 """
 
 from __future__ import annotations
