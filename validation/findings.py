@@ -91,8 +91,12 @@ FINDINGS = (
         "kernel arithmetic passes every step of growth/fast_decode (pooled, other data) "
         "and of growth/paged_decode_t4 (96 entries a step); the paged kernel is bit-identical "
         "to the pooled one on the same rows and splits (tests/test_decode_paged.py). "
-        "Not examined further: which entries, and whether the kernel's order of the l sums "
-        "(tiles of 4 positions, lane groups, warps) against the baseline's explains them.",
+        "Not examined further: which entries. Two candidates, neither measured: the "
+        "kernel's order of the l sums (tiles of 4 positions merged one after another, then "
+        "lane groups and warps) against the baseline's pairwise numpy sum; and "
+        "ex2.approx's own error (about 2 ulps, which the ex2 baseline does not model) in "
+        "the weights that build l: out divides it away (numerator and denominator carry "
+        "the same weights), the LSE = m + log(l) keeps it.",
         "Recompute the failing steps on the CPU from the run's seed (validation.growth "
         "draws every input from case_rng) with the kernel's per-entry LSE, and compare "
         "with the baseline entry by entry; a kernel fix or a baseline that models the "
