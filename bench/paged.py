@@ -14,6 +14,9 @@ device time: CUDA events with the L2 flushed and the host cover of
   (``[num_pages, H_kv, P, D]`` HND, ``[num_pages, P, H_kv, D]`` NHD), pages in a
   shuffled order, the page table ``[B, L / P]``; ``_invariant`` with
   ``batch_invariant=True``;
+* ``contiguous_fp8`` (fp16 rows only): the same shape with an fp8 e4m3 cache
+  (random finite codes, per-tensor scales, q fp16); its bytes are the fp8
+  cache's (1 a K/V element), q, out, lse and the two scales;
 * ``contiguous_t4``: a multi-token plan (``t_q=4``, q ``[B, 4, H, D]``), the
   same K/V bytes; its last query sees every position, so its diff is
   against the one-query output (the ratio to the T_q = 1 row is the cost of
@@ -104,8 +107,8 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
             nbytes = decode_bytes(b, h, kv, d, seq, dt.itemsize, dt.itemsize)
             base = {}
 
-            def record(name, ms, pl=None, diff=None, note="", ref="contiguous"):
-                gbps = nbytes / (ms * 1e-3) / 1e9
+            def record(name, ms, pl=None, diff=None, note="", ref="contiguous", moved=None):
+                gbps = (nbytes if moved is None else moved) / (ms * 1e-3) / 1e9
                 vs = base[ref] / ms if ref in base else None
                 row = {"kernel": name, "dtype": dname, "batch": b, "heads": h,
                        "kv_heads": kv, "head_dim": d, "seq_len": seq, "ms": round(ms, 5),
@@ -143,6 +146,26 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
             pli = DecodePlan(b, h, kv, d, b, seq, batch_invariant=True, **mk)
             base["contiguous_invariant"], inv_out = plan_row(
                 "contiguous_invariant", pli, (k, v), None, ref_out)
+            if dname == "float16":
+                # fp8 e4m3 cache, per-tensor scales, q fp16: random finite codes
+                codes = np.random.default_rng(7).integers(0, 0x7E, (2, b, kv, seq, d),
+                                                          dtype=np.uint8)
+                codes |= (np.random.default_rng(8).integers(0, 2, codes.shape, dtype=np.uint8)
+                          << 7)
+                k8, v8 = cuda.to_device(codes[0]), cuda.to_device(codes[1])
+                del codes
+                sc = cuda.to_device(np.float32([1.0 / 448]))
+                pl8 = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=dt)
+                moved = decode_bytes(b, h, kv, d, seq, 1, dt.itemsize) + 8
+
+                def run8():
+                    pl8.run(q, k8, v8, lens, k_scale=sc, v_scale=sc)
+
+                ms8 = timer.time(run8, reps=20)
+                pl8.check()
+                record("contiguous_fp8", ms8, pl8, None, f"({pl8.registers} registers; bytes "
+                       f"of the fp8 cache)", moved=moved)
+                del k8, v8, pl8
             if (b, seq) in MULTI:
                 t_q = MULTI[(b, seq)]
                 # every query is q (the timing does not depend on the values); the
@@ -273,6 +296,17 @@ def summary_lines(rows):
             ratio = sd[0]["ms"] / r["ms"]
             out.append(f"- paged_HND_p16 {dname} against {sd[0]['kernel']} (contiguous): "
                        f"x{ratio:.3f} (target >= 1.0): {_mark(ratio >= TARGETS['sdpa'])}")
+    for (b, seq, goal) in ((32, 4096, 0.90), (1, 32768, 0.75)):
+        r = _find(rows, "contiguous_fp8", "float16", b, seq)
+        c = _find(rows, "contiguous", "float16", b, seq)
+        sd = [x for x in rows if x["kernel"].startswith("torch_sdpa") and x["dtype"] == "float16"
+              and x["batch"] == b and x["seq_len"] == seq]
+        if r is not None:
+            extra = "" if c is None else f", x{c['ms'] / r['ms']:.2f} the fp16 plan's speed"
+            if sd:
+                extra += f", x{sd[0]['ms'] / r['ms']:.2f} {sd[0]['kernel']} fp16's"
+            out.append(f"- fp8 e4m3 B {b} / L {seq}: {r['frac_of_copy']:.3f} of copy (target >= "
+                       f"{goal}){extra}: {_mark(r['frac_of_copy'] >= goal)}")
     for dname in DTYPES:
         c = _find(rows, "contiguous", dname, 32, 4096)
         r = _find(rows, "contiguous_t4", dname, 32, 4096)

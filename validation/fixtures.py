@@ -116,8 +116,10 @@ def paged_from_pooled(k_cache, v_cache, seq_lens, slot_table, page, layout, rng)
         order = order[::-1].copy()
     table = np.full((len(lens), width), HUGE_PAGE, np.int32)
     shape = (owned, h_kv, page, d) if layout == "HND" else (owned, page, h_kv, d)
-    k_pages = np.full(shape, np.nan, k_cache.dtype)
-    v_pages = np.full(shape, np.nan, v_cache.dtype)
+    # NaN where no row lives (uint8 caches hold fp8 e4m3 codes: 0x7F is NaN)
+    fill = 0x7F if k_cache.dtype == np.uint8 else np.nan
+    k_pages = np.full(shape, fill, k_cache.dtype)
+    v_pages = np.full(shape, fill, v_cache.dtype)
     at = 0
     for m, n in enumerate(need):
         table[m, :n] = order[at:at + n]

@@ -68,6 +68,10 @@ one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
                            another page's rows)
     "page_offset_stride"   addresses a row inside its page with the other
                            layout's strides (HND as NHD and back; in the page)
+``FP8_DEFECTS`` (fp8 plans only):
+    "fp8_scale_twice"      the V scale applied twice to the output
+    "fp8_no_k_scale"       the K scale not applied to the scores
+    "fp8_as_e5m2"          the cache's codes decoded as e5m2 instead of e4m3
 ``MULTI_DEFECTS`` (multi-token plans only, ``t_q > 1``):
     "causal_off_by_one"    query i of T sees positions 0 .. len - T + i + 1 (one
                            more than causal) for i < T - 1
@@ -151,7 +155,10 @@ CACHE_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float16), BFL
 WARPS = 4
 UNROLL = None  # None: 4; with 32 lanes a row, 8 when the chunk is >= LONG_CHUNK
 LONG_CHUNK = 384
-LANES = {"f32": 32, "f16": 16, "bf16": 16}  # lanes per row by cache dtype
+LANES = {"f32": 32, "f16": 16, "bf16": 16, "f8": 16}  # lanes per row by cache dtype
+ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f8": 1, "f8_e5m2": 1}  # f8_e5m2: a defect's
+# fp8 caches (e4m3 codes as uint8, ``attention.cache.fp8``): DecodePlan only, with scales
+FP8_DTYPE = np.dtype(np.uint8)
 PIPELINE = True  # 16-bit rows: packed, double-buffered (fast_decode_kernel)
 SCATTERED = True  # pipelined kernels with GB * U == LPR: one score a lane (ditto)
 # pipelined kernels: stages of the shared-memory ring a warp's rows arrive in by
@@ -178,6 +185,8 @@ PAGED_DEFECTS = ("page_off_by_one", "page_offset_stride")
 # switches of the multi-token kernels only (``plan(t_q=T > 1)``)
 MULTI_DEFECTS = ("causal_off_by_one",)
 MAX_T_Q = 16  # most queries a sequence in one multi-token decode
+# switches of the fp8 kernels only (cache_dtype uint8 plans)
+FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2")
 CHECK_AHEAD = 8  # paged: table entries a thread loads at once in the block's page check
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
 
@@ -187,9 +196,12 @@ ERR_WORDS = 4
 NO_SEQUENCE = 2 ** 31 - 1  # ERR_FIRST when no sequence was flagged
 
 
-def dtype_kind(dt):
-    """'f32', 'f16' or 'bf16' for a cache dtype."""
+def dtype_kind(dt, fp8=False):
+    """'f32', 'f16' or 'bf16' for a cache dtype; with ``fp8``, 'f8' for uint8
+    (e4m3 codes)."""
     dt = np.dtype(dt)
+    if fp8 and dt == FP8_DTYPE:
+        return "f8"
     if dt == np.float32:
         return "f32"
     if dt == np.float16:
@@ -201,7 +213,7 @@ def dtype_kind(dt):
 
 def check_defect(defect):
     """``defect`` itself when it is None or one of ``DEFECTS``; else ValueError."""
-    known = DEFECTS + PAGED_DEFECTS + MULTI_DEFECTS
+    known = DEFECTS + PAGED_DEFECTS + MULTI_DEFECTS + FP8_DEFECTS
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected None or one of {known}, got {defect!r}")
     return defect
@@ -260,6 +272,30 @@ def _halves_to_f32(builder, word, kind):
             builder.fpext(builder.bitcast(hi16, ir.HalfType()), f32)]
 
 
+def _e4m3_pair_to_f32(builder, half16, fmt="e4m3"):
+    """llvmlite: the two fp8 codes of an i16 as float32 ``[lo, hi]``
+    (``cvt.rn.f16x2.e4m3x2``, sm_89 and later: exact; ``fmt`` "e5m2": the
+    planted defect's format), then ``cvt.f32.f16``."""
+    from llvmlite import ir
+
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    fnty = ir.FunctionType(i32, [i16])
+    word = builder.call(ir.InlineAsm(fnty, f"cvt.rn.f16x2.{fmt}x2 $0, $1;", "=r,h"), [half16])
+    return _halves_to_f32(builder, word, "f16")
+
+
+def _codes_to_f32(builder, word, kind="f8"):
+    """llvmlite: the four fp8 codes of an i32 ``word`` as float32, low byte first
+    (``kind`` "f8": e4m3; "f8_e5m2": e5m2, the planted defect's)."""
+    from llvmlite import ir
+
+    fmt = "e5m2" if kind == "f8_e5m2" else "e4m3"
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    lo = builder.trunc(word, i16)
+    hi = builder.trunc(builder.lshr(word, ir.Constant(i32, 16)), i16)
+    return _e4m3_pair_to_f32(builder, lo, fmt) + _e4m3_pair_to_f32(builder, hi, fmt)
+
+
 def _element_kind(dtype):
     """'f32' / 'f16' / 'bf16' for a numba array element type."""
     from numba import types
@@ -298,7 +334,7 @@ def _vector_loader(kind, n):
             idx = args[1]
             if idx.type.width < 64:
                 idx = builder.sext(idx, ir.IntType(64))
-            itemsize = 4 if ekind == "f32" else 2
+            itemsize = ITEMSIZE[ekind]
             align = min(16, itemsize * n)  # what check_fast asks of the arrays
             ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), itemsize))])
             f32, i32 = ir.FloatType(), ir.IntType(32)
@@ -307,6 +343,12 @@ def _vector_loader(kind, n):
                 vt = ir.VectorType(f32, n)
                 vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=align)
                 elems = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(n)]
+            elif ekind in ("f8", "f8_e5m2"):
+                vt = ir.VectorType(i32, n // 4)
+                vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=align)
+                for i in range(n // 4):
+                    elems += _codes_to_f32(
+                        builder, builder.extract_element(vec, ir.Constant(i32, i)), ekind)
             else:
                 vt = ir.VectorType(i32, n // 2)
                 vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=align)
@@ -320,9 +362,15 @@ def _vector_loader(kind, n):
     return load
 
 
-def _sim_loader(n):
+def _sim_loader(n, kind=None):
     """Simulator stand-in for the vector load: ``n`` scalar reads along the
-    last axis of an array of any rank, from flat element ``flat``."""
+    last axis of an array of any rank, from flat element ``flat`` (``kind``
+    "f8": e4m3 codes, decoded)."""
+    table = None
+    if kind == "f8":
+        from attention.cache.fp8 import E4M3_VALUES as table
+    elif kind == "f8_e5m2":  # the planted defect's decoding: e5m2 is fp16's upper byte
+        table = (np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32)
 
     def load(arr, flat):
         at = []
@@ -332,15 +380,18 @@ def _sim_loader(n):
             rest //= extent
         at.reverse()
         head, d = tuple(at[:-1]), at[-1]
+        if table is not None:
+            return tuple(float32(table[int(arr[head + (d + i,)])]) for i in range(n))
         return tuple(float32(arr[head + (d + i,)]) for i in range(n))
 
     return load
 
 
-def _raw_loader(n_words):
+def _raw_loader(n_words, itemsize=2):
     """``load(arr, flat) -> UniTuple(uint32, n_words)``: the ``4 * n_words``
-    bytes at element ``flat`` of a C-contiguous 16-bit array, one vector load
-    (aligned to its size), left packed: two elements a word."""
+    bytes at element ``flat`` of a C-contiguous array of ``itemsize``-byte
+    elements (2, or 1 for fp8 codes), one vector load (aligned to its size),
+    left packed: two (four) elements a word."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -355,7 +406,7 @@ def _raw_loader(n_words):
             idx = args[1]
             if idx.type.width < 64:
                 idx = builder.sext(idx, ir.IntType(64))
-            ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), 2))])
+            ptr = builder.gep(i8p, [builder.mul(idx, ir.Constant(ir.IntType(64), itemsize))])
             i32 = ir.IntType(32)
             vt = ir.VectorType(i32, n_words)
             vec = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4 * n_words)
@@ -369,24 +420,27 @@ def _raw_loader(n_words):
 
 def _unpacker(kind):
     """``unpack(word) -> (lo, hi)``: the two 16-bit elements of a packed word
-    as float32 (``_halves_to_f32``)."""
+    as float32 (``_halves_to_f32``); "f8": the four e4m3 codes, low byte first."""
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    per = 4 // ITEMSIZE[kind]
+
     @intrinsic
     def unpack(typingctx, word):
-        sig = types.UniTuple(types.float32, 2)(word)
+        sig = types.UniTuple(types.float32, per)(word)
 
         def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, sig.return_type,
-                                      _halves_to_f32(builder, args[0], kind))
+            vals = (_codes_to_f32(builder, args[0], kind) if per == 4
+                    else _halves_to_f32(builder, args[0], kind))
+            return context.make_tuple(builder, sig.return_type, vals)
 
         return sig, codegen
 
     return unpack
 
 
-def _gpu_async_ops(stages, words):
+def _gpu_async_ops(stages, words, itemsize=2):
     """llvmlite intrinsics (inline PTX) for the shared-memory ring:
     ``copy(ring, word, arr, flat)``: ``cp.async`` of the ``4 * words`` bytes
     (16: ``.cg``, past L1; 8 or 4: ``.ca``) at element ``flat`` of a 16-bit
@@ -424,7 +478,7 @@ def _gpu_async_ops(stages, words):
 
         def codegen(context, builder, sig, args):
             sp = pointer(context, builder, sig.args[0], args[0], args[1], 4)
-            gp = pointer(context, builder, sig.args[2], args[2], args[3], 2)
+            gp = pointer(context, builder, sig.args[2], args[2], args[3], itemsize)
             fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
             text = to_shared % (0, f"cp.async.{level}.shared.global [sa32], [$1], {nbytes};")
             builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
@@ -466,7 +520,7 @@ def async_ring_ops(kind, vec, stages):
     the simulator copies at once, one float32 an element. ``vec``: 2, 4 or 8.
     """
     if SIMULATOR:
-        load = _sim_loader(vec)
+        load = _sim_loader(vec, kind)
 
         def copy(ring, word, arr, flat):
             vals = load(arr, flat)
@@ -482,8 +536,11 @@ def async_ring_ops(kind, vec, stages):
         return copy, nothing, nothing, read, float32, vec
     if vec not in (2, 4, 8):
         raise ValueError(f"async rows: expected pieces of 2, 4 or 8 elements, got {vec}")
-    copy, commit, wait, read = _gpu_async_ops(stages, vec // 2)
-    return copy, commit, wait, read, uint32, vec // 2
+    per = 4 // ITEMSIZE[kind]  # elements a 32-bit word
+    if vec % per:
+        raise ValueError(f"async rows: {vec} elements of {kind} are not whole words")
+    copy, commit, wait, read = _gpu_async_ops(stages, vec // per, ITEMSIZE[kind])
+    return copy, commit, wait, read, uint32, vec // per
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,13 +557,14 @@ def packed_row_io(kind, vec):
         def elem(buf, i):
             return buf[i]
 
-        return _sim_loader(vec), device_fn(elem), float32, vec
+        return _sim_loader(vec, kind), device_fn(elem), float32, vec
     unpack = _unpacker(kind)
+    per = 4 // ITEMSIZE[kind]  # elements a 32-bit word
 
     def elem_gpu(buf, i):
-        return unpack(buf[i // 2])[i % 2]
+        return unpack(buf[i // per])[i % per]
 
-    return _raw_loader(vec // 2), device_fn(elem_gpu), uint32, vec // 2
+    return _raw_loader(vec // per, ITEMSIZE[kind]), device_fn(elem_gpu), uint32, vec // per
 
 
 @functools.lru_cache(maxsize=None)
@@ -514,7 +572,7 @@ def load_row_vec(kind, n):
     """The vector loader for dtype ``kind`` (None: the array's) and width ``n``
     (see ``_vector_loader``)."""
     if SIMULATOR:
-        return _sim_loader(n)
+        return _sim_loader(n, kind)
     return _vector_loader(kind, n)
 
 
@@ -659,7 +717,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     N_SCORE = GB * U
     N_SH_ACC = NW * GB * ROW
     N_SH_ML = NW * GB * 2
-    load = load_row_vec(kind, VEC) if VECTOR else None
+    # how the cache's elements convert (the planted fp8_as_e5m2 decodes e4m3 codes as e5m2)
+    ROWS = "f8_e5m2" if kind == "f8" and defect == "fp8_as_e5m2" else kind
+    load = load_row_vec(ROWS, VEC) if VECTOR else None
     load_q = load_row_vec(None, VEC) if VECTOR else None  # q: fp32 or the cache's dtype
     GROUP = group
     if GROUP % GB:
@@ -696,6 +756,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     PAGE_OFF = defect == "page_off_by_one"
     PAGE_STRIDE = defect == "page_offset_stride"
     CAUSAL_OFF = defect == "causal_off_by_one"
+    F8 = kind == "f8"  # e4m3 codes; k_sc / v_sc: the per-tensor scales, float32 [1]
+    SCALE_TWICE = defect == "fp8_scale_twice"
+    NO_K_SCALE = defect == "fp8_no_k_scale"
 
     def page_split(pos, page, shift):
         # (table column, row in the page) of position pos; P = page, shift =
@@ -801,7 +864,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
 
     tile_softmax = device_fn(tile_softmax)
     if PIPE:
-        load_packed, elem, WORD, W = packed_row_io(kind, VEC)
+        load_packed, elem, WORD, W = packed_row_io(ROWS, VEC)
         N_BUF = U * CH * W  # packed words of U rows a lane
         STEP = NW * R * U  # positions a block's warps cover in one step
 
@@ -939,7 +1002,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         if STG == 1 or STG < 0:
             raise ValueError(f"stages: expected 0 or at least 2, got {stages}")
         if STG:
-            copy, commit, wait, read_piece, _, _ = async_ring_ops(kind, VEC, STG)
+            copy, commit, wait, read_piece, _, _ = async_ring_ops(ROWS, VEC, STG)
         else:
             copy = commit = wait = read_piece = None
         PIECES = U * CH * WARP  # ring pieces (VEC elements) of K in one stage of a warp
@@ -1031,9 +1094,18 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     RING = PIPE and STG > 0  # rows through the shared-memory ring
     N_PGS = max(STG - 1, 1) * U  # paged ring: table entries a lane holds
 
-    def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
-               out, lse, part_acc, part_ml, err):
+    def body(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
+             out, lse, part_acc, part_ml, err, k_sc, v_sc):
         release_dependents()  # the combine's blocks may be placed from now on
+        qscale = scale  # fp8: the K scale folded into q's, the V scale into the output
+        vscale = float32(1.0)
+        if F8:
+            qscale = scale * k_sc[0]
+            vscale = v_sc[0]
+            if NO_K_SCALE:
+                qscale = scale
+            if SCALE_TWICE:
+                vscale = vscale * v_sc[0]
         split = cuda.blockIdx.x
         head_block = cuda.blockIdx.y
         seq = cuda.blockIdx.z
@@ -1144,9 +1216,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     qt = load_q(q, q_at + c * STRIDE)
                     for v in range(VEC):
                         acc[h * E + c * VEC + v] = float32(0.0)
-                        q_reg[h * E + c * VEC + v] = qt[v] * scale
+                        q_reg[h * E + c * VEC + v] = qt[v] * qscale
                         if Q_BF16:
-                            q_reg[h * E + c * VEC + v] = round_bf16(qt[v]) * scale
+                            q_reg[h * E + c * VEC + v] = round_bf16(qt[v]) * qscale
                         if SCALE_FP16:
                             q_reg[h * E + c * VEC + v] = round_fp16(q_reg[h * E + c * VEC + v])
             else:
@@ -1155,9 +1227,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     acc[h * E + c] = float32(0.0)
                     q_reg[h * E + c] = float32(0.0)
                     if d < head_dim:
-                        q_reg[h * E + c] = float32(q[seq, qh0 + h, d]) * scale
+                        q_reg[h * E + c] = float32(q[seq, qh0 + h, d]) * qscale
                         if Q_BF16:
-                            q_reg[h * E + c] = round_bf16(float32(q[seq, qh0 + h, d])) * scale
+                            q_reg[h * E + c] = round_bf16(float32(q[seq, qh0 + h, d])) * qscale
                         if SCALE_FP16:
                             q_reg[h * E + c] = round_fp16(q_reg[h * E + c])
             m_run[h] = float32(-math.inf)
@@ -1362,6 +1434,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         wt = math.exp(sh_ml[(w * GB + h) * 2] - m_ref)
                     l_all += wt * sh_ml[(w * GB + h) * 2 + 1]
                     a_all += wt * sh_acc[(w * GB + h) * ROW + d]
+                if F8:
+                    a_all *= vscale
                 head = qh0 + h
                 if n_split == 1:
                     # -- one chunk: normalise; an empty sequence gives zeros, -inf --
@@ -1376,6 +1450,19 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if d == 0:
                         part_ml[seq, head, split, 0] = m_all
                         part_ml[seq, head, split, 1] = l_all
+
+    body = device_fn(body)
+
+    if F8:
+        def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
+                   out, lse, part_acc, part_ml, err, k_sc, v_sc):
+            body(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk, out, lse, part_acc,
+                 part_ml, err, k_sc, v_sc)
+    else:
+        def kernel(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
+                   out, lse, part_acc, part_ml, err):
+            body(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk, out, lse, part_acc,
+                 part_ml, err, 0, 0)
 
     kernel.__name__ = kernel.__qualname__ = (
         ("decode_fast_pdl_" if pdl else "decode_fast_") + f"{kind}_v{VEC}c{CH}g{GB}of{GROUP}w{NW}u{U}"
@@ -1656,6 +1743,14 @@ def combine_kernel(chunks, pdl=False, defect=None):
 # launch planning and launcher
 # ---------------------------------------------------------------------------
 
+def fp8_capable():
+    """True where the fp8 kernels' ``cvt.rn.f16x2.e4m3x2`` exists (sm_89 and
+    later; the simulator decodes in Python; with no GPU, compile-only, True)."""
+    if SIMULATOR or not gpu_available():
+        return True
+    return tuple(cuda.get_current_device().compute_capability) >= (8, 9)
+
+
 def async_capable():
     """True where the pipelined kernel may use ``cp.async`` (sm_80 and later; the
     simulator emulates it; with no GPU, compile-only, True)."""
@@ -1670,7 +1765,7 @@ def ring_bytes(warps, stages, unroll, chunks, kind, vec):
     the simulator stores a float32 an element). 0 without a ring."""
     if not stages:
         return 0
-    piece = 4 * vec if SIMULATOR else 2 * vec
+    piece = 4 * vec if SIMULATOR else ITEMSIZE[kind] * vec
     return warps * stages * 2 * unroll * chunks * WARP * piece
 
 
@@ -1784,6 +1879,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
                                      pipeline, SCATTERED, stages, pdl, defect, paging, t_q),
         "paging": paging,
         "t_q": t_q,
+        "kind": kind,
         "group": group,
         "pdl": pdl,
         "stages": stages,
@@ -1866,13 +1962,15 @@ def _query_rows(x, rank):
 
 
 def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, d_part_ml,
-           stream, *, err=None):
+           stream, *, err=None, scales=None):
     """Enqueue a planned decode (one or two launches) on ``stream`` (a numba
     stream, 0, or a cuda.core stream / graph builder). Buffers must be device
     arrays. With ``pl["pdl"]`` the combine is a programmatic dependent of the
     main kernel (``attention.core.pdl``), except in a graph capture, where it is
     launched plainly. The combine carries the plan's ``defect``.
 
+    ``scales``: fp8 plans (``kind`` "f8"): ``(k_scale, v_scale)``, float32 [1]
+    device arrays (the cache holds e4m3 codes; K = code * k_scale).
     ``err``: the device range check's flag, int32 [ERR_WORDS] device array
     (``clear_flag``); default ``default_flag()``. A bad length or slot makes
     its sequence empty and is counted there (``read_flag`` raises it).
@@ -1890,6 +1988,11 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
             f"(the plan's group size) for each of {tq} queries, got {d_q.shape[1]} rows")
     args = (d_q, d_k, d_v, d_lens, d_slots, np.float32(scale), np.int32(pl["chunk"]),
             d_out, d_lse, d_part_acc, d_part_ml, default_flag() if err is None else err)
+    if pl.get("kind") == "f8":
+        if scales is None:
+            raise checks.AttentionInputError(
+                "scales: an fp8 plan needs (k_scale, v_scale), float32 [1] device arrays")
+        args = args + tuple(scales)
     _allow_shared(pl, args)
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:

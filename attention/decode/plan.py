@@ -121,6 +121,9 @@ def _fill_torch_dtypes():
                           torch.float64: np.dtype(np.float64)})
     if BFLOAT16 is not None:
         _TORCH_DTYPES[torch.bfloat16] = BFLOAT16
+    _TORCH_DTYPES[torch.uint8] = np.dtype(np.uint8)
+    if hasattr(torch, "float8_e4m3fn"):  # fp8 caches: e4m3 codes, read as uint8
+        _TORCH_DTYPES[torch.float8_e4m3fn] = np.dtype(np.uint8)
 
 
 def _dtype_name(x):
@@ -236,8 +239,13 @@ class DecodePlan:
     n_heads:      H, query heads; n_kv_heads: H_kv (divides H)
     head_dim:     D, in [1, 256]
     kv_slots:     KV_SLOTS of the cache (>= M); max_seq: its capacity
-    cache_dtype:  float32, float16 or bfloat16 (numpy / torch dtype or name)
-    q_dtype:      float32 or the cache's dtype (default: the cache's)
+    cache_dtype:  float32, float16 or bfloat16 (numpy / torch dtype or name), or
+                  fp8 e4m3: ``np.uint8`` / "float8_e4m3fn" (codes as uint8,
+                  ``attention.cache.fp8``; sm_89 and later), run with per-tensor
+                  ``k_scale`` / ``v_scale`` (K = code * k_scale): the K scale is
+                  folded into q's, the V scale into the output
+    q_dtype:      float32 or the cache's dtype (default: the cache's); with fp8,
+                  float32, float16 or bfloat16 (default float32)
     max_len:      the longest sequence a call may hold (default: max_seq); the
                   split plan covers ``limit >= max_len`` positions and the device
                   check flags any length past ``limit``
@@ -323,15 +331,26 @@ class DecodePlan:
         checks.check_range("max_len", max_len, 1, max_seq, what="longest length")
         if n_split is not None:
             checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
-        cdt = as_dtype("cache_dtype", cache_dtype)
-        if cdt not in fast.CACHE_DTYPES:
+        cdt = _fp8_name(cache_dtype) or as_dtype("cache_dtype", cache_dtype)
+        if cdt not in fast.CACHE_DTYPES + (fast.FP8_DTYPE,):
             raise checks.DTypeError(
-                f"cache_dtype: expected float32, float16 or bfloat16, got {cdt}")
-        kind = fast.dtype_kind(cdt)
-        qdt = cdt if q_dtype is None else as_dtype("q_dtype", q_dtype)
-        if qdt not in (_FLOAT32, cdt):
-            raise checks.DTypeError(
-                f"q_dtype: expected float32 or the cache's {cdt}, got {qdt}")
+                f"cache_dtype: expected float32, float16, bfloat16 or fp8 e4m3 (uint8 codes, "
+                f"'float8_e4m3fn'), got {cdt}")
+        kind = fast.dtype_kind(cdt, fp8=True)
+        if kind == "f8":
+            qdt = _FLOAT32 if q_dtype is None else as_dtype("q_dtype", q_dtype)
+            if qdt not in fast.CACHE_DTYPES:
+                raise checks.DTypeError(
+                    f"q_dtype: expected float32, float16 or bfloat16 with an fp8 cache, got {qdt}")
+            if not fast.fp8_capable():
+                raise checks.DTypeError(
+                    "cache_dtype: fp8 e4m3 caches need a GPU of compute capability 8.9 or "
+                    "later (cvt.rn.f16x2.e4m3x2)")
+        else:
+            qdt = cdt if q_dtype is None else as_dtype("q_dtype", q_dtype)
+            if qdt not in (_FLOAT32, cdt):
+                raise checks.DTypeError(
+                    f"q_dtype: expected float32 or the cache's {cdt}, got {qdt}")
         self.scale = checks.check_scale(scale, head_dim)
         self.m, self.n_heads, self.n_kv_heads, self.head_dim = m, n_heads, n_kv, head_dim
         self.kv_slots, self.max_seq, self.max_len = kv_slots, max_seq, max_len
@@ -386,7 +405,10 @@ class DecodePlan:
             table,
             _Spec("out", self.out_shape, _FLOAT32, 1, lab + ("H", "D")),
             _Spec("lse", self.lse_shape, _FLOAT32, 1, lab + ("H",)),
+            _Spec("k_scale", (1,), _FLOAT32, 1, ("1",)),
+            _Spec("v_scale", (1,), _FLOAT32, 1, ("1",)),
         )
+        self.fp8 = kind == "f8"
         self._last = (None, None)  # (seq_lens, slot_table) of the last run
         self.registers = None  # the main kernel's registers a thread (cuda.core plans)
         self._streams = {}
@@ -425,15 +447,18 @@ class DecodePlan:
         from numba import types
 
         pl = self.fast_plan
-        elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16}
+        elem = {"f32": types.float32, "f16": types.float16, "bf16": cuda.types.bfloat16,
+                "f8": types.uint8}
         f32, i32 = types.float32, types.int32
-        qe = types.float32 if self.q_dtype == _FLOAT32 else elem[self.kind]
+        qe = elem[fast.dtype_kind(self.q_dtype)]
         cache = types.Array(elem[self.kind], 4, "C")
         argtypes = (types.Array(qe, 3, "C"), cache, cache, types.Array(i32, 1, "C"),
                     types.Array(i32, 2 if self.paged else 1, "C"), f32, i32,
                     types.Array(f32, 3, "C"),
                     types.Array(f32, 2, "C"), types.Array(f32, 4, "C"),
                     types.Array(f32, 4, "C"), types.Array(i32, 1, "C"))
+        if self.fp8:
+            argtypes += (types.Array(f32, 1, "C"), types.Array(f32, 1, "C"))
         compiled = pl["kernel"].compile(argtypes)
         fn = compiled._codelibrary.get_cufunc()
         self.registers = int(compiled.regs_per_thread)
@@ -458,6 +483,9 @@ class DecodePlan:
         t.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
         t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
+        if self.fp8:  # k_scale, v_scale pointers (set by each run)
+            at.append(t.add_array((1,), 4))
+            at.append(t.add_array((1,), 4))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
         self._combine_kernel = None
@@ -496,7 +524,7 @@ class DecodePlan:
     # -- a call -------------------------------------------------------------
 
     def run(self, q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
-            out=None, lse=None, stream=None, sync=False):
+            out=None, lse=None, stream=None, sync=False, k_scale=None, v_scale=None):
         """Enqueue one decode; returns ``out``.
 
         q:          [M, H, D] the plan's q dtype (device array); [M, T, H, D]
@@ -517,6 +545,9 @@ class DecodePlan:
                     view of the plan's buffer)
         stream:     None or 0 (default stream), a numba, cuda.core or torch stream
         sync:       wait for the launches, then ``check()``
+        k_scale, v_scale: fp8 plans only (required there): float32 [1] device
+                    arrays, the per-tensor scales (K = e4m3 code * k_scale), read
+                    on the device by each run
         No copy, allocation or synchronisation (unless ``sync``); a bad length or
         slot makes its sequence empty and is raised by ``check()``.
         """
@@ -531,9 +562,14 @@ class DecodePlan:
             raise checks.ShapeError(
                 f"page_table: a paged plan needs a page table [M={self.m}, max_pages="
                 f"{self.max_pages}] int32, got None")
+        if (k_scale is None or v_scale is None) if self.fp8 else (
+                k_scale is not None or v_scale is not None):
+            raise checks.AttentionInputError(
+                "k_scale, v_scale: an fp8 plan needs both (float32 [1] device arrays)"
+                if self.fp8 else "k_scale, v_scale: only fp8 plans take scales")
         if self.launch_path != "cuda.core":
             return self._run_other(q, k_cache, v_cache, seq_lens, slot_table, out, lse,
-                                   stream, sync)
+                                   stream, sync, k_scale, v_scale)
         a = self._main_args
         at = self._main_at
         a[at[0]] = pointer(specs[0], q)
@@ -547,6 +583,9 @@ class DecodePlan:
         lse_ptr = self._own_lse if lse is None else pointer(specs[6], lse)
         a[at[5]] = out_ptr
         a[at[6]] = lse_ptr
+        if self.fp8:
+            a[at[7]] = pointer(specs[7], k_scale)
+            a[at[8]] = pointer(specs[8], v_scale)
         st = self._stream0 if stream is None else core_stream(stream, self._streams)
         launch = self._core_launch
         launch(st, self._main_config, self._main_kernel, *a)
@@ -571,7 +610,8 @@ class DecodePlan:
             self._torch_out = torch.as_tensor(self.out, device="cuda")
         return self._torch_out
 
-    def _run_other(self, q, k_cache, v_cache, seq_lens, slot_table, out, lse, stream, sync):
+    def _run_other(self, q, k_cache, v_cache, seq_lens, slot_table, out, lse, stream, sync,
+                   k_scale=None, v_scale=None):
         """The simulator's run (numba launches of the same kernels) and the
         no-GPU plan's (checks, then RuntimeError)."""
         s = self._specs
@@ -586,8 +626,11 @@ class DecodePlan:
                                                                 seq_lens, slot_table))]
         d_out = self.out if out is None else check_sim_array(s[5], out)
         d_lse = self.lse if lse is None else check_sim_array(s[6], lse)
+        scales = None
+        if self.fp8:
+            scales = (check_sim_array(s[7], k_scale), check_sim_array(s[8], v_scale))
         fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
-                    self.part_ml, 0 if stream is None else stream, err=self.flag)
+                    self.part_ml, 0 if stream is None else stream, err=self.flag, scales=scales)
         self._last = (seq_lens, slot_table)
         if sync:
             self.check()
@@ -604,6 +647,17 @@ class DecodePlan:
         lens, slots = self._last
         fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots, paged=self.paged,
                        t_q=self.t_q)
+
+
+def _fp8_name(dt):
+    """uint8 for the names and numpy dtype of fp8 e4m3 (codes stored as uint8),
+    else None."""
+    if isinstance(dt, str) and dt.replace("torch.", "") in ("float8_e4m3fn", "e4m3", "fp8"):
+        return fast.FP8_DTYPE
+    name = getattr(dt, "name", None) or str(dt)
+    if "float8_e4m3fn" in str(name):
+        return fast.FP8_DTYPE
+    return None
 
 
 def _array_dtype(x):
