@@ -73,7 +73,8 @@ KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
 # each run's baseline order: its kernel's in the registry (validation.baselines)
 REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_decode",
                    "fast_decode": "decode_fast", "paged_decode": "decode_fast",
-                   "paged_decode_t4": "decode_fast", "mla_decode": "mla", "mla_gemm_decode": "mla_gemm",
+                   "paged_decode_t4": "decode_fast", "mla_decode": "mla",
+                   "mla_gemm_decode": "mla_gemm",
                    "mla_gemm_fma_decode": "mla_gemm_fma"}
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, types, uint32
+from numba import cuda, types, uint32
 
 from attention.core.device import SIMULATOR, device_fn
 
@@ -100,8 +100,7 @@ def _gpu_ops(kind):
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
-    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-    i8p = ir.IntType(8).as_pointer()
+    f32, i32 = ir.FloatType(), ir.IntType(32)
     ptx_t = "f16" if kind == "f16" else "bf16"
 
     @intrinsic
