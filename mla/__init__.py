@@ -5,7 +5,9 @@ the float32 baseline), ``kernels`` (absorb_q, attn_absorbed, decompress_v,
 append_latent, rope_interleaved and their launchers), ``attn_gemm`` (the GEMM
 path and its ``Workspace``), ``cache`` (the per-layer latent cache),
 ``pipeline`` (mla_attend, mla_attend_cached, mla_decode_step, mla_decode, and
-``plan_method``: the path and chunking an entry point takes), ``decode_graph``
+``plan_method``: the path and chunking an entry point takes), ``paged`` (the
+paged latent cache: its checks, row gather and ``paged_append_latent``;
+``mla_decode`` and ``MLADecodeGraph`` read it with ``page_table=``), ``decode_graph``
 (``MLADecodeGraph``: batched decode captured as a CUDA graph) and
 ``micro_model`` (a tiny MLA transformer on these kernels).
 
@@ -39,6 +41,9 @@ _EXPORTS = {
     "LatentCache": "cache",
     "append_latent": "kernels",
     "rope_interleaved": "kernels",
+    # paged latent cache (mla_decode / MLADecodeGraph take page_table=)
+    "paged_append_latent": "paged",
+    "DEFAULT_PAGE_SIZE": "paged",
     # geometry
     "MlaDims": "dims",
     "DEEPSEEK_V3": "dims",

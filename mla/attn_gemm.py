@@ -24,6 +24,14 @@ row staged in shared memory serves all 128 heads (the tiled online-softmax
 kernel of ``mla.kernels`` re-reads it per group of 4 heads and spends two
 shared loads per FMA).
 
+Paged latent caches (``prepare``'s ``page_table``; ``mla.paged``): the score
+and P.V GEMMs on tensor cores look rows up through the page table as they
+stage them (``tgemm_kernel(..., page_size=P)``); where ``sgemm`` runs them
+(``tensor=False``, or ``tgemm`` not usable), which has no paged addressing, a
+first launch gathers each query's visible rows into a contiguous scratch
+(``Workspace.rows``; ``workspace_bytes``' ``row_bytes``). Same GEMMs, same
+sums: the bits of a contiguous cache holding the same rows.
+
 Planted defects (falsification suite only): ``w_uk_transposed`` (W_UK's
 ``[d_nope, r]`` plane read as ``[r, d_nope]``), ``causal_offset_off_by_one``
 (one row past the causal bound), ``k_pe_ignored`` (the score GEMM stops at
@@ -64,9 +72,12 @@ from numba import cuda, float32
 from attention.gemm import sgemm
 
 from attention.gemm import tgemm
+from attention.core import checks
 from attention.core.device import SIMULATOR, device_empty, jit, launch_stream, to_device
 from attention.core.rounding import chop_exp, round_bf16, round_fp16
 from attention.core.warp import block_max, block_sum, warp_max, warp_sum
+
+from . import paged as PG
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
 SOFTMAX_MUTANTS = ("p_fp16", "p_bf16", "exp_approx", "scale_fp16")
@@ -94,11 +105,33 @@ def s_columns(max_visible):
     return -(-max(int(max_visible), 1) // 4) * 4
 
 
-def workspace_bytes(n_q, n_head, width, max_visible):
+def workspace_bytes(n_q, n_head, width, max_visible, row_bytes=0):
     """Device scratch of the GEMM path for ``n_q`` queries: qc [Q, nh, W]
-    (its extent padded to ``QC_PAD_WORDS``) and S [Q, nh, ``s_columns``] float32."""
+    (its extent padded to ``QC_PAD_WORDS``) and S [Q, nh, ``s_columns``]
+    float32; with ``row_bytes`` (a paged cache read through the row gather,
+    ``paged_gathers``: bytes of one latent row) also the gathered rows [Q,
+    max_visible, W]."""
     n_qc = -(-int(n_q) * n_head * width // QC_PAD_WORDS) * QC_PAD_WORDS
-    return 4 * (n_qc + int(n_q) * n_head * s_columns(max_visible))
+    rows = int(n_q) * max(int(max_visible), 1) * int(row_bytes)
+    return 4 * (n_qc + int(n_q) * n_head * s_columns(max_visible)) + rows
+
+
+def paged_gathers(tensor, n_head, latent):
+    """Whether the GEMM path over the paged cache ``latent`` [num_pages, P, W]
+    gathers the visible rows first (``prepare``): the score and P.V GEMMs run
+    on ``sgemm`` (``tensor`` False, or ``tgemm`` would not take them: no more
+    heads than half its tile, rows of W words not in whole 16-byte copies, or
+    ``latent`` not 16-byte aligned; ``tgemm.usable``'s conditions as they fall
+    on the MLA operands). Sizes the plan (``workspace_bytes``' ``row_bytes``);
+    ``prepare`` decides on the operands themselves."""
+    if not tensor:
+        return True
+    width = int(latent.shape[2])
+    per_copy = 8 if np.dtype(latent.dtype) == np.float16 else 4
+    address = checks.device_address(latent)  # None: a host array, copied to aligned memory
+    aligned = SIMULATOR or address is None or address % 16 == 0
+    return not (n_head > tgemm.tile_shape()[0] // 2 and width % 4 == 0
+                and width % per_copy == 0 and aligned)
 
 
 class Workspace:
@@ -108,15 +141,29 @@ class Workspace:
     loop to keep device allocations out of every step; the chunks of one
     chunked call (``enqueue``'s ``chunk``) run over it one after another on
     one stream. Not for concurrent use: two launches in flight on different
-    streams must not share one. ``nbytes``: the size held (0 before first use).
+    streams must not share one. ``nbytes``: the size held (0 before first use),
+    the gathered rows of a paged cache (``rows``) included.
     """
 
     def __init__(self):
         self._buf = None
+        self._rows = None  # gathered latent rows of a paged cache (``rows``)
 
     @property
     def nbytes(self):
-        return 0 if self._buf is None else 4 * int(self._buf.shape[0])
+        total = 0 if self._buf is None else 4 * int(self._buf.shape[0])
+        if self._rows is not None:
+            total += int(self._rows.shape[0]) * np.dtype(self._rows.dtype).itemsize
+        return total
+
+    def rows(self, shape, dtype, stream=None):
+        """A device array of ``shape`` and ``dtype`` (the latent rows [Q, L,
+        W] gathered from a paged cache), over a buffer of its own."""
+        n = max(int(np.prod(shape)), 1)
+        if (self._rows is None or np.dtype(self._rows.dtype) != np.dtype(dtype)
+                or int(self._rows.shape[0]) < n):
+            self._rows = device_empty(n, dtype, stream)
+        return self._rows[:int(np.prod(shape))].reshape(tuple(shape))
 
     def views(self, qc_shape, s_shape, stream=None):
         """(qc, S) float32 device arrays of these shapes over one buffer; S
@@ -379,7 +426,7 @@ def visible_rows(lens, tails, defect=None):
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
             w_uk_layout, stream, defect=None, workspace=None, d_vis=None, tensor=True,
-            max_vis=None, out=None, o_lat=None, lse=None):
+            max_vis=None, out=None, o_lat=None, lse=None, page_table=None, page_defect=None):
     """Allocate and fill everything the five launches read (validated by the caller).
 
     d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
@@ -400,8 +447,21 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     of a whole batch's arrays): written in place (default: allocated here).
     Returns a dict for ``launch_prepared``; its ``out``, ``o_lat`` and ``lse``
     are written by each launch of it.
+
+    Paged cache (``page_table``: device int32 [Q, max_pages], C-contiguous;
+    ``mla.paged``): ``d_latent`` is ``[num_pages, P, W]`` and query q's row t
+    is row ``t % P`` of page ``page_table[q, t // P]`` (``slots`` is then not
+    read). When ``tensor`` and ``tgemm`` takes both attention GEMMs, they look
+    the rows up as they stage them (``tgemm_kernel(..., page_size=P)``);
+    otherwise the first launch gathers every query's visible rows into a
+    contiguous ``[Q, max_vis, W]`` scratch (``Workspace.rows``,
+    ``paged.gather_rows_kernel``) that the GEMMs read as a cache with slots
+    ``0..Q-1``. Either way the GEMMs, their tiling and their sums are those
+    of a contiguous cache holding the same rows: the same bits.
+    ``page_defect``: ``paged.READ_DEFECTS`` or None.
     """
     _check_switch(defect, GEMM_DEFECTS + KERNEL_SWITCHES)
+    _check_switch(page_defect, PG.READ_DEFECTS)
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
     width = int(d_latent.shape[2])
     rank = width - d_rope
@@ -421,6 +481,8 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         raise ValueError(f"max_vis: expected at least vis.max()={vis_max}, got {max_vis}")
     max_vis = int(max_vis)
     k_score = rank if defect == "k_pe_ignored" else width
+    if page_table is not None:  # gathered rows are read as slots 0..Q-1
+        slots = np.arange(n_q)
     per_head = (np.arange(nh), np.full(nh, rank), np.full(nh, d_nope), np.full(nh, d_v))
     per_query = (np.asarray(slots), np.asarray(vis), np.full(n_q, k_score), np.full(n_q, rank))
     table = to_device(np.concatenate(per_head + per_query).astype(np.int32), stream)
@@ -445,7 +507,17 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
         w_uk, b_order = d_w_uk.reshape(flipped), ("znk" if w_uk_layout == "mla" else "zkn")
     p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uk=w_uk, uk_order=b_order, w_uv=d_w_uv,
-             latent=d_latent)
+             latent=d_latent, paging=None)
+    if page_table is not None:
+        p.update(pages=d_latent, page_table=page_table, page_size=int(d_latent.shape[1]),
+                 page_defect=page_defect)
+        if (p["tensor"] and tgemm.usable(p["qc"], d_latent, a_order="zmk", b_order="znk")
+                and tgemm.usable(p["s"], d_latent, a_order="zmk", b_order="zkn")):
+            p["paging"] = "tgemm"  # the tensor-core GEMMs read the pages themselves
+        else:
+            p["paging"] = "gather"
+            p["latent"] = (workspace or Workspace()).rows((n_q, max(max_vis, 1), width),
+                                                         np.dtype(d_latent.dtype), stream)
     return p
 
 
@@ -471,6 +543,13 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
     "zmn"): ``tgemm`` when the plan asks for it and the call is ``usable``,
     else ``sgemm``. ``switches``: ``_kernel_switches``' dict (the defect each
     GEMM kernel is built with), or None."""
+    if p.get("paging") == "tgemm":  # b: the pages; slots: the page table
+        tgemm.launch(a, p["pages"], c, p["page_table"], n_ext, k_ext, alpha, a_order="zmk",
+                     b_order=b_order, c_order="zmn", max_n=max_n, n_batch=p["n_q"],
+                     stream=stream, ready=p["smem_ready"],
+                     defect=(switches or {}).get("tgemm"), page_size=p["page_size"],
+                     page_defect=p["page_defect"])
+        return
     gemm, defect = sgemm, (switches or {}).get("sgemm")
     if p["tensor"] and tgemm.usable(a, b, a_order="zmk", b_order=b_order):
         gemm, defect = tgemm, (switches or {}).get("tgemm")
@@ -486,6 +565,10 @@ def launch_prepared(p, stream):
     if n_q == 0:
         return
     sw = p.get("switches") or _kernel_switches(None, p["tensor"])
+    # -- 0. a paged cache read by sgemm: each query's visible rows, gathered --
+    if p.get("paging") == "gather":
+        PG.launch_gather(p["pages"], p["page_table"], p["vis"], p["latent"], stream,
+                         p["page_defect"])
     # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
     sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
                  a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
@@ -526,7 +609,7 @@ def chunk_bounds(n_q, chunk=None):
 
 def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
                    w_uk_layout, stream, chunk=None, defect=None, workspace=None, d_vis=None,
-                   tensor=True, max_vis=None):
+                   tensor=True, max_vis=None, page_table=None, page_defect=None):
     """``prepare`` for each chunk of at most ``chunk`` consecutive queries
     (``chunk_bounds``; arguments as ``prepare``, ``slots`` / ``vis`` / ``d_vis``
     for all ``Q`` queries).
@@ -539,14 +622,17 @@ def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale
     batch only in the batch extent of the grid, and each output element's sum
     order depends on its own operands only: the results are the unchunked
     ones bit for bit. Chunks must run in order on one stream (they share the
-    scratch). Returns (list of ``prepare`` dicts, out, o_lat, lse).
+    scratch). ``page_table`` [Q, max_pages] (a paged cache, ``prepare``): each
+    chunk reads its rows of it. Returns (list of ``prepare`` dicts, out,
+    o_lat, lse).
     """
     n_q, nh = int(d_q_nope.shape[0]), int(d_q_nope.shape[1])
     bounds = chunk_bounds(n_q, chunk)
     if len(bounds) == 1:
         p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale,
                     d_rope=d_rope, w_uk_layout=w_uk_layout, stream=stream, defect=defect,
-                    workspace=workspace, d_vis=d_vis, tensor=tensor, max_vis=max_vis)
+                    workspace=workspace, d_vis=d_vis, tensor=tensor, max_vis=max_vis,
+                    page_table=page_table, page_defect=page_defect)
         return [p], p["out"], p["o_lat"], p["lse"]
     slots, vis = np.asarray(slots), np.asarray(vis)
     if max_vis is None:
@@ -563,7 +649,9 @@ def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale
             slots[q0:q1], vis[q0:q1], scale, d_rope=d_rope, w_uk_layout=w_uk_layout,
             stream=stream, defect=defect, workspace=workspace,
             d_vis=None if d_vis is None else d_vis[q0:q1], tensor=tensor, max_vis=max_vis,
-            out=out[q0:q1], o_lat=o_lat[q0:q1], lse=lse[q0:q1]))
+            out=out[q0:q1], o_lat=o_lat[q0:q1], lse=lse[q0:q1],
+            page_table=None if page_table is None else page_table[q0:q1],
+            page_defect=page_defect))
         plans[-1]["smem_ready"] = plans[0]["smem_ready"]  # one record for every chunk
     return plans, out, o_lat, lse
 
@@ -575,13 +663,15 @@ def launch_chunks(plans, stream):
 
 
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
-            w_uk_layout, stream, defect=None, workspace=None, tensor=True, chunk=None):
+            w_uk_layout, stream, defect=None, workspace=None, tensor=True, chunk=None,
+            d_vis=None, page_table=None, page_defect=None):
     """``prepare_chunks`` then ``launch_chunks`` on ``stream`` (arguments as
     ``prepare``; ``chunk``: queries per launch set, None for one set).
     Returns (out [Q, nh, d_v], o_lat [Q, nh, r], lse [Q, nh]) device float32."""
     plans, out, o_lat, lse = prepare_chunks(
         d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
         w_uk_layout=w_uk_layout, stream=stream, chunk=chunk, defect=defect,
-        workspace=workspace, tensor=tensor)
+        workspace=workspace, tensor=tensor, d_vis=d_vis, page_table=page_table,
+        page_defect=page_defect)
     launch_chunks(plans, launch_stream(stream))
     return out, o_lat, lse

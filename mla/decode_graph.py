@@ -31,6 +31,16 @@ the budget (``workspace_limit``, default ``mla.pipeline.GEMM_WORKSPACE_LIMIT``)
 the batch runs in chunks of sequences over one scratch, as ``mla_decode``
 does (``mla.pipeline.plan_method``; bit for bit the unchunked results), and
 the graph holds every chunk's launches. ``plan`` records the chunking.
+
+Paged cache (``page_table=``, ``mla.paged``): ``latent_cache`` is
+``[num_pages, page_size, r + d_rope]`` and ``page_table`` ``[B, max_pages]``
+int32, read in place at every run like ``lengths`` (``max_seq`` is then the
+capacity ``max_pages * page_size``). The first kernel
+(``paged.page_check_kernel``) also checks the entries of the pages each
+sequence uses: one outside ``[0, num_pages)`` attends that sequence as empty
+and makes ``check()`` raise a ``RangeError`` naming ``page_table``. The runs
+give the bits of ``mla_decode`` over the same paged cache (and of the
+contiguous cache holding the same rows).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from attention.core.graph import CapturedLaunches
 
 from . import attn_gemm as G
 from . import kernels as K
+from . import paged as PG
 from .pipeline import _check_q, plan_method
 
 
@@ -84,6 +95,10 @@ class MLADecodeGraph:
     q_nope [B, nh, d_nope] float32, q_pe [B, nh, d_rope] float32,
     latent_cache [B, max_seq, r + d_rope] float32 / float16, lengths [B] ints
     (a device int32 array is read in place at every run; numpy is copied once),
+    page_table None, or [B, max_pages] int32 (then latent_cache is the paged
+    cache [num_pages, page_size, r + d_rope]; a device table is read in place
+    at every run, numpy is copied once to ``self.page_table``; a numpy table's
+    used entries are checked here for the lengths given),
     w_uk [nh, d_nope, r] (``w_uk_layout="checkpoint"``: [nh, r, d_nope]),
     w_uv [nh, d_v, r] float32; scale default 1/sqrt(d_nope + d_rope).
     Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32).
@@ -99,28 +114,43 @@ class MLADecodeGraph:
     """
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
-                 w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None):
+                 w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None,
+                 page_table=None):
         n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
                                                       "B")
         if n_b == 0:
             raise checks.ShapeError("q_nope: expected at least one sequence [B>=1, nh, d_nope]")
-        _, max_seq, _ = checks.check_array(
-            "latent_cache", latent_cache,
-            (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)),
-            dtypes=K.CACHE_DTYPES)
-        lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
+        self.paged = page_table is not None
+        if not self.paged:
+            _, max_seq, _ = checks.check_array(
+                "latent_cache", latent_cache,
+                (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)),
+                dtypes=K.CACHE_DTYPES)
+            lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
+        else:
+            n_pages, page_size, _ = PG.check_paged_cache("latent_cache", latent_cache,
+                                                         rank + d_rope)
+            lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1,
+                                        count=n_b)
+            max_pages = PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
+            max_seq = max_pages * page_size  # the capacity
+            self.page_geometry = (n_pages, page_size, max_pages)
         host_lengths = is_host_array(lengths) or isinstance(lengths, (list, tuple))
         if not host_lengths:
             checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
         self.scale = checks.check_scale(scale, d_nope + d_rope)
+        row_bytes = 0
+        if self.paged and G.paged_gathers(tensor, nh, latent_cache):
+            row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
         # every query may see max_seq rows: the scratch is planned for that
         self.plan = plan_method("gemm" if tensor else "gemm_fma", n_b, nh, rank + d_rope,
-                                max_seq, limit=workspace_limit)
+                                max_seq, limit=workspace_limit, row_bytes=row_bytes)
         self.shape = (n_b, nh, d_nope, d_rope, rank, d_v, max_seq)
         self.d_q_nope, self.d_q_pe = to_device(q_nope), to_device(q_pe)
         self.d_latent = to_device(latent_cache)
         self.d_w_uk, self.d_w_uv = to_device(w_uk), to_device(w_uv)
         self.lengths = to_device(lens) if host_lengths else to_device(lengths)
+        self.page_table = to_device(page_table) if self.paged else None
         self._vis = device_empty((n_b,), np.int32)
         self._flag = to_device(np.zeros(1, np.int32))
         self.workspace = G.Workspace()
@@ -130,7 +160,8 @@ class MLADecodeGraph:
             self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
             np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
             w_uk_layout=w_uk_layout, stream=None, chunk=self.plan.chunk,
-            workspace=self.workspace, d_vis=self._vis, tensor=tensor)
+            workspace=self.workspace, d_vis=self._vis, tensor=tensor,
+            page_table=self.page_table)
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph,
                                        owner="MLADecodeGraph",
                                        plain_call="run_plain()'s launches at every run()")
@@ -140,8 +171,13 @@ class MLADecodeGraph:
     def enqueue(self, stream):
         """The launches of one run on ``stream`` (numba stream, 0, or a graph builder)."""
         n_b, max_seq = self.shape[0], self.shape[6]
-        lengths_check_kernel()[(n_b + 127) // 128, 128, stream](
-            self.lengths, self._vis, np.int32(max_seq), self._flag)
+        if self.paged:
+            n_pages, page_size, _ = self.page_geometry
+            PG.launch_page_check(self.lengths, self.page_table, page_size, n_pages, self._vis,
+                                 self._flag, stream)
+        else:
+            lengths_check_kernel()[(n_b + 127) // 128, 128, stream](
+                self.lengths, self._vis, np.int32(max_seq), self._flag)
         G.launch_chunks(self._ps, stream)
 
     @property
@@ -169,11 +205,16 @@ class MLADecodeGraph:
 
     def check(self):
         """Raise ``RangeError`` if a run since the last check saw a length
-        outside [0, max_seq] (that sequence attended nothing); clears the flag.
-        Reads one int from the device after the work queued so far."""
+        outside [0, max_seq] (paged: or an entry of a used page outside [0,
+        num_pages), naming ``page_table``); that sequence attended nothing.
+        Clears the flag. Reads one int from the device after the work queued
+        so far."""
         self.synchronize()
-        if int(to_host(self._flag)[0]):
+        word = int(to_host(self._flag)[0])
+        if word:
             self._flag.copy_to_device(np.zeros(1, np.int32))
+            if self.paged:
+                raise PG.page_error(word, host_ints(self.lengths).tolist(), self.shape[6])
             raise checks.RangeError(
                 f"lengths: expected lengths in [0, max_seq={self.shape[6]}] at a run; "
                 f"got {host_ints(self.lengths).tolist()}")

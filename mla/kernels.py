@@ -28,7 +28,12 @@ switch of the same source, chosen by the ``defect=`` argument of the
                   ``causal_offset_off_by_one`` (attends one position past the
                   causal bound: a future token), ``stuck_rescale`` (the running
                   state is never rescaled, ``alpha = 1``), ``k_pe_ignored``
-                  (the rotary half of the score is dropped).
+                  (the rotary half of the score is dropped). Paged caches
+                  (``page_size`` > 0, compile-time; ``mla.paged``): rows are
+                  looked up through a page table where a tile is staged, one
+                  look-up a tile inside a page; defect ``page_off_by_one``
+                  (``PAGE_DEFECTS``) reads the neighbouring page. The
+                  contiguous kernel (``page_size=0``) is built unchanged.
 ``decompress_v``  ``out[t,h,:] = W_UV[h] o_lat[t,h,:]``; grid ``(t_q, nh)``,
                   threads over ``d_v``, four partial sums over ``r``.
 ``append_latent`` writes rows ``[lo, lo + n)`` of one cache plane as
@@ -88,6 +93,9 @@ WARP = 32
 ABSORB_DEFECTS = ("w_uk_transposed",)
 ATTN_DEFECTS = ("causal_offset_off_by_one", "stuck_rescale", "k_pe_ignored")
 APPEND_DEFECTS = ("append_one_row_late",)
+# the paged row addressing's (``page_size`` > 0 only; not in KERNEL_DEFECTS: the
+# contiguous entry points cannot take it): rows read from page (entry + 1) % num_pages
+PAGE_DEFECTS = ("page_off_by_one",)
 ROPE_DEFECTS = ("rope_pairs_swapped",)
 KERNEL_DEFECTS = ABSORB_DEFECTS + ATTN_DEFECTS + APPEND_DEFECTS + ROPE_DEFECTS
 W_UK_LAYOUTS = ("mla", "checkpoint")
@@ -339,7 +347,7 @@ def plan_blocks(n_head, width, tile=None, heads_per_block=None):
 
 
 @functools.lru_cache(maxsize=None)
-def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
+def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, page_size=0):
     """Tiled online-softmax attention over latent rows ``[c_kv | k_pe]``.
 
     Arguments (C-contiguous):
@@ -353,8 +361,24 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
         o_lat   [Q, nh, r] float32 (out)   softmax-weighted sum of c_kv rows
         lse     [Q, nh] float32 (out)      natural-log LSE of the scaled scores; -inf if empty
     Grid (Q, ceil(nh / heads_per_block)); block 32 * heads_per_block threads.
+
+    ``page_size`` P > 0 (compile-time; 0, the default, builds the kernel
+    above unchanged): ``latent`` is a paged cache ``[num_pages, P, r +
+    d_rope]`` and ``kv_slot`` the page table ``[Q, max_pages]`` int32: row
+    ``t`` of query q's sequence is row ``t % P`` of page ``kv_slot[q, t //
+    P]``. A tile of rows inside one page takes one table look-up (always so
+    when P is a multiple of ``tile``); a tile across pages looks each row up.
+    Only the entries of pages holding visible rows are read. Defect
+    ``page_off_by_one`` (``PAGE_DEFECTS``, paged only): rows read from page
+    ``(entry + 1) % num_pages``.
     """
-    _check_defect(defect, ATTN_DEFECTS)
+    _check_defect(defect, ATTN_DEFECTS + (PAGE_DEFECTS if page_size else ()))
+    if int(page_size) < 0:
+        raise ValueError(f"page_size: expected 0 (contiguous) or >= 1, got {page_size}")
+    PAGED = int(page_size) > 0
+    P = max(int(page_size), 1)
+    PAGE_SHIFT = defect == "page_off_by_one"
+    TILE_IN_PAGE = P % tile == 0  # tiles start at multiples of tile
     R = kv_rank
     DR = d_rope
     W = kv_rank + d_rope
@@ -366,6 +390,33 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
     LEAK = 1 if defect == "causal_offset_off_by_one" else 0
     STUCK = defect == "stuck_rescale"
     NO_PE = defect == "k_pe_ignored"
+
+    @device_fn
+    def page_of(latent, pages, j):
+        """Paged only: the page holding rows j P .. j P + P - 1 (``pages``: the
+        sequence's row of the page table)."""
+        page = pages[j]
+        if PAGE_SHIFT:  # the neighbouring page, kept in bounds
+            page = (page + 1) % latent.shape[0]
+        return page
+
+    @device_fn
+    def stage_paged(tile_rows, latent, pages, t0, n_valid, tid, n_threads):
+        """Paged only: rows t0 .. t0 + n_valid - 1 into ``tile_rows`` (all
+        warps, coalesced), one table look-up when they lie in one page."""
+        if TILE_IN_PAGE or t0 // P == (t0 + n_valid - 1) // P:
+            page = page_of(latent, pages, t0 // P)
+            off = t0 % P
+            for idx in range(tid, n_valid * W, n_threads):
+                s = idx // W
+                d = idx - s * W
+                tile_rows[s, d] = float32(latent[page, off + s, d])
+        else:
+            for idx in range(tid, n_valid * W, n_threads):
+                s = idx // W
+                d = idx - s * W
+                t = t0 + s
+                tile_rows[s, d] = float32(latent[page_of(latent, pages, t // P), t % P, d])
 
     def kernel(q_lat, q_pe, latent, kv_slot, kv_len, q_tail, scale, o_lat, lse):
         q = cuda.blockIdx.x
@@ -382,7 +433,7 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
         p_rows = cuda.shared.array((HG, TILE), float32)
 
         # -- which rows this block's query attends (the same for all its heads) --
-        slot = kv_slot[q]
+        slot = kv_slot[q]  # paged: the query's row of the page table
         length = kv_len[q]
         visible = min(length, length - q_tail[q] + LEAK)
 
@@ -409,10 +460,13 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
         for t0 in range(0, visible, TILE):
             n_valid = min(TILE, visible - t0)
             # -- stage latent rows t0 .. t0+n_valid-1 (all warps, coalesced) --
-            for idx in range(tid, n_valid * W, n_threads):
-                s = idx // W
-                d = idx - s * W
-                tile_rows[s, d] = float32(latent[slot, t0 + s, d])
+            if PAGED:
+                stage_paged(tile_rows, latent, slot, t0, n_valid, tid, n_threads)
+            else:
+                for idx in range(tid, n_valid * W, n_threads):
+                    s = idx // W
+                    d = idx - s * W
+                    tile_rows[s, d] = float32(latent[slot, t0 + s, d])
             cuda.syncthreads()  # the tile is complete
 
             # -- score of row t0 + lane against this warp's head --
@@ -469,19 +523,26 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None):
                 lse[q, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
 
     kernel.__name__ = f"mla_attn_absorbed_r{R}_p{DR}_t{TILE}_g{HG}" + (
-        "" if defect is None else "_" + defect)
+        f"_paged{P}" if PAGED else "") + ("" if defect is None else "_" + defect)
     # no fastmath: its no-infinities assumption would license folding away the
     # -inf masking and empty-sequence paths; the exps are 1 per TILE*W FMAs anyway
     return jit(kernel, fastmath=False)
 
 
 def launch_attn_absorbed(d_q_lat, d_q_pe, d_latent, d_slot, d_len, d_tail, scale,
-                         d_o_lat, d_lse, st, *, d_rope, tile, heads_per_block, defect=None):
-    """Enqueue attn_absorbed on device arrays (no validation)."""
+                         d_o_lat, d_lse, st, *, d_rope, tile, heads_per_block, defect=None,
+                         page_size=0):
+    """Enqueue attn_absorbed on device arrays (no validation). ``page_size``
+    > 0: ``d_latent`` is a paged cache [num_pages, page_size, r + d_rope] and
+    ``d_slot`` the page table [Q, max_pages] int32 (``attn_absorbed_kernel``)."""
     n_q, nh, rank = d_q_lat.shape
     if n_q == 0:
         return
-    kernel = attn_absorbed_kernel(rank, d_rope, tile, heads_per_block, defect)
+    if page_size:
+        kernel = attn_absorbed_kernel(rank, d_rope, tile, heads_per_block, defect,
+                                      int(page_size))
+    else:
+        kernel = attn_absorbed_kernel(rank, d_rope, tile, heads_per_block, defect)
     grid = (n_q, (nh + heads_per_block - 1) // heads_per_block)
     kernel[grid, WARP * heads_per_block, st](
         d_q_lat, d_q_pe, d_latent, d_slot, d_len, d_tail, np.float32(scale), d_o_lat, d_lse)

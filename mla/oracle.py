@@ -170,6 +170,47 @@ def rope_interleaved_float32(x, positions, base=10000.0):
     return x
 
 
+def paged_rows_ref(cache, page_table_row, length):
+    """Rows 0..length-1 of one sequence of a paged latent cache, gathered by
+    plain indexing: position p is row p % P of page page_table_row[p // P].
+
+    cache: [num_pages, P, r + d_rope]; page_table_row: [max_pages] ints.
+    Returns [length, r + d_rope] in the cache's dtype (only used entries read).
+    """
+    cache = np.asarray(cache)
+    page_size = cache.shape[1]
+    rows = np.empty((int(length), cache.shape[2]), cache.dtype)
+    for p in range(int(length)):
+        rows[p] = cache[int(page_table_row[p // page_size]), p % page_size]
+    return rows
+
+
+def mla_decode_paged_ref(q_nope, q_pe, cache, page_table, lengths, w_uk, w_uv, scale=None,
+                         return_lse=False):
+    """Batched decode over a paged latent cache (float64): each sequence's rows
+    gathered (``paged_rows_ref``), then ``mla_attend_absorbed`` of its one query.
+
+    q_nope [B, nh, d_nope], q_pe [B, nh, d_rope], cache [num_pages, P, r +
+    d_rope], page_table [B, max_pages], lengths [B] (0: zeros, LSE -inf),
+    w_uk [nh, d_nope, r], w_uv [nh, d_v, r].
+    Returns out [B, nh, d_v] (and lse [B, nh] with ``return_lse``).
+    """
+    q_nope, q_pe = np.asarray(q_nope), np.asarray(q_pe)
+    n_b, nh, _ = q_nope.shape
+    rank = np.asarray(w_uk).shape[2]
+    out = np.zeros((n_b, nh, np.asarray(w_uv).shape[1]))
+    lse = np.full((n_b, nh), -np.inf)
+    for b in range(n_b):
+        n = int(lengths[b])
+        if n == 0:
+            continue  # nothing visible: zeros, LSE -inf
+        rows = paged_rows_ref(cache, np.asarray(page_table)[b], n).astype(np.float64)
+        o, l_ = mla_attend_absorbed(q_nope[b:b + 1], q_pe[b:b + 1], rows[:, :rank],
+                                    rows[:, rank:], w_uk, w_uv, scale=scale, return_lse=True)
+        out[b], lse[b] = o[0], l_[0]
+    return (out, lse) if return_lse else out
+
+
 def latent_rows_ref(c_kv, k_pe):
     """Host layout of the latent cache rows: ``[c_kv | k_pe]`` per token, [t, r + d_rope]."""
     return np.concatenate([np.asarray(c_kv), np.asarray(k_pe)], axis=1)

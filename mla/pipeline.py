@@ -21,7 +21,9 @@ return_plan=True)`` also returns the ``MethodPlan``: path, chunks and why.
   plane (rows already appended).
 * ``mla_decode``       a batch of B sequences, one query each, over a pooled
   latent cache ``[B, max_seq, r + d_rope]`` with per-sequence lengths (the
-  benchmark entry point).
+  benchmark entry point), or over a paged one (``page_table=``, ``mla.paged``:
+  pages ``[num_pages, page_size, r + d_rope]``, every method giving the bits
+  of the contiguous cache holding the same rows).
 
 All return ``out [t_q|B, nh, d_v]`` float32: numpy when ``q_nope`` is numpy,
 else a device array. ``stream=None`` synchronises before returning; with a
@@ -50,6 +52,7 @@ from attention.core.device import (
 
 from . import attn_gemm as G
 from . import kernels as K
+from . import paged as PG
 
 METHODS = ("auto", "gemm", "gemm_fma", "flash")
 GEMM_METHODS = ("gemm", "gemm_fma")
@@ -59,16 +62,18 @@ GEMM_METHODS = ("gemm", "gemm_fma")
 GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
-def _route(defect):
+def _route(defect, paged=False):
     # the GEMM path's kernel switches (``mla.attn_gemm.KERNEL_SWITCHES``) go with
-    # the attention: the GEMM path takes them; the flash kernel rejects them
-    known = K.KERNEL_DEFECTS + G.KERNEL_SWITCHES
+    # the attention: the GEMM path takes them; the flash kernel rejects them.
+    # The paged read defect (``mla.paged.READ_DEFECTS``) only where a page table is read.
+    known = K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
     return {
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
         "attn": defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES else None,
         "append": defect if defect in K.APPEND_DEFECTS else None,
+        "page": defect if defect in PG.READ_DEFECTS else None,
     }
 
 
@@ -146,9 +151,12 @@ def check_limit(limit):
 
 
 def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
-                defect=None, *, limit=None, split=True, stacklevel=3):
+                defect=None, *, limit=None, split=True, stacklevel=3, row_bytes=0):
     """The path and chunking for ``n_q`` queries of ``nh`` heads over latent rows
     of ``width`` (``r + d_rope``), at most ``max_visible`` visible: a ``MethodPlan``.
+    ``row_bytes``: bytes of a latent row the GEMM path gathers into its
+    scratch (a paged cache read by ``sgemm``: ``attn_gemm.paged_gathers``), 0
+    otherwise; counted in every scratch size below.
 
     * "flash" (asked for, or "auto" with a flash-only option: ``tile``,
       ``heads_per_block``, the ``stuck_rescale`` defect): the tiled path, no scratch.
@@ -181,7 +189,11 @@ def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=
     flash_only = _flash_only(method, tile, heads_per_block, defect)
     limit = check_limit(limit)
     n_q = int(n_q)
-    full = G.workspace_bytes(n_q, nh, width, max_visible)
+
+    def scratch(n):
+        return G.workspace_bytes(n, nh, width, max_visible, row_bytes)
+
+    full = scratch(n_q)
     if method == "flash" or (method == "auto" and flash_only):
         why = ("method='flash' asked for" if method == "flash" else
                "method='auto' with an option of the tiled kernel (tile, heads_per_block "
@@ -196,14 +208,14 @@ def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=
         return MethodPlan(how, n_q, 1, full, full, limit, False,
                           f"GEMM path in one launch set: scratch {_gib(full)} ({shape}) "
                           f"<= limit {_gib(limit)}")
-    per = G.workspace_bytes(1, nh, width, max_visible)
+    per = scratch(1)
     fit = limit // per
-    while fit > 1 and G.workspace_bytes(fit, nh, width, max_visible) > limit:
+    while fit > 1 and scratch(fit) > limit:
         fit -= 1
     if split and fit >= 1:
         n_chunks = -(-n_q // fit)
         chunk = -(-n_q // n_chunks)
-        need = G.workspace_bytes(chunk, nh, width, max_visible)
+        need = scratch(chunk)
         return MethodPlan(how, chunk, n_chunks, need, full, limit, False,
                           f"GEMM path in {n_chunks} chunks of <= {chunk} queries over one "
                           f"scratch of {_gib(need)}: all at once would take {_gib(full)} "
@@ -254,9 +266,13 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
 
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
           heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None,
-          chunk=None):
+          chunk=None, d_table=None, d_vis=None):
     """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only).
-    ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``)."""
+    ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``).
+    ``d_table`` (device int32 [Q, max_pages]): d_latent is a paged cache
+    [num_pages, P, W] read through it (``slots`` unused; decode: ``tails`` 0);
+    ``d_vis`` (device int32 [Q], optional): the visible rows the kernels read
+    (``paged.page_check_kernel``'s), ``lens`` then only sizes the launches."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
@@ -267,7 +283,8 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
         return G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
                          to_device(w_uv, stream), d_latent, slots, vis, scale, d_rope=d_rope,
                          w_uk_layout=w_uk_layout, stream=stream, defect=defect,
-                         workspace=workspace, tensor=method == "gemm", chunk=chunk)[0]
+                         workspace=workspace, tensor=method == "gemm", chunk=chunk,
+                         d_vis=d_vis, page_table=d_table, page_defect=routes["page"])[0]
     st = launch_stream(stream)
     d_out = device_empty((n_q, nh, d_v), np.float32, stream)
     if n_q == 0:
@@ -278,10 +295,13 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
     d_o_lat = device_empty((n_q, nh, rank), np.float32, stream)
     d_lse = device_empty((n_q, nh), np.float32, stream)
     d_q_pe = to_device(q_pe, stream) if d_rope else K._placeholder(stream)
-    K.launch_attn_absorbed(d_q_lat, d_q_pe, d_latent, to_device(slots, stream),
-                           to_device(lens, stream), to_device(tails, stream), scale,
-                           d_o_lat, d_lse, st, d_rope=d_rope, tile=tile,
-                           heads_per_block=heads_per_block, defect=routes["attn"])
+    K.launch_attn_absorbed(d_q_lat, d_q_pe, d_latent,
+                           to_device(slots, stream) if d_table is None else d_table,
+                           to_device(lens, stream) if d_vis is None else d_vis,
+                           to_device(tails, stream), scale, d_o_lat, d_lse, st, d_rope=d_rope,
+                           tile=tile, heads_per_block=heads_per_block,
+                           defect=routes["attn"] or routes["page"],
+                           page_size=0 if d_table is None else int(d_latent.shape[1]))
     K.launch_decompress_v(d_o_lat, to_device(w_uv, stream), d_out, st)
     return d_out
 
@@ -397,13 +417,34 @@ def _unsqueeze(x):
 
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
                w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
-               workspace=None, workspace_limit=None, return_plan=False):
+               workspace=None, workspace_limit=None, return_plan=False, page_table=None,
+               defect=None):
     """Batched MLA decode: sequence b's one query over its own ``lengths[b]`` latent rows.
 
     q_nope:       [B, nh, d_nope] float32
     q_pe:         [B, nh, d_rope] float32 (rotated)
-    latent_cache: [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe]
-    lengths:      [B] ints in [0, max_seq] (0 gives zeros)
+    latent_cache: [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe];
+                  with ``page_table``: the paged cache [num_pages, page_size,
+                  r + d_rope] (``mla.paged``)
+    lengths:      [B] ints in [0, max_seq] (0 gives zeros); paged: in [0,
+                  max_pages * page_size]
+    page_table:   None (contiguous cache), or [B, max_pages] int32: position p
+                  of sequence b is row p % page_size of page page_table[b, p //
+                  page_size]. Pages may be shared and in any order; entries
+                  past a sequence's pages are never read. Every method gives
+                  the bits of the contiguous cache holding the same rows (the
+                  same kernels and sums; only the row addressing differs,
+                  compiled in by a page-size switch that leaves the
+                  contiguous kernels unchanged; where ``sgemm`` runs the
+                  attention GEMMs, "gemm_fma" or "gemm" at few heads, they
+                  read a copy of the visible rows gathered first:
+                  ``mla.paged``). A numpy table's used entries are checked
+                  here (RangeError naming page_table); a device table's on
+                  the device: a sequence with an entry outside [0,
+                  num_pages) is attended as empty (zeros), and without a
+                  ``stream`` the call then raises RangeError naming
+                  page_table after its launches (with a stream nothing is
+                  raised: check the entries beforehand).
     w_uk:         [nh, d_nope, r] float32 (or the checkpoint layout); w_uv [nh, d_v, r]
     scale:        default 1/sqrt(d_nope + d_rope)
     method:       "auto" | "gemm" | "gemm_fma" | "flash" (``plan_method``): the
@@ -416,24 +457,54 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
                   ``GEMM_WORKSPACE_LIMIT``, read at the call)
     return_plan:  also return the ``MethodPlan``: the path taken, its chunking
                   and why
+    defect:       falsification suite only: a planted defect of the kernels
+                  this call runs (``mla.kernels`` absorb / attention defects,
+                  ``mla.attn_gemm.KERNEL_SWITCHES``, and with a page table
+                  ``mla.paged.READ_DEFECTS``: "page_off_by_one"), or None
     Returns out [B, nh, d_v] float32 (with ``return_plan``: (out, plan)).
     """
     n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, "B")
-    _, max_seq, _ = checks.check_array(
-        "latent_cache", latent_cache,
-        (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)), dtypes=K.CACHE_DTYPES)
-    lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
+    paged = page_table is not None
+    if not paged:
+        _, max_seq, _ = checks.check_array(
+            "latent_cache", latent_cache,
+            (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)), dtypes=K.CACHE_DTYPES)
+        lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
+    else:
+        n_pages, page_size, _ = PG.check_paged_cache("latent_cache", latent_cache,
+                                                     rank + d_rope)
+        lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1, count=n_b)
+        PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
     scale = checks.check_scale(scale, d_nope + d_rope)
     if workspace is not None and not isinstance(workspace, G.Workspace):
         raise checks.DTypeError(f"workspace: expected an mla.attn_gemm.Workspace or None, "
                                 f"got {type(workspace).__name__}")
+    routes = _route(defect, paged)
+    if defect is not None and (routes["append"] or defect in K.ROPE_DEFECTS):
+        raise ValueError(f"defect: mla_decode runs no append or RoPE kernel, got {defect!r}")
+    row_bytes = 0
+    if paged and method != "flash" and G.paged_gathers(method != "gemm_fma", nh, latent_cache):
+        row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
     plan = plan_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
-                       heads_per_block, limit=workspace_limit)
+                       heads_per_block, defect, limit=workspace_limit, row_bytes=row_bytes)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
-    d_out = _core(q_nope, q_pe, w_uk, w_uv, to_device(latent_cache, stream),
+    d_latent = to_device(latent_cache, stream)
+    d_table = d_vis = d_flag = None
+    if paged:
+        d_table = to_device(page_table, stream)
+        if not is_host_array(page_table) and n_b:  # entries checked on the device
+            d_vis = device_empty((n_b,), np.int32, stream)
+            d_flag = to_device(np.zeros(1, np.int32), stream)
+            PG.launch_page_check(to_device(lens, stream), d_table, page_size, n_pages, d_vis,
+                                 d_flag, launch_stream(stream))
+    d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent,
                   np.arange(n_b, dtype=np.int32), lens, np.zeros(n_b, np.int32), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=_route(None), method=plan.method, workspace=workspace,
-                  chunk=plan.chunk)
+                  stream=stream, routes=routes, method=plan.method, workspace=workspace,
+                  chunk=plan.chunk, d_table=d_table, d_vis=d_vis)
     out = _return(d_out, is_host_array(q_nope), stream)
+    if d_flag is not None and stream is None:
+        err = PG.page_error(int(to_host(d_flag)[0]))
+        if err is not None:
+            raise err
     return (out, plan) if return_plan else out

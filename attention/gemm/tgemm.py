@@ -67,6 +67,16 @@ one the kernel is the production one, PTX unchanged):
 
 The first three are ``PRECISION_MUTANTS`` (a precision loss that a wrong
 kernel could show), the last is in ``GROSS_DEFECTS``.
+
+Paged ``b`` (``tgemm_kernel(..., page_size=P)``, ``launch(..., page_size=P)``;
+the MLA latent cache of ``mla.paged``): ``b`` is ``[num_pages, P, row]`` and
+``zb`` the page table ``[Z, max_pages]``; the copies of a slice look each of
+b's rows up (one look-up when the slice's rows lie in one page). Only the
+addresses change: the same copies, mmas and sums, so the results are those of
+a contiguous ``b`` holding the same rows, bit for bit. ``page_size=0`` (the
+default) builds the kernel above with its PTX unchanged. Its planted switch
+``page_off_by_one`` (``PAGED_DEFECTS``, paged kernels only): rows read from
+page ``(entry + 1) % num_pages``.
 """
 
 from __future__ import annotations
@@ -90,6 +100,8 @@ PLAN = (1, 1, 1, 1, 8, 2) if SIMULATOR else GPU_PLAN
 PRECISION_MUTANTS = ("tf32_single", "no_partials", "ring_stale")
 GROSS_DEFECTS = ("k_slice_dropped",)
 DEFECTS = PRECISION_MUTANTS + GROSS_DEFECTS
+# planted in the paged row addressing only (``page_size`` > 0); not in DEFECTS
+PAGED_DEFECTS = ("page_off_by_one",)
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +290,7 @@ def shared_bytes(b_order, b16, plan=PLAN):
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
+def tgemm_kernel(b_order, b16, plan=PLAN, defect=None, page_size=0, page_defect=None):
     """Build the GEMM for ``b``'s layout and element type (``b16``: float16).
 
     Arguments and strides as ``sgemm.sgemm_kernel`` (a, b, c flat; zb, n_ext,
@@ -286,11 +298,31 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
     ``(ceil(max N / BN), ceil(M / BM), Z)``, block ``32 warps_m warps_n``
     threads, ``shared_bytes`` of dynamic shared memory. ``defect``: one of
     ``DEFECTS`` compiled in (module docstring), or None.
+
+    ``page_size`` P > 0 (compile-time; 0, the default, builds the kernel
+    above unchanged): ``b`` is a paged cache ``[num_pages, P, row]`` (flat,
+    ``b_z = P b_r`` the page stride) and ``zb`` the page table ``[Z,
+    max_pages]`` int32: b's row ``t`` (the n index for "znk", the k index for
+    "zkn") of batch z is row ``t % P`` of page ``zb[z, t // P]``. A staged
+    tile of rows inside one page takes one table look-up; one across pages
+    looks each row up. Only entries of rows below ``n_ext[z]`` ("znk") /
+    ``k_ext[z]`` ("zkn") are read. ``page_defect`` "page_off_by_one"
+    (``PAGED_DEFECTS``; paged only): every row read from page ``(entry + 1) %
+    num_pages``.
     """
     if b_order not in sgemm.B_ORDERS:
         raise ValueError(f"b_order: expected one of {sgemm.B_ORDERS}, got {b_order!r}")
     if defect is not None and defect not in DEFECTS:
         raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
+    if int(page_size) < 0:
+        raise ValueError(f"page_size: expected 0 (contiguous) or a page size >= 1, got "
+                         f"{page_size}")
+    if page_defect is not None and (page_defect not in PAGED_DEFECTS or not page_size):
+        raise ValueError(f"page_defect: expected one of {PAGED_DEFECTS} (paged kernels) or "
+                         f"None, got {page_defect!r}")
+    PAGED = int(page_size) > 0
+    P = max(int(page_size), 1)
+    PAGE_SHIFT = page_defect == "page_off_by_one"
     TF32_SINGLE = defect == "tf32_single"
     NO_PARTIALS = defect == "no_partials"
     RING_STALE = defect == "ring_stale"
@@ -324,6 +356,36 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
     A_PER, B_PER = -(-A_CH // THREADS), -(-B_CH // THREADS)
     A_ROWS, B_ROWS = THREADS // A_CPR, THREADS // B_CPR  # rows apart of one thread's copies
     wait = _wait(STAGES)
+    # paged b: the rows of b one staged tile holds (BN for "znk", BK for "zkn")
+    # lie in one page whenever the page size is a multiple of their count
+    B_TILE_ROWS = BN if B_ZNK else BK
+    TILE_IN_PAGE = P % B_TILE_ROWS == 0
+
+    @device_fn
+    def row_at(b, bz, t, b_z, b_r):
+        """Paged only: flat offset (int64) of row ``t`` of the batch whose
+        page-table row is ``bz``: row ``t % P`` of page ``bz[t // P]``."""
+        page = bz[t // P]
+        if PAGE_SHIFT:  # the neighbouring page, kept in bounds
+            page = (page + 1) % (b.shape[0] // b_z)
+        return page * b_z + (t % P) * b_r
+
+    @device_fn
+    def issue_b_paged(sm, b, bz, dst, first, r, col, tid, b_z, b_r):
+        """Paged only: the copies of the b part of a slice whose rows all
+        exist: rows ``first + r + e B_ROWS``, from element ``col`` of each.
+        One table look-up when the tile's rows lie in one page."""
+        one_page = TILE_IN_PAGE or first // P == (first + B_TILE_ROWS - 1) // P
+        at = uint64(0)
+        if one_page:
+            at = uint64(row_at(b, bz, first, b_z, b_r) + r * b_r + col)
+        for e in range(B_PER):
+            if B_CH % THREADS == 0 or tid + THREADS * e < B_CH:
+                if one_page:
+                    src = at + uint64(e * B_ROWS) * uint64(b_r)
+                else:
+                    src = uint64(row_at(b, bz, first + r + e * B_ROWS, b_z, b_r) + col)
+                cp_async16(sm, dst + uint32(e * B_ROWS * BP // B_HALF), b, src, 16)
 
     @device_fn
     def issue(sm, a, b, z, bz, s, row0, col0, tid, m_len, n_len, k_len, a_z, a_m, b_z, b_r,
@@ -344,6 +406,13 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
                                src + uint64(e * A_ROWS) * uint64(a_m), 16)
             r = tid // B_CPR
             c = (tid % B_CPR) * BE
+            if PAGED:
+                dst = uint32(base + A_WORDS + (r * BP + c) // B_HALF)
+                if B_ZNK:
+                    issue_b_paged(sm, b, bz, dst, col0, r, k0 + c, tid, b_z, b_r)
+                else:
+                    issue_b_paged(sm, b, bz, dst, k0, r, col0 + c, tid, b_z, b_r)
+                return
             if B_ZNK:
                 src = uint64(bz * b_z + (col0 + r) * b_r + k0 + c)
             else:
@@ -367,7 +436,14 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
             if ch < B_CH:
                 r = ch // B_CPR
                 c = (ch % B_CPR) * BE
-                if B_ZNK:  # row r: column col0 + r, k from k0 + c
+                if PAGED:  # each row looked up (only rows that exist)
+                    if B_ZNK:
+                        valid = min(max(k_len - k0 - c, 0), BE) if col0 + r < n_len else 0
+                        src = row_at(b, bz, col0 + r, b_z, b_r) + k0 + c if valid > 0 else 0
+                    else:
+                        valid = min(max(n_len - col0 - c, 0), BE) if k0 + r < k_len else 0
+                        src = row_at(b, bz, k0 + r, b_z, b_r) + col0 + c if valid > 0 else 0
+                elif B_ZNK:  # row r: column col0 + r, k from k0 + c
                     valid = min(max(k_len - k0 - c, 0), BE) if col0 + r < n_len else 0
                     src = bz * b_z + (col0 + r) * b_r + k0 + c if valid > 0 else 0
                 else:  # row r: k0 + r, columns from col0 + c
@@ -410,7 +486,7 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
         k_len = k_ext[z]
         if col0 >= n_len:
             return  # the whole block is past this batch's N (uniform exit)
-        bz = zb[z]
+        bz = zb[z]  # paged: batch z's row of the page table
         sm = cuda.shared.array(0, float32)
         smh = cuda.shared.array(0, types.float16)  # the same bytes, as halves
         acc = cuda.local.array((MT, NT, 4), float32)
@@ -490,7 +566,9 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None):
                             c[uint64(z * c_z + row * c_m + col)] = alpha * acc[i, j, r]
 
     kernel.__name__ = kernel.__qualname__ = (f"tgemm_{b_order}_{'f16' if b16 else 'f32'}"
-                                             + (f"_{defect}" if defect else ""))
+                                             + (f"_{defect}" if defect else "")
+                                             + (f"_paged{P}" if PAGED else "")
+                                             + (f"_{page_defect}" if page_defect else ""))
     # fastmath off: it would let the compiler re-associate the two-level sum
     return jit(kernel, fastmath=False)
 
@@ -524,10 +602,15 @@ def usable(a, b, *, a_order, b_order, plan=PLAN):
 
 
 def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n, n_batch,
-           stream, ready=None, plan=PLAN, defect=None):
+           stream, ready=None, plan=PLAN, defect=None, page_size=0, page_defect=None):
     """Enqueue the GEMM (arguments as ``sgemm.launch``; no validation). The
     call must be ``usable`` (for ``plan``): ``ValueError`` otherwise, before
-    any launch. ``defect``: a planted switch (``DEFECTS``) or None."""
+    any launch. ``defect``: a planted switch (``DEFECTS``) or None.
+
+    ``page_size`` > 0: ``b`` is a paged cache ``[num_pages, page_size, row]``
+    and ``zb`` the page table ``[n_batch, max_pages]`` int32 (C-contiguous):
+    batch z's rows of b are looked up through ``zb[z]`` (``tgemm_kernel``).
+    ``page_defect``: ``PAGED_DEFECTS`` or None."""
     if c_order not in sgemm.C_ORDERS or not usable(a, b, a_order=a_order, b_order=b_order,
                                                    plan=plan):
         raise ValueError(f"tgemm: layouts a {a_order!r} b {b_order!r} c {c_order!r}, b "
@@ -542,7 +625,10 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
     b_z, b_r = sgemm._strides(b, b_order)
     c_z, c_m = sgemm._strides(c, c_order)
     b16 = np.dtype(b.dtype) == np.float16
-    kernel = tgemm_kernel(b_order, b16, plan, defect)
+    if page_size:
+        kernel = tgemm_kernel(b_order, b16, plan, defect, int(page_size), page_defect)
+    else:
+        kernel = tgemm_kernel(b_order, b16, plan, defect)
     args = (sgemm._flat(a), sgemm._flat(b), sgemm._flat(c), zb, n_ext, k_ext, float32(alpha),
             m_len, a_z, a_m, b_z, b_r, c_z, c_m)
     dynamic = shared_bytes(b_order, b16, plan)
