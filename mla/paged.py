@@ -74,6 +74,8 @@ from attention.core.device import (
     to_device,
 )
 
+from attention.cache.paged import _check_capacity, _check_pages, pages_needed
+
 from . import kernels as K
 
 DEFAULT_PAGE_SIZE = 64
@@ -83,11 +85,6 @@ PAGED_DEFECTS = READ_DEFECTS + APPEND_DEFECTS
 FLAG_LENGTH, FLAG_PAGE = 1, 2  # page_check_kernel's flag bits
 APPEND_FLAG_CLEAR = (0, 2 ** 31 - 1)  # [rows not written, lowest sequence at fault]
 _MAX_GRID_Y = 65535  # the append's B rides on grid y
-
-
-def pages_needed(length, page_size):
-    """Pages holding ``length`` positions: ``ceil(length / page_size)``."""
-    return -(-int(length) // int(page_size))
 
 
 # ---------------------------------------------------------------------------
@@ -341,43 +338,6 @@ def _host_counts(name, x, count, hi=None):
     return arr
 
 
-def _check_capacity(lens, n_new, page_size, max_pages):
-    """Every written position inside the table (``lengths + n_new <= capacity``)."""
-    capacity = max_pages * page_size
-    over = np.flatnonzero(lens + n_new > capacity)
-    if over.size:
-        b = int(over[0])
-        raise checks.RangeError(
-            f"page_table: too short for sequence {b}: lengths[{b}]={int(lens[b])} plus "
-            f"{int(n_new[b])} new rows need {pages_needed(lens[b] + n_new[b], page_size)} pages "
-            f"of page_size={page_size}, the table has max_pages={max_pages} (capacity "
-            f"{capacity} positions)")
-
-
-def _check_written(lens, n_new, table, page_size, n_pages):
-    """Every written position on a page in range, and no row written twice
-    (shared pages: two sequences must not append into one row). Reads only the
-    table entries of written positions."""
-    seen = {}
-    for b in range(len(lens)):
-        pos = lens[b] + np.arange(n_new[b], dtype=np.int64)
-        cols = pos // page_size
-        pages = np.asarray(table[b], np.int64)[cols]
-        bad = np.flatnonzero((pages < 0) | (pages >= n_pages))
-        if bad.size:
-            i = int(bad[0])
-            raise checks.RangeError(
-                f"page_table: sequence {b} column {int(cols[i])} holds page {int(pages[i])}, "
-                f"expected a page in [0, num_pages={n_pages})")
-        for row in (pages * page_size + pos % page_size).tolist():
-            if row in seen:
-                raise checks.RangeError(
-                    f"page_table: page {row // page_size} row {row % page_size} is written "
-                    f"twice (sequences {seen[row]} and {b}): expected every appended row on "
-                    f"its own row of the cache")
-            seen[row] = b
-
-
 def paged_append_latent(new_rows, cache, page_table, lengths, *, n_new=None, stream=None,
                         flag=None, defect=None):
     """Append rows ``[c_kv | k_pe]`` to B sequences of a paged latent cache, in one launch.
@@ -433,7 +393,7 @@ def paged_append_latent(new_rows, cache, page_table, lengths, *, n_new=None, str
     if host["lengths"] and host["n_new"]:
         _check_capacity(lens, counts, page_size, max_pages)
         if host["page_table"]:
-            _check_written(lens, counts, page_table, page_size, n_pages)
+            _check_pages(lens, np.asarray(page_table), counts, page_size, n_pages)
     checked = flag is not None or not all(host.values())
     if flag is not None:
         checks.check_array("flag", flag, (("2", 2),), dtypes=(np.int32,))

@@ -220,34 +220,44 @@ def _host_lengths(lengths, count):
 
 
 def _check_capacity(lens, t_new, page_size, max_pages):
+    """Every written position inside the table: ``lens + t_new <= capacity``
+    (``t_new``: new rows a sequence, one count or an array [M])."""
     capacity = max_pages * page_size
-    over = np.flatnonzero(lens + t_new > capacity)
+    counts = np.broadcast_to(np.asarray(t_new, np.int64), lens.shape)
+    over = np.flatnonzero(lens + counts > capacity)
     if over.size:
         m = int(over[0])
-        need = pages_needed(int(lens[m]) + t_new, page_size)
+        n = int(counts[m])
+        need = pages_needed(int(lens[m]) + n, page_size)
         raise checks.RangeError(
-            f"page_table: too short for sequence {m}: lengths[{m}]={int(lens[m])} plus T={t_new} "
+            f"page_table: too short for sequence {m}: lengths[{m}]={int(lens[m])} plus T={n} "
             f"new tokens need {need} pages of page_size={page_size}, the table has "
             f"max_pages={max_pages} (capacity {capacity} positions)")
 
 
 def _check_pages(lens, table, t_new, page_size, n_pages):
     """Every page index of a written position in ``[0, num_pages)``, and no row
-    written twice. Reads only the columns the append writes."""
-    pos = lens[:, None] + np.arange(t_new, dtype=np.int64)[None, :]  # [M, T]
-    cols = pos // page_size
-    pages = np.take_along_axis(table.astype(np.int64), cols, axis=1)
-    bad = np.argwhere((pages < 0) | (pages >= n_pages))
+    written twice (pages may be shared: two sequences must not append into one
+    row). ``t_new``: new rows a sequence, one count or an array [M]. Reads only
+    the columns the append writes."""
+    counts = np.broadcast_to(np.asarray(t_new, np.int64), lens.shape)
+    width = int(counts.max()) if counts.size else 0
+    pos = lens[:, None] + np.arange(width, dtype=np.int64)[None, :]  # [M, T]
+    written = np.arange(width)[None, :] < counts[:, None]
+    cols = np.where(written, pos // page_size, 0)
+    pages = np.take_along_axis(np.asarray(table).astype(np.int64), cols, axis=1)
+    bad = np.argwhere(written & ((pages < 0) | (pages >= n_pages)))
     if bad.size:
         m, i = (int(x) for x in bad[0])
         raise checks.RangeError(
             f"page_table: sequence {m} column {int(cols[m, i])} holds page {int(pages[m, i])}, "
             f"expected a page in [0, num_pages={n_pages})")
-    rows = (pages * page_size + pos % page_size).reshape(-1)
-    uniq, counts = np.unique(rows, return_counts=True)
-    if (counts > 1).any():
-        row = int(uniq[counts > 1][0])
-        who = sorted({int(x) // t_new for x in np.flatnonzero(rows == row)})
+    rows = (pages * page_size + pos % page_size)[written]
+    owner = np.nonzero(written)[0]
+    uniq, counts_ = np.unique(rows, return_counts=True)
+    if (counts_ > 1).any():
+        row = int(uniq[counts_ > 1][0])
+        who = sorted({int(x) for x in owner[rows == row]})
         raise checks.RangeError(
             f"page_table: page {row // page_size} offset {row % page_size} is written twice "
             f"(sequences {who}): expected every appended token on its own row")
