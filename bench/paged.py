@@ -17,6 +17,8 @@ device time: CUDA events with the L2 flushed and the host cover of
 * ``contiguous_fp8`` (fp16 rows only): the same shape with an fp8 e4m3 cache
   (random finite codes, per-tensor scales, q fp16); its bytes are the fp8
   cache's (1 a K/V element), q, out, lse and the two scales;
+  ``contiguous_fp8_lanes8`` / ``_lanes4`` (probes): raw plans with a row over
+  8 or 4 lanes (more rows a warp step, fewer heads a block), diff against it;
 * ``contiguous_t4``: a multi-token plan (``t_q=4``, q ``[B, 4, H, D]``), the
   same K/V bytes; its last query sees every position, so its diff is
   against the one-query output (the ratio to the T_q = 1 row is the cost of
@@ -165,6 +167,23 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                 pl8.check()
                 record("contiguous_fp8", ms8, pl8, None, f"({pl8.registers} registers; bytes "
                        f"of the fp8 cache)", moved=moved)
+                ref8 = pl8.out.copy_to_host()
+                slots8 = cuda.to_device(np.arange(b, dtype=np.int32))
+                for lanes in (8, 4):  # probe: fewer lanes a row, more rows a warp step
+                    fp = F.plan(b, h, kv, d, seq, "f8", lanes=lanes)
+                    pa, pm = F.scratch(b, h, d, fp["n_split"])
+                    out8 = cuda.device_array((b, h, d), np.float32)
+                    lse8 = cuda.device_array((b, h), np.float32)
+
+                    def run_lanes():
+                        F.launch(fp, q, k8, v8, lens, slots8, np.float32(1.0 / math.sqrt(d)),
+                                 out8, lse8, pa, pm, 0, scales=(sc, sc))
+
+                    ms = timer.time(run_lanes, reps=20)
+                    diff = float(np.abs(out8.copy_to_host() - ref8).max())
+                    record(f"contiguous_fp8_lanes{lanes}", ms, None, diff,
+                           f"(splits {fp['n_split']}, {fp['heads_per_block']} heads a block, "
+                           f"raw launches; bytes of the fp8 cache)", moved=moved)
                 del k8, v8, pl8
             if (b, seq) in MULTI:
                 t_q = MULTI[(b, seq)]

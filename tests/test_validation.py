@@ -90,6 +90,40 @@ def test_mean_rule_catches_a_systematic_loss_the_max_rule_lets_through():
     assert MEAN_RATIO == 1.5
 
 
+def test_growth_pools_the_mean_rule_of_small_outputs():
+    """A growth run's 24-entry LSE: one step's mean 2x the baseline's (sampling
+    noise of a kernel 1.08x the baseline over the run) fails per step but not
+    pooled over 96 entries; a systematic 1.8x loss fails every pooled window
+    (positive control); outputs of 96 or more entries keep the per-step rule."""
+    from validation import growth
+    from validation.tolerance import MEAN_MIN_ENTRIES, pooled_mean_windows
+
+    steps = 64
+    rng = np.random.default_rng(3)
+    base = list(1e-7 * (1 + 0.1 * rng.standard_normal(steps)))
+    noisy = [1.08 * b for b in base]
+    noisy[17] = 2.0 * base[17]
+    floors, counts = [9.5e-7] * steps, [24] * steps
+    assert noisy[17] > MEAN_RATIO * base[17] + floors[17] / 24  # fails alone
+    windows = pooled_mean_windows(noisy, base, floors, counts)
+    assert MEAN_MIN_ENTRIES == 96 and len(windows) == steps // 4
+    assert all(w[4] for w in windows)
+    systematic = [1.8 * b for b in base]
+    assert not any(w[4] for w in pooled_mean_windows(systematic, base, floors, counts))
+    # big outputs: each step its own window
+    assert len(pooled_mean_windows(noisy, base, floors, [96] * steps)) == steps
+    # the growth series: the step's own verdict drops the mean rule, the window keeps it
+    series = growth._series()
+    for i in range(steps):
+        judged = {"lse": {"max_abs": 0.0, "baseline_abs": 0.0, "bound": 1.0,
+                          "mean_abs": noisy[i], "baseline_mean": base[i], "floor": floors[i],
+                          "n": 24, "failed_by": ["mean"] if i == 17 else [], "passed": i != 17}}
+        growth._record_step(series, i + 1, 100 + i, judged)
+    assert all(series["passed"]) and growth._pooled_means(series) == []
+    series["lse_mean"] = systematic
+    assert growth._pooled_means(series) and not any(series["passed"])
+
+
 def test_a_near_tie_moves_the_max_not_the_mean():
     """One entry at 3x the baseline's largest error (a score rounding the other way)
     fails the max rule; the mean hardly moves."""

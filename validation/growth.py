@@ -40,8 +40,12 @@ Runs (``GROWTH_KERNELS``):
   cores (``attention.gemm.tgemm`` takes more than 64 rows);
 * ``mla_gemm_fma_decode``: the GEMM path with fp32 FMA GEMMs only (``gemm_fma``).
 
-A step passes under the sweep's rule (``validation.metrics.judge``); the run
-passes when every step does and the cache check holds. The series (kernel and
+A step passes under the sweep's rule (``validation.metrics.judge``), except
+that an output with fewer than ``tolerance.MEAN_MIN_ENTRIES`` entries a step
+(the LSE of the decode runs: 24) has its mean rule judged over windows of
+consecutive steps pooled to that many entries (``tolerance.pooled_mean_windows``;
+the tolerance module says why); the run passes when every step and window
+does and the cache check holds. The series (kernel and
 baseline error of every step) goes into the report and the plots. The decode
 runs step the state in its default mode: a replayed CUDA graph on a GPU, eager
 launches on the simulator (the record's ``geometry`` names the path).
@@ -55,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from validation import baselines, fixtures, metrics
+from validation import baselines, fixtures, metrics, tolerance
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
                   "paged_decode_t4", "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode")
@@ -124,13 +128,18 @@ class GrowthJob:
 
 def _series():
     return {"step": [], "length": [], "out_err": [], "out_base": [], "out_bound": [],
-            "out_mean": [], "out_mean_base": [], "lse_err": [], "lse_base": [], "lse_bound": [],
-            "lse_mean": [], "lse_mean_base": [], "passed": []}
+            "out_mean": [], "out_mean_base": [], "out_floor": [], "out_n": [],
+            "lse_err": [], "lse_base": [], "lse_bound": [], "lse_mean": [],
+            "lse_mean_base": [], "lse_floor": [], "lse_n": [], "passed": []}
 
 
 def _record_step(series, step, length, judged):
+    """Record one step. Its ``passed`` holds the NaN and max rules, and the
+    mean rule of outputs with at least ``tolerance.MEAN_MIN_ENTRIES`` entries;
+    ``_pooled_means`` judges the others' mean rule over windows of steps."""
     series["step"].append(step)
     series["length"].append(length)
+    ok = True
     for name in ("out", "lse"):
         r = judged.get(name)
         series[f"{name}_err"].append(None if r is None else r["max_abs"])
@@ -138,7 +147,35 @@ def _record_step(series, step, length, judged):
         series[f"{name}_bound"].append(None if r is None else r["bound"])
         series[f"{name}_mean"].append(None if r is None else r["mean_abs"])
         series[f"{name}_mean_base"].append(None if r is None else r["baseline_mean"])
-    series["passed"].append(all(r["passed"] for r in judged.values()))
+        series[f"{name}_floor"].append(None if r is None else r["floor"])
+        series[f"{name}_n"].append(None if r is None else r["n"])
+        if r is not None:
+            failed = set(r["failed_by"])
+            if r["n"] < tolerance.MEAN_MIN_ENTRIES:
+                failed.discard("mean")
+            ok = ok and not failed
+    series["passed"].append(ok)
+
+
+def _pooled_means(series):
+    """The mean rule of outputs with fewer than ``tolerance.MEAN_MIN_ENTRIES``
+    entries a step, over windows of steps (``tolerance.pooled_mean_windows``):
+    the steps of a failing window are marked failed. Returns the failing
+    windows as text."""
+    bad = []
+    for name in ("out", "lse"):
+        ns = series[f"{name}_n"]
+        if not ns or any(n is None for n in ns) or min(ns) >= tolerance.MEAN_MIN_ENTRIES:
+            continue
+        windows = tolerance.pooled_mean_windows(
+            series[f"{name}_mean"], series[f"{name}_mean_base"], series[f"{name}_floor"], ns)
+        for first, last, mean, bound, passed in windows:
+            if not passed:
+                for i in range(first, last + 1):
+                    series["passed"][i] = False
+                bad.append(f"{name} mean over steps {series['step'][first]}-"
+                           f"{series['step'][last]}: {mean:.3g} > {bound:.3g}")
+    return bad
 
 
 def _decode_growth(job, method):
@@ -206,7 +243,10 @@ def _decode_growth(job, method):
     return series, cache_ok, "; ".join(problems), geometry
 
 
-def _paged_growth(job, t_q):
+def _paged_growth(job, t_q, probe=None):
+    """One paged growth run; ``probe`` (optional): called after each step as
+    ``probe(step, q, mirror_k, mirror_v, lengths, out, lse, o64, l64, o32, l32)``
+    (``validation.lse_probe`` looks at its LSE entries)."""
     from attention.cache.paged import paged_append
     from attention.core.device import to_device, to_host
     from attention.decode.plan import DecodePlan
@@ -280,6 +320,8 @@ def _paged_growth(job, t_q):
         judged = {"out": metrics.judge(out, o64, o32, label),
                   "lse": metrics.judge(lse, l64, l32, label)}
         _record_step(series, call + 1, int(lengths.max()), judged)
+        if probe is not None:
+            probe(call + 1, q, mirror_k, mirror_v, lengths, out, lse, o64, l64, o32, l32)
     # the pages after the run: every row a sequence holds as the mirror says, NaN elsewhere
     problems = []
     for name, dev, mirror in (("k_pages", d_k, mirror_k), ("v_pages", d_v, mirror_v)):
@@ -404,6 +446,7 @@ def run_growth(job):
         rec.update(status="error", detail=traceback.format_exc(limit=6)[-3000:],
                    seconds=time.perf_counter() - start)
         return rec
+    pooled_bad = _pooled_means(series)
     bad_steps = [s for s, ok in zip(series["step"], series["passed"]) if not ok]
     passed = cache_ok and not bad_steps
     ratios = [metrics.error_ratio(e, b) for e, b in zip(series["out_err"], series["out_base"])]
@@ -411,7 +454,8 @@ def run_growth(job):
     detail = problems
     if bad_steps:
         detail = (detail + "; " if detail else "") + (
-            f"{len(bad_steps)} of {job.steps} steps over the bound (first: step {bad_steps[0]})")
+            f"{len(bad_steps)} of {job.steps} steps over the bound (first: step {bad_steps[0]})"
+            + (f"; pooled mean rule: {'; '.join(pooled_bad[:3])}" if pooled_bad else ""))
     rec.update(status="pass" if passed else "fail", passed=passed, series=series,
                geometry=geometry, cache_ok=cache_ok, detail=detail,
                seconds=time.perf_counter() - start,

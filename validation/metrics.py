@@ -124,9 +124,9 @@ def _margin(err, bound):
 def judge(got, ref, base, baseline=None):
     """Metrics and verdict of one output (module docstring): a dict with the
     ``compare`` fields plus mean_abs, baseline_abs, baseline_mean, ratio,
-    mean_ratio, floor, bound, mean_bound, margin, mean_margin, failed_by and
-    passed. ``base``: the baseline array (one order); ``baseline``: its label,
-    recorded as given."""
+    mean_ratio, floor, n (the mean rule's entries), bound, mean_bound, margin,
+    mean_margin, failed_by and passed. ``base``: the baseline array (one
+    order); ``baseline``: its label, recorded as given."""
     rec = compare(got, ref)
     with np.errstate(all="ignore"):
         mean_abs = tolerance.mean_abs_error(got, ref) if np.shape(got) == np.shape(ref) \
@@ -144,6 +144,7 @@ def judge(got, ref, base, baseline=None):
         ratio=error_ratio(rec["max_abs"], baseline_abs),
         mean_ratio=error_ratio(mean_abs, baseline_mean),
         floor=floor,
+        n=tolerance.finite_count(base, ref),
         bound=bound,
         mean_bound=mean_bound,
         margin=_margin(rec["max_abs"], bound),

@@ -39,6 +39,21 @@ entries (one entry off by the floor). Nothing scales it up for small outputs
 
 A kernel whose arithmetic is not float32 (16-bit operands on tensor cores)
 needs a baseline with the same roundings; none is registered yet.
+
+Growth runs (``validation.growth``) judge an output at every step; where a
+step has fewer than ``MEAN_MIN_ENTRIES = 96`` entries (the LSE of 3 sequences
+x 8 heads: 24) the mean rule is judged on consecutive steps pooled to at least
+that many entries (``pooled_mean_windows``), the max and NaN rules still at
+every step. A mean over 24 rounding-sized errors is too noisy a statistic for
+a 1.5x allowance applied 1024 times: measured on the H200
+(``validation.lse_probe``, growth/paged_decode s0, 1024 steps), the paged
+kernel's LSE mean error is 1.075x (fp16) / 1.081x (bf16) the baseline's over
+the whole run, while the per-step ratio has a median of 1.07, a 99th
+percentile of 1.54 and a maximum of 2.04 / 2.09, so 1 and 2 steps fail by
+chance; pooled over 4 steps (96 entries) the largest ratio is 1.37 / 1.39.
+The same probe rules out ``ex2.approx``'s own error (weights from the GPU's
+exponential and from an exact one give the same LSE error). 96 entries is
+also what a step of the T_q = 4 run has, which passed per step.
 """
 
 from __future__ import annotations
@@ -48,6 +63,7 @@ import numpy as np
 RATIO = 2.0
 MEAN_RATIO = 1.5
 FLOOR_ULPS = 2
+MEAN_MIN_ENTRIES = 96
 
 
 def _f64(x):
@@ -142,3 +158,43 @@ def assert_matches(got, ref, base, what="output"):
             else np.zeros(1)
         where = np.unravel_index(int(np.argmax(diff)), diff.shape)
         raise AssertionError(f"{what}: {text}; worst at index {where}")
+
+
+def pooled_mean_windows(means, base_means, floors, counts, least=MEAN_MIN_ENTRIES):
+    """The mean rule over windows of consecutive steps (module docstring).
+
+    ``means`` / ``base_means``: each step's mean |got - ref| and mean |base -
+    ref|; ``floors``: each step's ``floor(ref)``; ``counts``: its finite entry
+    count ``n``. Steps with ``n >= least`` are windows of their own; otherwise
+    steps are taken in order until the window holds ``least`` entries (a short
+    last window joins the one before it). A window passes when its
+    entry-weighted mean error is at most ``MEAN_RATIO`` x the baseline's plus
+    its largest floor / its entries. Returns a list of ``(first, last,
+    mean, bound, passed)`` step indices (inclusive) and figures."""
+    windows, start = [], 0
+    steps = len(means)
+    while start < steps:
+        end, held = start, 0
+        while end < steps:
+            held += counts[end]
+            end += 1
+            if held >= least:
+                break
+        windows.append([start, end])
+        start = end
+    if len(windows) > 1:
+        first, last = windows[-1]
+        if sum(counts[first:last]) < least:
+            windows[-2][1] = last
+            windows.pop()
+    out = []
+    for first, end in windows:
+        n = sum(counts[first:end])
+        if n == 0:
+            out.append((first, end - 1, 0.0, 0.0, True))
+            continue
+        mean = sum(m * c for m, c in zip(means[first:end], counts[first:end])) / n
+        base = sum(m * c for m, c in zip(base_means[first:end], counts[first:end])) / n
+        bound = MEAN_RATIO * base + max(floors[first:end]) / n
+        out.append((first, end - 1, mean, bound, bool(mean <= bound)))
+    return out
