@@ -1,0 +1,806 @@
+"""Tensor-core decode attention for 16-bit caches (fp16 / bf16, q in the cache's dtype).
+
+The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
+(``attention.gemm.mma16``):
+
+* **One block per (split, kv head, sequence).** Its query rows are the GQA
+  group's ``G = H / H_kv`` heads times the ``T`` queries of a multi-token
+  decode, ``R = G * T <= 16`` rows, row ``r`` = query ``r // G`` of head
+  ``kv_head * G + r % G``, padded with zero rows to one m16 tile (padded rows
+  are computed and never written). K and V rows are read once a kv head for
+  all ``T`` queries: T_q = 4 costs the same memory traffic and the same mma
+  count as T_q = 1 whenever ``G * 4 <= 16``.
+* **Q in registers.** The block stages Q ``[16, D]`` in a swizzled shared tile
+  (``mma16``'s ``Tile`` layout); each warp keeps its A fragments (``ldmatrix``
+  x4, ``D / 16`` k steps) in registers.
+* **K / V tiles through a ring.** Warp ``w`` takes the tiles ``w, w + NW, ...``
+  of 16 positions of the block's chunk. Each tile's K and V rows ``[16, D]``
+  arrive in a swizzled shared stage of the warp's ring of ``stages`` stages
+  (``cp.async`` 16-byte copies, ``stages - 1`` tiles in flight while one is
+  computed; on the simulator plain copies). A paged cache's rows are found
+  through the page table row by row, or once a tile where P is a multiple of
+  16 (a tile's 16 positions start at a multiple of 16, so they share a page).
+  Rows past the block's last position, and rows whose page entry is out of
+  range, are zero-filled: V of a masked position is 0, never NaN times 0.
+* **S = Q K^T** on the mma (K rows ``[pos, D]`` are ``B^T``: one ``ldmatrix``
+  x4 gives the B fragments of both 8-position halves), fp32 accumulation,
+  times ``scale``.
+* **Masking.** Row ``r`` (query ``i = r // G``) sees positions below
+  ``min(chunk end, len - T + 1 + i)`` (causal among the new tokens; the length
+  counts them).
+* **Online softmax in fp32 on the accumulator fragments.** A lane holds 4
+  scores of rows ``g = lane // 4`` and ``g + 8``; a row's max is taken over its
+  lane quad (two ``shfl.xor``, ``quad_max``); each lane keeps its part of the
+  row sums and the quad adds them at the end (``attention.core.warp.group_sum``).
+  ``P = exp(S - m)`` is rounded to the 16-bit type (``mma16`` ``pack``, to
+  nearest even) and the score fragments are the A fragments of ``O += P V``
+  (V B fragments from ``ldmatrix`` x2.trans); ``l`` sums the fp32 ``P``.
+* **Warps merged through shared memory** at the end: each warp's state
+  ``(m, l, O)`` of its 16 rows, one batch a row (the batch's max, one weight a
+  warp: ``attention.core.warp.batch_reference``).
+* **Split-KV.** With ``n_split > 1`` every block writes its unnormalised
+  partial (acc, m, l) in ``attention.decode.fast``'s layout and that module's
+  combine kernel merges them (``fast.combine_kernel``, the ``T * H`` rows of a
+  sequence as its heads); one split writes ``out`` / ``lse`` directly.
+
+Numerics: q and K are 16-bit, so every product of S is exact in fp32 and S
+accumulates in fp32 on the mma; the softmax is fp32 (``exp`` with fast math:
+``ex2.approx``); P is rounded to the cache's 16-bit type before P.V, which
+accumulates in fp32; ``l`` is the sum of the unrounded P. The output is
+``O / l`` (a correctly rounded reciprocal, ``softmax_finish``).
+
+Layouts (C-contiguous; device arrays, or numpy arrays staged by ``mma_decode``):
+    q           [M, T, H, D]  (or [M, H, D]: T = 1) float16 / bfloat16, the cache's dtype
+    k_cache     pooled [KV_SLOTS, H_kv, max_seq, D] with slot_table [M] int32;
+                paged "HND" [num_pages, H_kv, P, D] or "NHD" [num_pages, P, H_kv, D]
+                with page_table [M, max_pages] int32 (position p of sequence m is
+                row p % P of page page_table[m, p // P]; pages may be shared and
+                in any order; P >= 1)
+    v_cache     the same shape and dtype as k_cache
+    seq_lens    [M] int32: 0, or T .. capacity (query i attends 0 .. len - T + i)
+    out         [M, T, H, D] float32 (zeros where a row attends nothing)
+    lse         [M, T, H] float32 (natural log; -inf where a row attends nothing)
+    part_acc    [M, T * H, n_split, D] float32, part_ml [M, T * H, n_split, 2]
+                (split-KV scratch, ``fast.scratch``: row i * H + h)
+
+Head dims 32, 64 and 128 (a row is a power of two of 16-byte chunks, as the
+tile swizzle wants). The kernel sees the arrays as uint32 words (two 16-bit
+elements a word): q ``[M, T, H, D / 2]``, caches flat ``[N * D / 2]``.
+
+Planted defects (``defect=``, compile-time switches for the tests; without one
+the kernel is unchanged, its name has no suffix):
+    "ldmatrix_no_trans"   V's B fragments loaded by ``ldmatrix`` without
+                          ``.trans`` (the same row addresses)
+    "swizzle_off_by_one"  K tiles stored with the swizzle of the next row
+                          (``ldmatrix`` reads them with the right one)
+    "causal_tile_edge"    a row whose causal limit ``len - T + 1 + i`` falls on
+                          a tile edge (a multiple of 16) sees one more position
+
+Device guard (the launcher checks on the host first): a length outside
+``[0, capacity]`` or in ``1 .. T - 1``, or a pooled slot outside the pool, makes
+its sequence empty; a page entry outside ``[0, num_pages)`` reads as zero rows.
+Nothing is read out of bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from attention.core import checks
+from attention.core.device import (
+    BFLOAT16,
+    SIMULATOR,
+    as_device_view,
+    device_empty,
+    device_fn,
+    ensure_dynamic_shared,
+    finish,
+    host_ints,
+    is_host_array,
+    jit,
+    launch_stream,
+    ptx_statement,
+    to_device,
+    to_host,
+)
+from attention.core.warp import FULL_MASK, batch_reference, group_sum, softmax_finish
+from attention.decode import fast
+from attention.gemm import mma16
+
+WARP = 32
+TILE_ROWS = 16  # query rows of a block: one m16 tile
+KT = 16  # positions of a warp's tile (the k of P.V)
+HEAD_DIMS = (32, 64, 128)
+WARPS = 4
+STAGES = 3  # ring stages a warp (stages - 1 tiles in flight)
+SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an SM's
+RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
+CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
+DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+LAYOUTS = ("HND", "NHD")
+
+
+def dtype_kind(dt):
+    """"f16" / "bf16" for a 16-bit cache dtype."""
+    dt = np.dtype(dt)
+    if dt == np.float16:
+        return "f16"
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bf16"
+    raise checks.DTypeError(f"k_cache: expected dtype float16 or bfloat16, got {dt}")
+
+
+def check_defect(defect):
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+
+
+# ---------------------------------------------------------------------------
+# device pieces
+# ---------------------------------------------------------------------------
+
+def quad_max(v):
+    """Maximum of ``v`` over the lane's quad (lanes ``4 (lane // 4) .. + 3``: the
+    lanes holding one row of an mma accumulator), in each lane of it."""
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
+    return v
+
+
+quad_max = device_fn(quad_max)
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_ops(stages):
+    """``(copy, commit, wait)`` for a warp's ring: ``copy(smem, word, src, flat)``
+    starts copying the 16 bytes (4 uint32 words) at word ``flat`` of global
+    array ``src`` to words ``word .. word + 3`` of shared array ``smem``
+    (``cp.async.cg``, past L1); ``commit()`` closes a group of copies; ``wait()``
+    returns once at most ``stages - 1`` groups are in flight. The simulator
+    copies at once."""
+    if SIMULATOR:
+        def copy(smem, word, src, flat):
+            for x in range(4):
+                smem[word + x] = src[flat + x]
+
+        def nothing():
+            return None
+
+        return device_fn(copy), device_fn(nothing), device_fn(nothing)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i8p = ir.IntType(8).as_pointer()
+    i64 = ir.IntType(64)
+
+    def pointer(context, builder, aty, aval, idx):
+        ary = context.make_array(aty)(context, builder, aval)
+        if idx.type.width < 64:
+            idx = builder.sext(idx, i64)
+        return builder.gep(builder.bitcast(ary.data, i8p), [builder.mul(idx, ir.Constant(i64, 4))])
+
+    @intrinsic
+    def copy(typingctx, smem, word, src, flat):
+        sig = types.void(smem, word, src, flat)
+
+        def codegen(context, builder, sig, args):
+            sp = pointer(context, builder, sig.args[0], args[0], args[1])
+            gp = pointer(context, builder, sig.args[2], args[2], args[3])
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
+            text = ("{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $0; "
+                    "cvt.u32.u64 sa32, sa64; cp.async.cg.shared.global [sa32], [$1], 16; }")
+            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return (copy, ptx_statement("cp.async.commit_group;"),
+            ptx_statement(f"cp.async.wait_group {stages - 1};"))
+
+
+def smem_words(head_dim, warps, stages):
+    """uint32 words of a block's dynamic shared memory: the Q tile and the
+    warps' rings, or (reusing them at the end) the warps' states."""
+    tile = KT * head_dim // 2
+    main = TILE_ROWS * head_dim // 2 + warps * stages * 2 * tile
+    merge = warps * (TILE_ROWS * head_dim + 2 * TILE_ROWS + TILE_ROWS) + TILE_ROWS
+    return max(main, merge)
+
+
+@functools.lru_cache(maxsize=None)
+def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, paging=None,
+                      defect=None):
+    """The tensor-core decode kernel (module docstring).
+
+    kind: "f16" / "bf16"; head_dim: D (32, 64, 128); group: G = H / H_kv;
+    t_q: T (G * T <= 16); warps: NW; stages: ring stages a warp (>= 1);
+    paging: None (pooled cache, slot table as ``[M, 1]``), "HND" or "NHD";
+    defect: None or one of ``DEFECTS``.
+
+    Grid ``(n_split, H_kv, M)``, block ``32 * NW``, dynamic shared memory
+    ``4 * smem_words(D, NW, stages)`` bytes. Arguments:
+        q         [M, T, H, D / 2] uint32 (16-bit pairs)
+        k, v      [N * D / 2] uint32, the cache's words, flat
+        seq_lens  [M] int32
+        table     [M, max_pages] int32 (pooled: [M, 1], the slots)
+        n_kv      int32 H_kv; page: int32 P (pooled: max_seq); n_pages: int32
+                  num_pages (pooled: KV_SLOTS); shift: int32 log2(P) or -1
+        scale     float32; chunk: int32 positions a split (a multiple of 16)
+        out       [M, T, H, D] f32, lse [M, T, H] f32 (one split)
+        part_acc  [M, T * H, n_split, D] f32, part_ml [M, T * H, n_split, 2] f32
+                  (more splits)
+    """
+    D = int(head_dim)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
+    GROUP, TQ, NW, S = int(group), int(t_q), int(warps), int(stages)
+    ROWS = GROUP * TQ
+    if not 1 <= ROWS <= TILE_ROWS:
+        raise ValueError(f"group * t_q: expected 1..{TILE_ROWS} rows, got {ROWS}")
+    if NW < 1 or S < 1:
+        raise ValueError(f"warps, stages: expected >= 1, got {warps}, {stages}")
+    if paging not in (None,) + LAYOUTS:
+        raise ValueError(f"paging: expected None, 'HND' or 'NHD', got {paging!r}")
+    check_defect(defect)
+    PAGED = paging is not None
+    NHD = paging == "NHD"
+    NO_TRANS = defect == "ldmatrix_no_trans"
+    SWIZZLE_OFF = defect == "swizzle_off_by_one"
+    CAUSAL_EDGE = defect == "causal_tile_edge"
+
+    WR = D // 2  # words a row
+    TW = KT * WR  # words a tile of 16 rows
+    CPR = D // 8  # 16-byte chunks a row
+    KS = D // 16  # k steps of S = Q K^T
+    NT = D // 8  # n tiles of O = P V
+    COPIES = KT * CPR // WARP  # chunks of a tile a lane copies (K and V each)
+    RING0 = TILE_ROWS * WR  # the rings start after the Q tile (words)
+    STAGE = 2 * TW  # a stage: the K tile, then the V tile
+    N_QA, N_O = 4 * KS, 4 * NT
+    # the warps' states at the end (float32 words from 0, over the Q tile and rings)
+    M_ML = NW * TILE_ROWS * D  # (m, l) a row a warp
+    M_WT = M_ML + NW * 2 * TILE_ROWS  # the merge's weight of a warp a row
+    M_INV = M_WT + NW * TILE_ROWS  # 1 / l a row (one split)
+    NEG = float32(-3.0e38)
+
+    mma, pack = mma16.ops(kind)
+    copy, commit, wait = _copy_ops(S)
+
+    def k_slot(row, col):
+        # word of (row, col) in a K tile (the planted switch: the next row's swizzle)
+        if SWIZZLE_OFF:
+            return mma16.tile_index(row + 1, col, D) - WR
+        return mma16.tile_index(row, col, D)
+
+    k_slot = device_fn(k_slot)
+
+    def v_fragment(vtile, nd, lane):
+        # B fragment of V's columns nd*8 .. nd*8+7 (k = the tile's 16 positions)
+        if NO_TRANS:
+            # ldmatrix_x2_trans's row addresses, the plain instruction
+            return mma16._ld2(vtile, mma16._row_word(D, lane % 8 + 8 * ((lane // 8) % 2), nd * 8))
+        return mma16.ldmatrix_x2_trans(vtile, D, 0, nd * 8, lane)
+
+    v_fragment = device_fn(v_fragment)
+
+    def row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages, row0):
+        # first word of position pos's row in the flat cache; -1: a bad page entry
+        if PAGED:
+            if shift >= 0:
+                j = pos >> shift
+                off = pos & (page - 1)
+            else:
+                j = pos // page
+                off = pos - j * page
+            pg = int64(table[seq, j])
+            if pg < 0 or pg >= n_pages:
+                return int64(-1)
+            if NHD:
+                return ((pg * page + off) * n_kv + kv_head) * WR
+            return ((pg * n_kv + kv_head) * page + off) * WR
+        return row0 + int64(pos) * WR
+
+    row_word = device_fn(row_word)
+
+    def issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
+              tile0, end, kb, lane, whole):
+        # start copying the K and V rows of positions tile0 .. tile0+15 into the
+        # stage at word kb (rows at or past end: zeros). ``whole``: a paged cache
+        # whose pages hold whole tiles (P a multiple of 16): one page entry a tile
+        first = int64(-1)
+        if whole and tile0 < end:
+            first = row_word(kc, table, seq, tile0, kv_head, n_kv, page, shift, n_pages, row0)
+        step = WR * n_kv if NHD else WR  # words between a page's consecutive rows
+        for a in range(COPIES):
+            ci = lane + WARP * a
+            row = ci // CPR
+            c = ci % CPR
+            pos = tile0 + row
+            dk = kb + k_slot(row, 8 * c)
+            dv = kb + TW + mma16.tile_index(row, 8 * c, D)
+            src = int64(-1)
+            if pos < end:
+                if not whole:
+                    src = row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages,
+                                   row0)
+                elif first >= 0:
+                    src = first + row * step
+            if src >= 0:
+                copy(smem, dk, kc, src + 4 * c)
+                copy(smem, dv, vc, src + 4 * c)
+            else:
+                for x in range(4):
+                    smem[dk + x] = uint32(0)
+                    smem[dv + x] = uint32(0)
+
+    issue = device_fn(issue)
+
+    def row_limit(r, length, end):
+        # positions below this are seen by row r (query r // GROUP)
+        i = r // GROUP if r < ROWS else TQ - 1
+        lim = length - TQ + 1 + i
+        if CAUSAL_EDGE and lim % KT == 0:
+            lim += 1
+        return min(lim, end)
+
+    row_limit = device_fn(row_limit)
+
+    def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+               out, lse, part_acc, part_ml):
+        split = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        seq = cuda.blockIdx.z
+        n_split = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        tq = lane % 4
+        n_heads = q.shape[2]
+        smem = cuda.shared.array(0, uint32)
+        smf = cuda.shared.array(0, float32)  # the same memory (the end's merge)
+
+        # -- the sequence's length and rows (the device guard: module docstring) --
+        length = seq_lens[seq]
+        row0 = int64(0)
+        cap = page
+        if PAGED:
+            cap = table.shape[1] * page
+        else:
+            slot = table[seq, 0]
+            if slot < 0 or slot >= n_pages:
+                length = 0
+                slot = 0
+            row0 = (int64(slot) * n_kv + kv_head) * page * WR
+        if length < 0 or length > cap or (TQ > 1 and 0 < length < TQ):
+            length = 0
+        start = split * chunk
+        end = min(length, start + chunk)
+        whole = PAGED and page % KT == 0  # a tile (16 positions from a multiple of 16): one page
+
+        # -- Q [16, D] into the swizzled tile (rows past ROWS: zeros) --
+        for w in range(tid, TILE_ROWS * WR, NW * WARP):
+            r = w // WR
+            cw = w % WR
+            word = uint32(0)
+            if r < ROWS:
+                word = q[seq, r // GROUP, kv_head * GROUP + r % GROUP, cw]
+            smem[mma16.tile_index(r, 2 * cw, D)] = word
+        cuda.syncthreads()  # the Q tile is complete
+        qa = cuda.local.array(N_QA, uint32)
+        for kd in range(KS):
+            a0, a1, a2, a3 = mma16.ldmatrix_x4(smem, D, 0, kd * 16, lane)
+            qa[4 * kd] = a0
+            qa[4 * kd + 1] = a1
+            qa[4 * kd + 2] = a2
+            qa[4 * kd + 3] = a3
+
+        # -- the lane's two rows (g, g + 8): limits and running state --
+        lim0 = row_limit(g, length, end)
+        lim1 = row_limit(g + 8, length, end)
+        m0 = float32(-math.inf)
+        m1 = float32(-math.inf)
+        l0 = float32(0.0)  # this lane's part of the row sums
+        l1 = float32(0.0)
+        o = cuda.local.array(N_O, float32)
+        for x in range(N_O):
+            o[x] = float32(0.0)
+        s = cuda.local.array(8, float32)
+
+        # -- the warp's tiles: w, w + NW, ... of the chunk, through its ring --
+        n_tiles = (end - start + KT - 1) // KT if end > start else 0
+        n_mine = (n_tiles - warp + NW - 1) // NW if n_tiles > warp else 0
+        ring = RING0 + warp * S * STAGE
+        for a in range(S - 1):
+            if a < n_mine:
+                issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
+                      start + (warp + a * NW) * KT, end, ring + a * STAGE, lane, whole)
+            commit()
+        for it in range(n_mine):
+            ahead = it + S - 1
+            if ahead < n_mine:
+                issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
+                      start + (warp + ahead * NW) * KT, end, ring + (ahead % S) * STAGE, lane,
+                      whole)
+            commit()
+            wait()  # this lane's copies of tile it have landed
+            cuda.syncwarp()  # ... and every lane's are visible to the warp
+            kb = ring + (it % S) * STAGE
+            ktile = smem[kb:kb + TW]
+            vtile = smem[kb + TW:kb + STAGE]
+            tile0 = start + (warp + it * NW) * KT
+
+            # -- S = Q K^T: one x4 load gives both 8-position halves' B fragments --
+            c0 = c1 = c2 = c3 = float32(0.0)
+            d0 = d1 = d2 = d3 = float32(0.0)
+            for kd in range(KS):
+                k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, D, 0, kd * 16, lane)
+                c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                     qa[4 * kd + 3], k0, k2, c0, c1, c2, c3)
+                d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                     qa[4 * kd + 3], k1, k3, d0, d1, d2, d3)
+            s[0], s[1], s[2], s[3] = c0, c1, c2, c3
+            s[4], s[5], s[6], s[7] = d0, d1, d2, d3
+
+            # -- scale and mask: s[4 h + e] row g, s[4 h + 2 + e] row g + 8, position
+            # tile0 + 8 h + 2 tq + e --
+            for h in range(2):
+                for e in range(2):
+                    pos = tile0 + 8 * h + 2 * tq + e
+                    x = float32(s[4 * h + e] * scale)
+                    if pos >= lim0:
+                        x = float32(-math.inf)
+                    s[4 * h + e] = x
+                    y = float32(s[4 * h + 2 + e] * scale)
+                    if pos >= lim1:
+                        y = float32(-math.inf)
+                    s[4 * h + 2 + e] = y
+
+            # -- online softmax of the two rows (max over the quad) --
+            new0 = max(m0, quad_max(max(max(s[0], s[1]), max(s[4], s[5]))))
+            new1 = max(m1, quad_max(max(max(s[2], s[3]), max(s[6], s[7]))))
+            ref0 = new0 if new0 > NEG else float32(0.0)  # an all-masked row: weights 0
+            ref1 = new1 if new1 > NEG else float32(0.0)
+            alpha0 = float32(math.exp(m0 - ref0))
+            alpha1 = float32(math.exp(m1 - ref1))
+            for h in range(2):
+                for e in range(2):
+                    s[4 * h + e] = float32(math.exp(s[4 * h + e] - ref0))
+                    s[4 * h + 2 + e] = float32(math.exp(s[4 * h + 2 + e] - ref1))
+            l0 = float32(l0 * alpha0 + ((s[0] + s[1]) + (s[4] + s[5])))
+            l1 = float32(l1 * alpha1 + ((s[2] + s[3]) + (s[6] + s[7])))
+            m0 = new0
+            m1 = new1
+            for nd in range(NT):
+                o[4 * nd] *= alpha0
+                o[4 * nd + 1] *= alpha0
+                o[4 * nd + 2] *= alpha1
+                o[4 * nd + 3] *= alpha1
+
+            # -- O += P V: P rounded to 16 bits, the score fragments as A --
+            p0 = pack(s[0], s[1])
+            p1 = pack(s[2], s[3])
+            p2 = pack(s[4], s[5])
+            p3 = pack(s[6], s[7])
+            for nd in range(NT):
+                b0, b1 = v_fragment(vtile, nd, lane)
+                o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3] = mma(
+                    p0, p1, p2, p3, b0, b1,
+                    o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3])
+            cuda.syncwarp()  # every lane has read the stage before it is refilled
+
+        # -- the warps' states into shared memory (over the Q tile and rings) --
+        l0 = group_sum(l0, 4)
+        l1 = group_sum(l1, 4)
+        cuda.syncthreads()  # every warp is done with the Q tile and its ring
+        base = warp * TILE_ROWS * D
+        for nd in range(NT):
+            col = nd * 8 + 2 * tq
+            smf[base + g * D + col] = o[4 * nd]
+            smf[base + g * D + col + 1] = o[4 * nd + 1]
+            smf[base + (g + 8) * D + col] = o[4 * nd + 2]
+            smf[base + (g + 8) * D + col + 1] = o[4 * nd + 3]
+        if tq == 0:
+            smf[M_ML + warp * 2 * TILE_ROWS + 2 * g] = m0
+            smf[M_ML + warp * 2 * TILE_ROWS + 2 * g + 1] = l0
+            smf[M_ML + warp * 2 * TILE_ROWS + 2 * (g + 8)] = m1
+            smf[M_ML + warp * 2 * TILE_ROWS + 2 * (g + 8) + 1] = l1
+        cuda.syncthreads()  # the states are complete
+
+        # -- a row's merge weights (one batch: its max, one weight a warp) --
+        single = n_split == 1
+        if tid < ROWS:
+            r = tid
+            m_all = float32(-math.inf)
+            for w in range(NW):
+                m_all = max(m_all, smf[M_ML + w * 2 * TILE_ROWS + 2 * r])
+            ref = batch_reference(m_all)
+            l_all = float32(0.0)
+            for w in range(NW):
+                wt = float32(math.exp(smf[M_ML + w * 2 * TILE_ROWS + 2 * r] - ref))
+                smf[M_WT + w * TILE_ROWS + r] = wt
+                l_all = float32(l_all + wt * smf[M_ML + w * 2 * TILE_ROWS + 2 * r + 1])
+            i = r // GROUP
+            head = kv_head * GROUP + r % GROUP
+            if single:
+                inv, lse_r = softmax_finish(m_all, l_all)  # (0, -inf) for an empty row
+                smf[M_INV + r] = inv
+                lse[seq, i, head] = lse_r
+            else:
+                part_ml[seq, i * n_heads + head, split, 0] = m_all
+                part_ml[seq, i * n_heads + head, split, 1] = l_all
+        cuda.syncthreads()  # the weights are complete
+
+        # -- the merged rows: out (one split) or the partial --
+        for e in range(tid, ROWS * D, NW * WARP):
+            r = e // D
+            d = e % D
+            acc = float32(0.0)
+            for w in range(NW):
+                acc = float32(acc + smf[M_WT + w * TILE_ROWS + r]
+                              * smf[w * TILE_ROWS * D + r * D + d])
+            i = r // GROUP
+            head = kv_head * GROUP + r % GROUP
+            if single:
+                out[seq, i, head, d] = acc * smf[M_INV + r]
+            else:
+                part_acc[seq, i * n_heads + head, split, d] = acc
+
+    name = f"decode_mma_{kind}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_{paging or 'pooled'}"
+    kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
+    return jit(kernel, fastmath=True)
+
+
+# ---------------------------------------------------------------------------
+# plan and launch
+# ---------------------------------------------------------------------------
+
+def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
+         warps=WARPS, stages=STAGES, paging=None, defect=None):
+    """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
+
+    ``max_len``: the longest length served (positions the splits cover).
+    ``n_split`` (default: ``fast.split_count`` over the ``M * H_kv`` blocks a
+    split, with the blocks an SM holds by shared memory) is then trimmed to
+    the chunks that hold a position; a chunk is a whole number of rounds of
+    the warps' 16-position tiles (``16 * warps``).
+    """
+    t_q, warps, stages = int(t_q), int(warps), int(stages)
+    group = int(n_heads) // int(n_kv)
+    dyn = 4 * smem_words(head_dim, warps, stages)
+    if n_split is None:
+        resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
+        n_split = fast.split_count(m_count * n_kv, max_len, resident)
+    n_split = max(1, int(n_split))
+    step = KT * warps
+    chunk = -(-max(int(max_len), 1) // n_split)
+    chunk = -(-chunk // step) * step
+    n_split = -(-max(int(max_len), 1) // chunk)
+    return {
+        "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect),
+        "kind": kind,
+        "head_dim": int(head_dim),
+        "group": group,
+        "t_q": t_q,
+        "paging": paging,
+        "grid": (n_split, int(n_kv), int(m_count)),
+        "block": warps * WARP,
+        "dyn_smem": dyn,
+        "chunk": chunk,
+        "n_split": n_split,
+        "warps": warps,
+        "stages": stages,
+        "defect": defect,
+    }
+
+
+def _words(x, flat=False):
+    """A 16-bit device array (numba, ``__cuda_array_interface__``, DLPack, torch
+    bfloat16 included) as uint32 words (the last axis halved; ``flat``: 1-D), no copy."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        x = x.view(torch.int32)
+    d = as_device_view(x)
+    d = d.view(np.uint32)
+    return d.reshape(int(np.prod(d.shape))) if flat else d
+
+
+def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, d_part_ml,
+           stream=0):
+    """Enqueue a planned decode (one launch, or two with the combine); no
+    checks, copies or allocations beyond array views.
+
+    d_q [M, T, H, D] 16-bit; d_k, d_v the caches (pooled or the plan's page
+    layout); d_lens [M] int32; d_table [M, max_pages] int32 (pooled: the slot
+    table [M] or [M, 1]); d_out [M, T, H, D] f32; d_lse [M, T, H] f32;
+    d_part_acc / d_part_ml ``fast.scratch(M, T * H, D, n_split)``.
+    """
+    m_count, t_q, n_heads, head_dim = (int(s) for s in d_q.shape)
+    if pl["paging"] == "NHD":
+        n_pages, page, n_kv = (int(s) for s in d_k.shape[:3])
+    else:
+        n_pages, n_kv, page = (int(s) for s in d_k.shape[:3])
+    if len(d_table.shape) == 1:
+        d_table = d_table.reshape(m_count, 1)
+    shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
+    args = (_words(d_q), _words(d_k, True), _words(d_v, True), d_lens, d_table,
+            np.int32(n_kv), np.int32(page), np.int32(n_pages), np.int32(shift),
+            np.float32(scale), np.int32(pl["chunk"]), d_out, d_lse, d_part_acc, d_part_ml)
+    ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
+                          pl.setdefault("smem_ready", set()))
+    pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
+    if pl["n_split"] > 1:
+        rows = t_q * n_heads
+        comb = fast.combine_kernel(-(-head_dim // WARP))
+        comb[(rows, m_count), fast.combine_warps(pl["n_split"]) * WARP, stream](
+            d_part_acc, d_part_ml, d_out.reshape(m_count, rows, head_dim),
+            d_lse.reshape(m_count, rows))
+
+
+def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None,
+                 layout="HND", t_q=None):
+    """Validate a call (errors name the argument and the expected shape).
+
+    Returns a dict: M, T, H, H_kv, D, kind, paging (None / "HND" / "NHD"),
+    capacity (positions a sequence may hold), lens (int32 host copy), table
+    (int32 host copy: the slot table [M] or the page table [M, max_pages])."""
+    paged = page_table is not None
+    if paged and slot_table is not None:
+        raise checks.AttentionInputError(
+            "slot_table: a paged call takes page_table, not slot_table (give one)")
+    if paged and layout not in LAYOUTS:
+        raise checks.LayoutError(
+            f"layout: expected 'HND' ([num_pages, H_kv, P, D]) or 'NHD' "
+            f"([num_pages, P, H_kv, D]), got {layout!r}")
+    if not paged:
+        dims = (("KV_SLOTS", None), ("H_kv", None), ("max_seq", None), ("D", None))
+    elif layout == "HND":
+        dims = (("num_pages", None), ("H_kv", None), ("P", None), ("D", None))
+    else:
+        dims = (("num_pages", None), ("P", None), ("H_kv", None), ("D", None))
+    shape = checks.check_array("k_cache", k_cache, dims, dtypes=CACHE_DTYPES)
+    kind = dtype_kind(checks._dtype(k_cache))
+    n_rows, head_dim = shape[0], shape[3]
+    n_kv, page = (shape[2], shape[1]) if layout == "NHD" and paged else (shape[1], shape[2])
+    if head_dim not in HEAD_DIMS:
+        raise checks.RangeError(f"k_cache: expected head_dim D in {HEAD_DIMS}, got {head_dim}")
+    checks.check_array("v_cache", v_cache, tuple((label, s) for (label, _), s in zip(dims, shape)),
+                       dtypes=CACHE_DTYPES)
+    checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache), ("q", q)])
+    if len(getattr(q, "shape", ())) == 3:
+        m_count, n_heads, q_dim = checks.check_array(
+            "q", q, (("M", None), ("H", None), ("D", head_dim)), dtypes=CACHE_DTYPES)
+        tq = 1
+    else:
+        m_count, tq, n_heads, q_dim = checks.check_array(
+            "q", q, (("M", None), ("T", None), ("H", None), ("D", head_dim)),
+            dtypes=CACHE_DTYPES)
+    if t_q is not None and int(t_q) != tq:
+        raise checks.ShapeError(f"t_q: q holds T={tq} queries a sequence, got t_q={t_q}")
+    checks.check_range("q", tq, 1, TILE_ROWS, what="queries a sequence T")
+    checks.check_heads(n_heads, n_kv)
+    group = n_heads // n_kv
+    if group * tq > TILE_ROWS:
+        raise checks.RangeError(
+            f"q: the GQA group H / H_kv = {group} times T = {tq} queries gives "
+            f"{group * tq} rows a kv head; expected at most {TILE_ROWS} (one mma tile)")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_aligned(name, x, 16)
+    if paged:
+        table = np.asarray(host_ints(page_table))
+        if table.ndim != 2 or table.shape[0] != m_count or table.shape[1] < 1:
+            raise checks.ShapeError(
+                f"page_table: expected shape [M={m_count}, max_pages], got {table.shape}")
+        if not np.issubdtype(table.dtype, np.integer):
+            raise checks.DTypeError(f"page_table: expected int32, got {table.dtype}")
+        capacity = table.shape[1] * page
+    else:
+        capacity = page
+    lens = checks.check_lengths("seq_lens", None if seq_lens is None else host_ints(seq_lens),
+                                capacity, count=m_count)
+    short = (lens > 0) & (lens < tq)
+    if short.any():
+        m = int(np.flatnonzero(short)[0])
+        raise checks.RangeError(
+            f"seq_lens: sequence {m} has length {int(lens[m])}, fewer than the T={tq} new "
+            f"tokens it must hold; expected 0 or a length in [{tq}, {capacity}]")
+    if paged:
+        for m in range(m_count):
+            used = table[m, :-(-int(lens[m]) // page)] if lens[m] else table[m, :0]
+            if used.size and (used.min() < 0 or used.max() >= n_rows):
+                bad = int(used[(used < 0) | (used >= n_rows)][0])
+                raise checks.RangeError(
+                    f"page_table: sequence {m} names page {bad} among its first "
+                    f"ceil(length / P) entries; expected pages in [0, num_pages={n_rows})")
+        table = table.astype(np.int32)
+    else:
+        if slot_table is None and n_rows < m_count:
+            raise checks.ShapeError(
+                f"k_cache: expected KV_SLOTS >= M={m_count} slots (no slot_table), got {n_rows}")
+        table = checks.check_slot_table(
+            None if slot_table is None else host_ints(slot_table), m_count, n_rows)
+    return {"M": m_count, "T": tq, "H": n_heads, "H_kv": n_kv, "D": head_dim, "kind": kind,
+            "paging": layout if paged else None, "capacity": capacity, "lens": lens,
+            "table": table}
+
+
+def _stage(x, stream):
+    """numpy 16-bit arrays to the device (as uint16: bfloat16 travels that way);
+    device arrays as they are (``launch`` views them as words)."""
+    if is_host_array(x):
+        return to_device(np.ascontiguousarray(x).view(np.uint16), stream)
+    return x
+
+
+def _output(name, given, shape, stream):
+    if given is None:
+        return device_empty(shape, np.float32, stream)
+    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
+                       dtypes=(np.float32,))
+    return to_device(given, stream)
+
+
+def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
+               layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
+               stream=None, warps=WARPS, stages=STAGES, defect=None):
+    """Tensor-core decode attention over a pooled or paged 16-bit cache.
+
+    q:          [M, T, H, D] (or [M, H, D]: T = 1) float16 / bfloat16, the cache's
+                dtype (numpy bf16 arrays are ``ml_dtypes.bfloat16``)
+    k_cache:    pooled [KV_SLOTS, H_kv, max_seq, D]; with ``page_table``,
+                [num_pages, H_kv, P, D] (``layout="HND"``) or [num_pages, P, H_kv,
+                D] ("NHD"); D in 32, 64, 128; H / H_kv * T <= 16
+    v_cache:    the same shape and dtype
+    seq_lens:   [M] int: 0 or T .. capacity; query i of sequence m attends
+                positions 0 .. seq_lens[m] - T + i
+    slot_table: [M] int (pooled; default ``arange(M)``)
+    page_table: [M, max_pages] int (paged): position p is row p % P of page
+                page_table[m, p // P]; the entries of the first ceil(len / P)
+                pages must be in [0, num_pages)
+    t_q:        optional: T, checked against q
+    n_split:    KV chunks a sequence (default: sized to fill the GPU)
+    out, lse:   optional float32 buffers [M, T, H, D] / [M, T, H] (q's rank: [M, H,
+                D] / [M, H] for a 3-D q)
+    scale:      default 1 / sqrt(D)
+    stream:     numba stream; None synchronises before returning
+    warps, stages: the kernel's warps a block and ring stages a warp
+    defect:     None or a planted switch of ``DEFECTS`` (tests only)
+    Returns (out, lse): numpy when q is numpy, else device arrays; lse is -inf
+    and out zeros where a row attends nothing.
+    """
+    geo = check_inputs(q, k_cache, v_cache, seq_lens, slot_table, page_table, layout, t_q)
+    scale = checks.check_scale(scale, geo["D"])
+    check_defect(defect)
+    m_count, tq, n_heads, head_dim = geo["M"], geo["T"], geo["H"], geo["D"]
+    if n_split is not None:
+        checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
+    rank3 = len(q.shape) == 3
+    o_shape = (m_count, n_heads, head_dim) if rank3 else (m_count, tq, n_heads, head_dim)
+    s_shape = o_shape[:-1]
+    if m_count == 0:
+        return np.zeros(o_shape, np.float32), np.zeros(s_shape, np.float32)
+    max_len = int(geo["lens"].max())
+    pl = plan(m_count, n_heads, geo["H_kv"], head_dim, max_len, geo["kind"], t_q=tq,
+              n_split=n_split, warps=warps, stages=stages, paging=geo["paging"],
+              defect=defect)
+    d_q, d_k, d_v = (_stage(x, stream) for x in (q, k_cache, v_cache))
+    d_lens = to_device(geo["lens"], stream)
+    d_table = to_device(geo["table"], stream)
+    d_out = _output("out", out, o_shape, stream)
+    d_lse = _output("lse", lse, s_shape, stream)
+    d_pa, d_pm = fast.scratch(m_count, tq * n_heads, head_dim, pl["n_split"], stream)
+    launch(pl, d_q.reshape(m_count, tq, n_heads, head_dim), d_k, d_v, d_lens, d_table,
+           scale, d_out.reshape(m_count, tq, n_heads, head_dim),
+           d_lse.reshape(m_count, tq, n_heads), d_pa, d_pm, launch_stream(stream))
+    result = (d_out, d_lse)
+    if is_host_array(q):
+        result = (to_host(d_out, stream), to_host(d_lse, stream))
+    finish(stream)
+    return result

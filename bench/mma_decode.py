@@ -1,0 +1,228 @@
+"""Tensor-core decode (``attention.decode.mma``) against the product decode plan.
+
+    python3 -m bench.mma_decode [--reps 50] [--shape 32,32,8,128,4096] [--tune]
+
+A GPU is needed. For each cache dtype (fp16, bf16; q in the cache's dtype),
+cache (``pooled`` [B, H_kv, L, D] with slot m = sequence m; ``paged_hnd_p16``:
+the same rows in pages of 16 positions, ``[B * L / 16, H_kv, 16, D]``, in a
+shuffled order, page table [B, L / 16], ``bench.paged.page_layout``) and T_q
+(1 and 4, every sequence holding L positions), it times:
+
+* ``mma``: ``mma.launch`` of an ``mma.plan`` (device arrays, one launch, or
+  two with the split-KV combine);
+* ``fast``: ``attention.decode.plan.DecodePlan.run`` (the product path: the
+  CUDA-core kernel, ``t_q`` blocks a kv group for T_q > 1),
+
+with CUDA events, the median of ``--reps`` (>= 50) launches after 5 warm-up
+launches, the L2 flushed and the GPU held before each repeat so no host time
+is measured (``bench.gpu.Timer``). It prints microseconds, GB/s, the fraction
+of the device-to-device copy ceiling measured in the same run
+(``bench.gpu.copy_bandwidth``), the ratio fast / mma (above 1: mma is
+faster), the largest |mma - fast| over the outputs (the two differ by P's
+16-bit rounding: ~1e-3 fp16, ~1e-2 bf16) and the split counts, then the
+T_q 4 / T_q 1 time ratio of each kernel (the target: <= 1.2).
+
+Bytes counted a call: K and V of the attended positions read once
+(``2 * B * H_kv * L * D * 2``: the T_q queries and the GQA group's heads
+share the rows), q read (``B * T * H * D * 2``) and out written
+(``B * T * H * D * 4``); lse (``B * T * H * 4``) and the page table (4
+bytes a page, 1/1024 of a page's K and V at D 128) are left out.
+
+``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
+(fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
+a guess until this has run on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+DTYPES = ("float16", "bfloat16")
+CACHES = ("pooled", "paged_hnd_p16")
+T_QS = (1, 4)
+PAGE = 16
+
+
+def moved_bytes(b, h, kv, d, seq, t_q, itemsize):
+    """K + V of the attended positions, q and out (module docstring)."""
+    return 2 * b * kv * seq * d * itemsize + b * t_q * h * d * itemsize + b * t_q * h * d * 4
+
+
+def registers(kernel):
+    """Registers a thread of the compiled mma kernel (None where numba does not say)."""
+    try:
+        regs = kernel.get_regs_per_thread()
+        return max(regs.values()) if isinstance(regs, dict) else int(regs)
+    except Exception:  # older numba-cuda
+        return None
+
+
+class Case:
+    """One shape, dtype and cache on the device: K/V, lengths, tables."""
+
+    def __init__(self, shape, dname, cache, rng):
+        from numba import cuda
+
+        from bench.gpu import random_array
+        from bench.paged import page_layout
+        from bench.run import np_dtype
+
+        b, h, kv, d, seq = shape
+        self.shape, self.dname, self.cache = shape, dname, cache
+        self.dt = np_dtype(dname)
+        self.kind = "f16" if dname == "float16" else "bf16"
+        self.k = random_array((b, kv, seq, d), self.dt, 31)
+        self.v = random_array((b, kv, seq, d), self.dt, 32)
+        self.lens = cuda.to_device(np.full(b, seq, np.int32))
+        self.table = cuda.to_device(np.arange(b, dtype=np.int32))  # the slot table
+        self.paging = None
+        if cache == "paged_hnd_p16":
+            seed = int(rng.integers(1 << 30))
+            hosts = [x.view(np.uint16).copy_to_host().view(self.dt) for x in (self.k, self.v)]
+            kp, table = page_layout(hosts[0], PAGE, "HND", np.random.default_rng(seed))
+            vp, _ = page_layout(hosts[1], PAGE, "HND", np.random.default_rng(seed))
+            self.k, self.v = (cuda.to_device(x.view(np.uint16)).view(self.dt) for x in (kp, vp))
+            self.table = cuda.to_device(table)
+            self.paging = "HND"
+
+    def queries(self, t_q):
+        from bench.gpu import random_array
+
+        b, h, _, d, _ = self.shape
+        return random_array((b, t_q, h, d), self.dt, 33 + t_q)
+
+
+def time_mma(timer, case, q, t_q, reps, warps=None, stages=None):
+    """(ms, out host copy, plan) of the mma kernel on ``case``."""
+    from numba import cuda
+
+    from attention.decode import fast, mma
+
+    b, h, kv, d, seq = case.shape
+    pl = mma.plan(b, h, kv, d, seq, case.kind, t_q=t_q, paging=case.paging,
+                  warps=mma.WARPS if warps is None else warps,
+                  stages=mma.STAGES if stages is None else stages)
+    out = cuda.device_array((b, t_q, h, d), np.float32)
+    lse = cuda.device_array((b, t_q, h), np.float32)
+    pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
+    scale = 1.0 / math.sqrt(d)
+
+    def run():
+        mma.launch(pl, q, case.k, case.v, case.lens, case.table, scale, out, lse, pa, pm, 0)
+
+    ms = timer.time(run, reps=reps, warmup=5)
+    return ms, out.copy_to_host(), pl
+
+
+def time_fast(timer, case, q, t_q, reps):
+    """(ms, out host copy [B, T, H, D], plan) of ``DecodePlan.run`` on ``case``."""
+    from attention.decode.plan import DecodePlan
+
+    b, h, kv, d, seq = case.shape
+    kw = dict(cache_dtype=case.dt, q_dtype=case.dt, t_q=t_q)
+    if case.paging is None:
+        plan = DecodePlan(b, h, kv, d, b, seq, **kw)
+        table = {}
+    else:
+        plan = DecodePlan(b, h, kv, d, case.k.shape[0], seq, page_size=PAGE,
+                          layout=case.paging, **kw)
+        table = {"page_table": case.table}
+    qq = q if t_q > 1 else q.reshape(b, h, d)
+
+    def run():
+        plan.run(qq, case.k, case.v, case.lens, **table)
+
+    ms = timer.time(run, reps=reps, warmup=5)
+    plan.check()
+    return ms, plan.out.copy_to_host().reshape(b, t_q, h, d), plan
+
+
+def compare(timer, shape, reps, copy_gbps, log):
+    rng = np.random.default_rng(5)
+    times = {}
+    b, h, kv, d, seq = shape
+    for dname in DTYPES:
+        for cache in CACHES:
+            case = Case(shape, dname, cache, rng)
+            for t_q in T_QS:
+                q = case.queries(t_q)
+                nbytes = moved_bytes(b, h, kv, d, seq, t_q, case.dt.itemsize)
+                ms_m, out_m, pl = time_mma(timer, case, q, t_q, reps)
+                ms_f, out_f, fp = time_fast(timer, case, q, t_q, reps)
+                times[(dname, cache, t_q)] = (ms_m, ms_f)
+                gb_m, gb_f = (nbytes / (ms * 1e-3) / 1e9 for ms in (ms_m, ms_f))
+                diff = float(np.abs(out_m - out_f).max())
+                log(f"{cache:<14} {dname:<9} T_q={t_q}  mma {ms_m * 1e3:7.1f} us "
+                    f"{gb_m:7.1f} GB/s ({gb_m / copy_gbps:5.3f} of copy)  fast "
+                    f"{ms_f * 1e3:7.1f} us {gb_f:7.1f} GB/s  fast/mma x{ms_f / ms_m:5.2f}  "
+                    f"diff {diff:.1e}  splits mma {pl['n_split']} fast {fp.n_split}  "
+                    f"regs mma {registers(pl['kernel'])} fast {fp.registers}")
+            del case
+    log("")
+    log("T_q 4 / T_q 1 time (target <= 1.2):")
+    for dname in DTYPES:
+        for cache in CACHES:
+            m1, f1 = times[(dname, cache, 1)]
+            m4, f4 = times[(dname, cache, 4)]
+            log(f"  {cache:<14} {dname:<9} mma {m4 / m1:5.2f}   fast {f4 / f1:5.2f}")
+
+
+def tune(timer, shape, reps, log):
+    from attention.decode import mma
+
+    rng = np.random.default_rng(6)
+    case = Case(shape, "float16", "pooled", rng)
+    for t_q in T_QS:
+        q = case.queries(t_q)
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                smem = 4 * mma.smem_words(shape[3], warps, stages)
+                if smem > mma.SMEM_PER_SM:
+                    log(f"  T_q={t_q} warps {warps} stages {stages}: {smem // 1024} KB of shared "
+                        f"memory a block, more than an SM has: skipped")
+                    continue
+                try:
+                    ms, _, pl = time_mma(timer, case, q, t_q, reps, warps, stages)
+                except Exception as exc:  # too much shared memory for a block, say
+                    log(f"  T_q={t_q} warps {warps} stages {stages}: {type(exc).__name__}: "
+                        f"{str(exc)[:80]}")
+                    continue
+                log(f"  T_q={t_q} warps {warps} stages {stages}: {ms * 1e3:7.1f} us  "
+                    f"splits {pl['n_split']}  smem {pl['dyn_smem'] // 1024} KB  "
+                    f"regs {registers(pl['kernel'])}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=50, help="timed launches (median; >= 50)")
+    parser.add_argument("--shape", default="32,32,8,128,4096", help="B,H,H_kv,D,L")
+    parser.add_argument("--tune", action="store_true", help="also sweep warps x stages")
+    args = parser.parse_args(argv)
+    from attention.core.device import device_name, gpu_available
+
+    if not gpu_available():
+        print("bench.mma_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from bench.gpu import Timer, copy_bandwidth
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    reps = max(50, args.reps)
+    timer = Timer()
+    copy_gbps, _ = copy_bandwidth(timer, 1 << 30)
+    b, h, kv, d, seq = shape
+    print(f"device {device_name()}; B {b} H {h} H_kv {kv} D {d} L {seq}; median of {reps} "
+          f"launches; copy ceiling {copy_gbps:.0f} GB/s")
+    compare(timer, shape, reps, copy_gbps, print)
+    if args.tune:
+        print("")
+        print("mma warps x stages (fp16, pooled):")
+        tune(timer, shape, reps, print)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
