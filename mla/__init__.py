@@ -8,7 +8,8 @@ path and its ``Workspace``), ``cache`` (the per-layer latent cache),
 ``plan_method``: the path and chunking an entry point takes), ``paged`` (the
 paged latent cache: its checks, row gather and ``paged_append_latent``;
 ``mla_decode`` and ``MLADecodeGraph`` read it with ``page_table=``), ``decode_graph``
-(``MLADecodeGraph``: batched decode captured as a CUDA graph) and
+(``MLADecodeGraph``: batched decode captured as a CUDA graph; both take
+``s_q`` new queries a sequence, q ``[B, s_q, nh, .]``: multi-token decode) and
 ``micro_model`` (a tiny MLA transformer on these kernels).
 
 The public names below are importable from ``mla`` directly. They are loaded

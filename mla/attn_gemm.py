@@ -32,11 +32,26 @@ first launch gathers each query's visible rows into a contiguous scratch
 (``Workspace.rows``; ``workspace_bytes``' ``row_bytes``). Same GEMMs, same
 sums: the bits of a contiguous cache holding the same rows.
 
+Multi-token decode (``prepare``'s ``s_q``; ``mla.pipeline.mla_decode`` with q
+``[B, s_q, nh, .]``): the ``B * s_q`` queries are absorbed and decompressed as
+above, and the score and P.V GEMMs batch over the B sequences with the ``s_q *
+nh`` (query, head) rows of a sequence as their M side: the sequence's latent
+rows are staged once for all its queries, and 128 heads at s_q 2 fill the
+tensor-core tiles twice over. The score GEMM runs to the sequence's length for
+every row; the softmax (compiled for ``s_q``) gives query i its causal end
+``len - (s_q - 1 - i)`` and writes zeros past it, so the P.V GEMM over the
+sequence's length adds exact zeros for those positions: each query's output
+and LSE are those of a one-query decode over its prefix, bit for bit, where
+both run the same GEMM kernel (``tgemm.usable`` counts the GEMM's rows:
+``s_q * nh`` here, ``nh`` for one query). ``s_q = 1`` builds and launches
+exactly the kernels above.
+
 Planted defects (falsification suite only): ``w_uk_transposed`` (W_UK's
 ``[d_nope, r]`` plane read as ``[r, d_nope]``), ``causal_offset_off_by_one``
 (one row past the causal bound), ``k_pe_ignored`` (the score GEMM stops at
 ``r``). ``stuck_rescale`` has no counterpart: this path keeps no running
-softmax state.
+softmax state. With s_q > 1: ``mla_causal_off_by_one`` (``kernels.MULTI_DEFECTS``;
+the softmax gives query i one position past its end).
 
 Planted kernel switches (``defect=``, compile-time, none in a production
 build): the gross ``GROSS_DEFECTS`` (``tgemm.GROSS_DEFECTS``,
@@ -78,6 +93,7 @@ from attention.core.rounding import chop_exp, round_bf16, round_fp16
 from attention.core.warp import block_max, block_sum, warp_max, warp_sum
 
 from . import paged as PG
+from .kernels import MULTI_DEFECTS
 
 GEMM_DEFECTS = ("w_uk_transposed", "causal_offset_off_by_one", "k_pe_ignored")
 SOFTMAX_MUTANTS = ("p_fp16", "p_bf16", "exp_approx", "scale_fp16")
@@ -110,7 +126,9 @@ def workspace_bytes(n_q, n_head, width, max_visible, row_bytes=0):
     (its extent padded to ``QC_PAD_WORDS``) and S [Q, nh, ``s_columns``]
     float32; with ``row_bytes`` (a paged cache read through the row gather,
     ``paged_gathers``: bytes of one latent row) also the gathered rows [Q,
-    max_visible, W]."""
+    max_visible, W]. Multi-token decode (``prepare``'s ``s_q``): pass the
+    sequences as ``n_q`` and ``s_q * nh`` as ``n_head`` (rows are gathered
+    once a sequence)."""
     n_qc = -(-int(n_q) * n_head * width // QC_PAD_WORDS) * QC_PAD_WORDS
     rows = int(n_q) * max(int(max_visible), 1) * int(row_bytes)
     return 4 * (n_qc + int(n_q) * n_head * s_columns(max_visible)) + rows
@@ -218,8 +236,17 @@ def _check_switch(defect, allowed):
         raise ValueError(f"defect: expected one of {allowed} or None, got {defect!r}")
 
 
+def _softmax_switch(defect, s_q):
+    """Check a softmax kernel's switch: ``SOFTMAX_SWITCHES``, and with ``s_q``
+    > 1 also ``MULTI_DEFECTS``; returns (S_Q, MULTI, LEAK_Q) for the factory."""
+    _check_switch(defect, SOFTMAX_SWITCHES + (MULTI_DEFECTS if int(s_q) > 1 else ()))
+    if int(s_q) < 1:
+        raise ValueError(f"s_q: expected queries a sequence >= 1, got {s_q}")
+    return int(s_q), int(s_q) > 1, 1 if defect in MULTI_DEFECTS else 0
+
+
 @functools.lru_cache(maxsize=None)
-def softmax_rows_kernel(defect=None):
+def softmax_rows_kernel(defect=None, s_q=1):
     """In-place softmax of each score row over its visible positions.
 
     s:   [Q, nh, Lw] float32: scaled scores in, probabilities out (entries
@@ -230,8 +257,16 @@ def softmax_rows_kernel(defect=None):
     ``4 x + w``. The sum of exponentials is Kahan-compensated per lane (up to
     L / 32 positive terms) before the warp's butterfly. ``defect``: one of
     ``SOFTMAX_SWITCHES`` compiled in (module docstring), or None.
+
+    ``s_q`` > 1 (compile-time; 1 builds the kernel above unchanged):
+    multi-token decode. ``s`` [B * s_q, nh, Lw] holds s_q queries a
+    sequence and ``vis`` [B] is per sequence: query ``i = q % s_q`` of
+    sequence ``q // s_q`` takes positions ``< vis - (s_q - 1 - i)`` and
+    writes zeros at its positions up to ``vis`` (the P.V GEMM's K runs to
+    the sequence's ``vis`` for all its rows). ``defect``
+    "mla_causal_off_by_one" (``MULTI_DEFECTS``): one position more.
     """
-    _check_switch(defect, SOFTMAX_SWITCHES)
+    S_Q, MULTI, LEAK_Q = _softmax_switch(defect, s_q)
     P_FP16, P_BF16 = defect == "p_fp16", defect == "p_bf16"
     EXP_APPROX, SCALE_FP16 = defect == "exp_approx", defect == "scale_fp16"
     NOT_NORMALISED = defect == "softmax_not_normalised"
@@ -242,7 +277,13 @@ def softmax_rows_kernel(defect=None):
         lane = cuda.threadIdx.x % WARP
         if head >= s.shape[1]:
             return  # a whole warp: the collectives below are per warp
-        n = vis[q]
+        if MULTI:
+            end = vis[q // S_Q]
+            n = min(end, max(end - (S_Q - 1 - q % S_Q) + LEAK_Q, 0))
+            for t in range(n + lane, end, WARP):
+                s[q, head, t] = float32(0.0)  # past this query's end: no weight
+        else:
+            n = vis[q]
         m = float32(-math.inf)
         for t in range(lane, n, WARP):
             v = s[q, head, t]
@@ -285,8 +326,8 @@ def softmax_rows_kernel(defect=None):
         if lane == 0:
             lse[q, head] = m + math.log(total) if n > 0 else float32(-math.inf)
 
-    kernel.__name__ = kernel.__qualname__ = "mla_softmax_rows" + (f"_{defect}" if defect
-                                                                   else "")
+    kernel.__name__ = kernel.__qualname__ = "mla_softmax_rows" + (
+        f"_sq{S_Q}" if MULTI else "") + (f"_{defect}" if defect else "")
     # no fastmath: it would fold the Kahan compensation away and assume no -inf
     return jit(kernel, fastmath=False)
 
@@ -308,7 +349,7 @@ def resident_vals(width, threads=RESIDENT_THREADS):
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
+def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS, s_q=1):
     """In-place softmax of each score row, the row held in registers.
 
     Same arguments and results as ``softmax_rows_kernel`` (s [Q, nh, Lw],
@@ -320,9 +361,11 @@ def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
     ``attention.core.warp.block_max`` / ``block_sum`` (warp butterflies, then the
     warps' values in warp order). Each thread's sum of its ``vals``
     exponentials is Kahan-compensated. ``defect``: one of ``SOFTMAX_SWITCHES``
-    compiled in (module docstring), or None.
+    compiled in (module docstring), or None. ``s_q`` > 1: multi-token decode,
+    as ``softmax_rows_kernel``'s (``s`` [B * s_q, nh, Lw], ``vis`` [B]; zeros
+    written past each query's end up to its sequence's ``vis``).
     """
-    _check_switch(defect, SOFTMAX_SWITCHES)
+    S_Q, MULTI, LEAK_Q = _softmax_switch(defect, s_q)
     if threads % WARP:
         raise ValueError(f"threads: expected a multiple of {WARP}, got {threads}")
     P_FP16, P_BF16 = defect == "p_fp16", defect == "p_bf16"
@@ -335,7 +378,13 @@ def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
         head = cuda.blockIdx.x
         q = cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        n = vis[q]
+        if MULTI:
+            end = vis[q // S_Q]
+            n = min(end, max(end - (S_Q - 1 - q % S_Q) + LEAK_Q, 0))
+            for t in range(n + tid, end, THREADS):
+                s[q, head, t] = float32(0.0)  # past this query's end: no weight
+        else:
+            n = vis[q]
         x = cuda.local.array(VALS, float32)
         red = cuda.shared.array(NW, float32)
         m = float32(-math.inf)
@@ -379,7 +428,7 @@ def softmax_resident_kernel(vals, defect=None, threads=RESIDENT_THREADS):
 
     kernel.__name__ = kernel.__qualname__ = (
         f"mla_softmax_resident_{VALS}" + (f"_t{THREADS}" if THREADS != RESIDENT_THREADS else "")
-        + (f"_{defect}" if defect else ""))
+        + (f"_sq{S_Q}" if MULTI else "") + (f"_{defect}" if defect else ""))
     # no fastmath: it would fold the Kahan compensation away and assume no -inf
     return jit(kernel, fastmath=False)
 
@@ -408,6 +457,8 @@ def mutant_applies(defect, method):
 def _kernel_switches(defect, tensor):
     """{kernel: its switch or None} for ``tgemm``, ``sgemm``, ``softmax`` and
     ``q_bf16`` (a bool), routed as ``mutant_applies`` (``tensor``: "gemm")."""
+    if defect in MULTI_DEFECTS:  # multi-token decode's: the softmax's per-row end
+        return {"tgemm": None, "sgemm": None, "softmax": defect, "q_bf16": False}
     method = "gemm" if tensor else "gemm_fma"
     known = defect is not None and defect in KERNEL_SWITCHES
     on = known and mutant_applies(defect, method)
@@ -426,7 +477,8 @@ def visible_rows(lens, tails, defect=None):
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
             w_uk_layout, stream, defect=None, workspace=None, d_vis=None, tensor=True,
-            max_vis=None, out=None, o_lat=None, lse=None, page_table=None, page_defect=None):
+            max_vis=None, out=None, o_lat=None, lse=None, page_table=None, page_defect=None,
+            s_q=1):
     """Allocate and fill everything the five launches read (validated by the caller).
 
     d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] (anything if d_rope = 0),
@@ -459,14 +511,31 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     ``0..Q-1``. Either way the GEMMs, their tiling and their sums are those
     of a contiguous cache holding the same rows: the same bits.
     ``page_defect``: ``paged.READ_DEFECTS`` or None.
+
+    Multi-token decode (``s_q`` > 1): the ``Q = B * s_q`` queries are s_q
+    consecutive queries of each of B sequences (d_q_nope [B * s_q, nh,
+    d_nope], out [B * s_q, nh, d_v], ...), and ``slots``, ``vis``, ``d_vis``
+    and ``page_table`` are per sequence ([B]; ``vis``: the sequence's length,
+    which its last query attends). The absorb and decompress GEMMs run over
+    the Q queries; the score and P.V GEMMs over the B sequences, the ``s_q *
+    nh`` (query, head) rows of a sequence being the M side of one GEMM over
+    its ``vis`` latent rows (read once a sequence, not once a query); the
+    softmax (``s_q``) gives query i its own end ``vis - (s_q - 1 - i)`` and
+    zeros past it. ``defect`` may then also be "mla_causal_off_by_one"
+    (``MULTI_DEFECTS``, in the softmax).
     """
-    _check_switch(defect, GEMM_DEFECTS + KERNEL_SWITCHES)
+    s_q = int(s_q)
+    _check_switch(defect, GEMM_DEFECTS + KERNEL_SWITCHES + (MULTI_DEFECTS if s_q > 1 else ()))
     _check_switch(page_defect, PG.READ_DEFECTS)
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
+    if s_q < 1 or n_q % s_q:
+        raise ValueError(f"s_q: expected a divisor of the {n_q} queries, got {s_q}")
+    n_seq = n_q // s_q
     width = int(d_latent.shape[2])
     rank = width - d_rope
     d_v = int(d_w_uv.shape[1])
-    p = {"n_q": n_q, "nh": nh, "rank": rank, "d_rope": d_rope, "d_v": d_v, "scale": scale,
+    p = {"n_q": n_q, "n_seq": n_seq, "s_q": s_q, "nh": nh, "rank": rank, "d_rope": d_rope,
+         "d_v": d_v, "scale": scale,
          "out": out if out is not None else device_empty((n_q, nh, d_v), np.float32, stream),
          "o_lat": (o_lat if o_lat is not None
                    else device_empty((n_q, nh, rank), np.float32, stream)),
@@ -481,16 +550,18 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         raise ValueError(f"max_vis: expected at least vis.max()={vis_max}, got {max_vis}")
     max_vis = int(max_vis)
     k_score = rank if defect == "k_pe_ignored" else width
-    if page_table is not None:  # gathered rows are read as slots 0..Q-1
-        slots = np.arange(n_q)
+    if page_table is not None:  # gathered rows are read as slots 0..B-1
+        slots = np.arange(n_seq)
+    # per sequence (the attention GEMMs' batch; a query each when s_q = 1)
     per_head = (np.arange(nh), np.full(nh, rank), np.full(nh, d_nope), np.full(nh, d_v))
-    per_query = (np.asarray(slots), np.asarray(vis), np.full(n_q, k_score), np.full(n_q, rank))
-    table = to_device(np.concatenate(per_head + per_query).astype(np.int32), stream)
+    per_seq = (np.asarray(slots), np.asarray(vis), np.full(n_seq, k_score),
+               np.full(n_seq, rank))
+    table = to_device(np.concatenate(per_head + per_seq).astype(np.int32), stream)
     p["heads"], p["h_rank"], p["h_nope"], p["h_dv"] = (table[i * nh:(i + 1) * nh]
                                                        for i in range(4))
     q0 = 4 * nh
-    p["slots"], p["vis"], p["q_score"], p["q_rank"] = (table[q0 + i * n_q:q0 + (i + 1) * n_q]
-                                                       for i in range(4))
+    p["slots"], p["vis"], p["q_score"], p["q_rank"] = (
+        table[q0 + i * n_seq:q0 + (i + 1) * n_seq] for i in range(4))
     if d_vis is not None:
         p["vis"] = d_vis
     p["table"] = table  # keeps the slices' memory alive with the dict
@@ -502,6 +573,12 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     # S rows padded to 4 words: 16-byte aligned rows for tgemm's copies
     p["qc"], p["s"] = (workspace or Workspace()).views(
         (n_q, nh, width), (n_q, nh, s_columns(max_vis)), stream)
+    # the attention GEMMs' operands: a sequence's s_q * nh rows (the same arrays at s_q = 1)
+    p["qc_rows"], p["s_rows"], p["o_lat_rows"] = p["qc"], p["s"], p["o_lat"]
+    if s_q > 1:
+        p["qc_rows"] = p["qc"].reshape((n_seq, s_q * nh, width))
+        p["s_rows"] = p["s"].reshape((n_seq, s_q * nh, s_columns(max_vis)))
+        p["o_lat_rows"] = p["o_lat"].reshape((n_seq, s_q * nh, rank))
     w_uk, b_order = d_w_uk, ("zkn" if w_uk_layout == "mla" else "znk")
     if defect == "w_uk_transposed":  # the same words, read as the other layout
         flipped = (nh, rank, d_nope) if w_uk_layout == "mla" else (nh, d_nope, rank)
@@ -511,12 +588,12 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     if page_table is not None:
         p.update(pages=d_latent, page_table=page_table, page_size=int(d_latent.shape[1]),
                  page_defect=page_defect)
-        if (p["tensor"] and tgemm.usable(p["qc"], d_latent, a_order="zmk", b_order="znk")
-                and tgemm.usable(p["s"], d_latent, a_order="zmk", b_order="zkn")):
+        if (p["tensor"] and tgemm.usable(p["qc_rows"], d_latent, a_order="zmk", b_order="znk")
+                and tgemm.usable(p["s_rows"], d_latent, a_order="zmk", b_order="zkn")):
             p["paging"] = "tgemm"  # the tensor-core GEMMs read the pages themselves
         else:
             p["paging"] = "gather"
-            p["latent"] = (workspace or Workspace()).rows((n_q, max(max_vis, 1), width),
+            p["latent"] = (workspace or Workspace()).rows((n_seq, max(max_vis, 1), width),
                                                          np.dtype(d_latent.dtype), stream)
     return p
 
@@ -529,12 +606,15 @@ def launch_softmax(p, stream, defect=None, threads=RESIDENT_THREADS):
     (default ``RESIDENT_THREADS``; 256, the GPU's, runs on the simulator too)."""
     n_q, nh = p["n_q"], p["nh"]
     vals = resident_vals(int(p["s"].shape[2]), threads)
+    s_q = p.get("s_q", 1)
     if vals is not None:
-        softmax_resident_kernel(vals, defect, threads)[(nh, n_q), threads, stream](
-            p["s"], p["vis"], p["lse"])
+        kernel = (softmax_resident_kernel(vals, defect, threads, s_q) if s_q > 1
+                  else softmax_resident_kernel(vals, defect, threads))
+        kernel[(nh, n_q), threads, stream](p["s"], p["vis"], p["lse"])
     else:
-        softmax_rows_kernel(defect)[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q),
-                                    ROWS_PER_BLOCK * WARP, stream](p["s"], p["vis"], p["lse"])
+        kernel = softmax_rows_kernel(defect, s_q) if s_q > 1 else softmax_rows_kernel(defect)
+        kernel[((nh + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, n_q), ROWS_PER_BLOCK * WARP,
+               stream](p["s"], p["vis"], p["lse"])
 
 
 def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
@@ -545,7 +625,7 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
     GEMM kernel is built with), or None."""
     if p.get("paging") == "tgemm":  # b: the pages; slots: the page table
         tgemm.launch(a, p["pages"], c, p["page_table"], n_ext, k_ext, alpha, a_order="zmk",
-                     b_order=b_order, c_order="zmn", max_n=max_n, n_batch=p["n_q"],
+                     b_order=b_order, c_order="zmn", max_n=max_n, n_batch=p["n_seq"],
                      stream=stream, ready=p["smem_ready"],
                      defect=(switches or {}).get("tgemm"), page_size=p["page_size"],
                      page_defect=p["page_defect"])
@@ -554,7 +634,7 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
     if p["tensor"] and tgemm.usable(a, b, a_order="zmk", b_order=b_order):
         gemm, defect = tgemm, (switches or {}).get("tgemm")
     gemm.launch(a, b, c, p["slots"], n_ext, k_ext, alpha, a_order="zmk", b_order=b_order,
-                c_order="zmn", max_n=max_n, n_batch=p["n_q"], stream=stream,
+                c_order="zmn", max_n=max_n, n_batch=p["n_seq"], stream=stream,
                 ready=p["smem_ready"], defect=defect)
 
 
@@ -581,14 +661,14 @@ def launch_prepared(p, stream):
         round_bf16_kernel[min((total + 255) // 256, 1024), 256, stream](p["qc"])
 
     # -- 2. scores over each query's visible rows --
-    _attention_gemm(p, p["qc"], p["latent"], p["s"], p["vis"], p["q_score"], p["scale"],
-                    b_order="znk", max_n=p["max_vis"], stream=stream, switches=sw)
+    _attention_gemm(p, p["qc_rows"], p["latent"], p["s_rows"], p["vis"], p["q_score"],
+                    p["scale"], b_order="znk", max_n=p["max_vis"], stream=stream, switches=sw)
 
     # -- 3. softmax rows in place, LSE --
     launch_softmax(p, stream, sw["softmax"])
 
     # -- 4. P . c_kv: every query's r latent columns (K = its visible rows) --
-    _attention_gemm(p, p["s"], p["latent"], p["o_lat"], p["q_rank"], p["vis"], 1.0,
+    _attention_gemm(p, p["s_rows"], p["latent"], p["o_lat_rows"], p["q_rank"], p["vis"], 1.0,
                     b_order="zkn", max_n=rank, stream=stream, switches=sw)
 
     # -- 5. decompress through W_UV (batch over heads) --
@@ -609,7 +689,7 @@ def chunk_bounds(n_q, chunk=None):
 
 def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
                    w_uk_layout, stream, chunk=None, defect=None, workspace=None, d_vis=None,
-                   tensor=True, max_vis=None, page_table=None, page_defect=None):
+                   tensor=True, max_vis=None, page_table=None, page_defect=None, s_q=1):
     """``prepare`` for each chunk of at most ``chunk`` consecutive queries
     (``chunk_bounds``; arguments as ``prepare``, ``slots`` / ``vis`` / ``d_vis``
     for all ``Q`` queries).
@@ -625,14 +705,19 @@ def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale
     scratch). ``page_table`` [Q, max_pages] (a paged cache, ``prepare``): each
     chunk reads its rows of it. Returns (list of ``prepare`` dicts, out,
     o_lat, lse).
+
+    ``s_q`` > 1 (``prepare``'s multi-token decode): ``slots``, ``vis``,
+    ``d_vis`` and ``page_table`` are per sequence and ``chunk`` counts
+    sequences (each with its s_q queries).
     """
     n_q, nh = int(d_q_nope.shape[0]), int(d_q_nope.shape[1])
-    bounds = chunk_bounds(n_q, chunk)
+    s_q = int(s_q)
+    bounds = chunk_bounds(n_q // max(s_q, 1), chunk)
     if len(bounds) == 1:
         p = prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale,
                     d_rope=d_rope, w_uk_layout=w_uk_layout, stream=stream, defect=defect,
                     workspace=workspace, d_vis=d_vis, tensor=tensor, max_vis=max_vis,
-                    page_table=page_table, page_defect=page_defect)
+                    page_table=page_table, page_defect=page_defect, s_q=s_q)
         return [p], p["out"], p["o_lat"], p["lse"]
     slots, vis = np.asarray(slots), np.asarray(vis)
     if max_vis is None:
@@ -643,15 +728,16 @@ def prepare_chunks(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale
     lse = device_empty((n_q, nh), np.float32, stream)
     workspace = workspace or Workspace()
     plans = []
-    for q0, q1 in bounds:
+    for b0, b1 in bounds:  # sequences b0..b1-1: queries q0..q1-1
+        q0, q1 = b0 * s_q, b1 * s_q
         plans.append(prepare(
             d_q_nope[q0:q1], d_q_pe[q0:q1] if d_rope else d_q_pe, d_w_uk, d_w_uv, d_latent,
-            slots[q0:q1], vis[q0:q1], scale, d_rope=d_rope, w_uk_layout=w_uk_layout,
+            slots[b0:b1], vis[b0:b1], scale, d_rope=d_rope, w_uk_layout=w_uk_layout,
             stream=stream, defect=defect, workspace=workspace,
-            d_vis=None if d_vis is None else d_vis[q0:q1], tensor=tensor, max_vis=max_vis,
+            d_vis=None if d_vis is None else d_vis[b0:b1], tensor=tensor, max_vis=max_vis,
             out=out[q0:q1], o_lat=o_lat[q0:q1], lse=lse[q0:q1],
-            page_table=None if page_table is None else page_table[q0:q1],
-            page_defect=page_defect))
+            page_table=None if page_table is None else page_table[b0:b1],
+            page_defect=page_defect, s_q=s_q))
         plans[-1]["smem_ready"] = plans[0]["smem_ready"]  # one record for every chunk
     return plans, out, o_lat, lse
 
@@ -664,14 +750,15 @@ def launch_chunks(plans, stream):
 
 def enqueue(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
             w_uk_layout, stream, defect=None, workspace=None, tensor=True, chunk=None,
-            d_vis=None, page_table=None, page_defect=None):
+            d_vis=None, page_table=None, page_defect=None, s_q=1):
     """``prepare_chunks`` then ``launch_chunks`` on ``stream`` (arguments as
-    ``prepare``; ``chunk``: queries per launch set, None for one set).
+    ``prepare``; ``chunk``: queries per launch set, None for one set; with
+    ``s_q`` > 1: sequences of s_q queries).
     Returns (out [Q, nh, d_v], o_lat [Q, nh, r], lse [Q, nh]) device float32."""
     plans, out, o_lat, lse = prepare_chunks(
         d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, d_rope=d_rope,
         w_uk_layout=w_uk_layout, stream=stream, chunk=chunk, defect=defect,
         workspace=workspace, tensor=tensor, d_vis=d_vis, page_table=page_table,
-        page_defect=page_defect)
+        page_defect=page_defect, s_q=s_q)
     launch_chunks(plans, launch_stream(stream))
     return out, o_lat, lse

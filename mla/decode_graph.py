@@ -10,16 +10,20 @@ cache's full capacity, and captures the launches of the GEMM path
 replays it: one driver call, whatever the lengths.
 
 Buffers (device arrays, used in place: fill them between runs):
-    q_nope        [B, nh, d_nope]        float32
-    q_pe          [B, nh, d_rope]        float32 (rotated)
+    q_nope        [B, nh, d_nope]        float32, or [B, s_q, nh, d_nope]
+                  (multi-token decode, 1 <= s_q <= 16: ``mla_decode``'s rule)
+    q_pe          [B, nh, d_rope]        float32 (rotated), or [B, s_q, nh, d_rope]
     latent_cache  [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe]
     lengths       [B] int32: rows 0..lengths[b]-1 of sequence b are attended
-    out           [B, nh, d_v] float32, lse [B, nh] float32 (written by a run)
+                  (multi-token: query i attends rows 0..lengths[b] - s_q + i)
+    out           [B, nh, d_v] float32, lse [B, nh] float32 (written by a run;
+                  multi-token [B, s_q, nh, d_v] and [B, s_q, nh])
 w_uk [nh, d_nope, r] (or the checkpoint layout) and w_uv [nh, d_v, r] float32
 are read in place too.
 
 ``lengths`` is read on the device at each run. A first kernel copies it into
-the launches' own table after checking ``0 <= lengths[b] <= max_seq``; an
+the launches' own table after checking ``0 <= lengths[b] <= max_seq`` (and,
+with s_q > 1 new queries a sequence, that a length is 0 or at least s_q); an
 entry out of range attends nothing (its output row is zeros, its LSE -inf)
 and raises a flag that ``check()`` (and ``run(sync=True)``) turns into a
 ``RangeError`` naming ``lengths``: nothing is clamped, and no kernel reads past
@@ -64,16 +68,19 @@ from attention.core.graph import CapturedLaunches
 from . import attn_gemm as G
 from . import kernels as K
 from . import paged as PG
-from .pipeline import _check_q, plan_method
+from .pipeline import _check_q, check_multi_lengths, plan_method, split_queries
 
 
 @functools.lru_cache(maxsize=None)
-def lengths_check_kernel():
+def lengths_check_kernel(s_q=1):
     """``vis[b] = lengths[b]`` when ``0 <= lengths[b] <= max_seq``, else
     ``vis[b] = 0`` and ``flag[0] = 1``. Grid ceil(B / 128), block 128.
 
     lengths [B] int32, vis [B] int32 (out), max_seq int32, flag [1] int32.
+    ``s_q`` > 1 (multi-token decode, compile-time; 1 builds the kernel above
+    unchanged): a length in ``1 .. s_q - 1`` is out of range too.
     """
+    S_Q = int(s_q)
 
     def kernel(lengths, vis, max_seq, flag):
         b = cuda.grid(1)
@@ -85,14 +92,30 @@ def lengths_check_kernel():
             else:
                 vis[b] = n
 
-    kernel.__name__ = kernel.__qualname__ = "mla_lengths_check"
+    def kernel_multi(lengths, vis, max_seq, flag):
+        b = cuda.grid(1)
+        if b < lengths.shape[0]:
+            n = lengths[b]
+            if n < 0 or n > max_seq or (n > 0 and n < S_Q):
+                vis[b] = 0
+                flag[0] = 1
+            else:
+                vis[b] = n
+
+    if S_Q > 1:
+        kernel = kernel_multi
+        kernel.__name__ = kernel.__qualname__ = f"mla_lengths_check_sq{S_Q}"
+    else:
+        kernel.__name__ = kernel.__qualname__ = "mla_lengths_check"
     return jit(kernel)
 
 
 class MLADecodeGraph:
     """Batched absorbed MLA decode over a pooled latent cache, captured once.
 
-    q_nope [B, nh, d_nope] float32, q_pe [B, nh, d_rope] float32,
+    q_nope [B, nh, d_nope] float32, q_pe [B, nh, d_rope] float32 (multi-token:
+    [B, s_q, nh, .], 1 <= s_q <= 16; ``q_nope`` / ``q_pe`` are then those
+    device buffers and ``d_q_nope`` / ``d_q_pe`` their [B * s_q, nh, .] views),
     latent_cache [B, max_seq, r + d_rope] float32 / float16, lengths [B] ints
     (a device int32 array is read in place at every run; numpy is copied once),
     page_table None, or [B, max_pages] int32 (then latent_cache is the paged
@@ -101,7 +124,8 @@ class MLADecodeGraph:
     used entries are checked here for the lengths given),
     w_uk [nh, d_nope, r] (``w_uk_layout="checkpoint"``: [nh, r, d_nope]),
     w_uv [nh, d_v, r] float32; scale default 1/sqrt(d_nope + d_rope).
-    Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32).
+    Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32;
+    multi-token [B, s_q, nh, d_v] and [B, s_q, nh]), ``s_q``.
     ``tensor=False``: fp32 FMA GEMMs only (``mla.attn_gemm.prepare``).
     ``graph=False`` never builds a graph (``run`` then launches plainly);
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
@@ -116,8 +140,12 @@ class MLADecodeGraph:
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
                  w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None,
                  page_table=None):
-        n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
-                                                      "B")
+        q4 = (q_nope, q_pe)  # the buffers as given (multi-token: [B, s_q, nh, .])
+        s_q, q_nope, q_pe, multi = split_queries(q_nope, q_pe)
+        n_rows, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv,
+                                                         w_uk_layout, "B")
+        n_b = n_rows // s_q
+        self.s_q, self.multi = s_q, multi
         if n_b == 0:
             raise checks.ShapeError("q_nope: expected at least one sequence [B>=1, nh, d_nope]")
         self.paged = page_table is not None
@@ -135,18 +163,27 @@ class MLADecodeGraph:
             max_pages = PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
             max_seq = max_pages * page_size  # the capacity
             self.page_geometry = (n_pages, page_size, max_pages)
+        check_multi_lengths(lens, s_q)
         host_lengths = is_host_array(lengths) or isinstance(lengths, (list, tuple))
         if not host_lengths:
             checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
         self.scale = checks.check_scale(scale, d_nope + d_rope)
         row_bytes = 0
-        if self.paged and G.paged_gathers(tensor, nh, latent_cache):
+        if self.paged and G.paged_gathers(tensor, nh * s_q, latent_cache):
             row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
         # every query may see max_seq rows: the scratch is planned for that
         self.plan = plan_method("gemm" if tensor else "gemm_fma", n_b, nh, rank + d_rope,
-                                max_seq, limit=workspace_limit, row_bytes=row_bytes)
+                                max_seq, limit=workspace_limit, row_bytes=row_bytes, s_q=s_q)
         self.shape = (n_b, nh, d_nope, d_rope, rank, d_v, max_seq)
-        self.d_q_nope, self.d_q_pe = to_device(q_nope), to_device(q_pe)
+        if multi:  # the [B, s_q, nh, .] buffers on the device; the launches read row views
+            self.q_nope, self.q_pe = to_device(q4[0]), to_device(q4[1])
+            self.d_q_nope = self.q_nope.reshape(tuple(int(x) for x in q_nope.shape))
+            self.d_q_pe = self.q_pe.reshape(tuple(int(x) for x in q_pe.shape))
+        else:
+            self.d_q_nope, self.d_q_pe = to_device(q_nope), to_device(q_pe)
+            self.q_nope, self.q_pe = self.d_q_nope, self.d_q_pe
+        # q_nope / q_pe: the query buffers as given ([B, s_q, nh, .] or [B, nh, .]);
+        # d_q_nope / d_q_pe: the same memory as rows [B * s_q, nh, .]
         self.d_latent = to_device(latent_cache)
         self.d_w_uk, self.d_w_uv = to_device(w_uk), to_device(w_uv)
         self.lengths = to_device(lens) if host_lengths else to_device(lengths)
@@ -161,7 +198,10 @@ class MLADecodeGraph:
             np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
             w_uk_layout=w_uk_layout, stream=None, chunk=self.plan.chunk,
             workspace=self.workspace, d_vis=self._vis, tensor=tensor,
-            page_table=self.page_table)
+            page_table=self.page_table, s_q=s_q)
+        if multi:  # [B, s_q, nh, .] views of the rows
+            self.out = self.out.reshape((n_b, s_q, nh, d_v))
+            self.lse = self.lse.reshape((n_b, s_q, nh))
         self._graph = CapturedLaunches(self.enqueue, lambda: self.enqueue(0), enabled=graph,
                                        owner="MLADecodeGraph",
                                        plain_call="run_plain()'s launches at every run()")
@@ -174,9 +214,10 @@ class MLADecodeGraph:
         if self.paged:
             n_pages, page_size, _ = self.page_geometry
             PG.launch_page_check(self.lengths, self.page_table, page_size, n_pages, self._vis,
-                                 self._flag, stream)
+                                 self._flag, stream, s_q=self.s_q)
         else:
-            lengths_check_kernel()[(n_b + 127) // 128, 128, stream](
+            kernel = lengths_check_kernel(self.s_q) if self.s_q > 1 else lengths_check_kernel()
+            kernel[(n_b + 127) // 128, 128, stream](
                 self.lengths, self._vis, np.int32(max_seq), self._flag)
         G.launch_chunks(self._ps, stream)
 
@@ -214,7 +255,14 @@ class MLADecodeGraph:
         if word:
             self._flag.copy_to_device(np.zeros(1, np.int32))
             if self.paged:
-                raise PG.page_error(word, host_ints(self.lengths).tolist(), self.shape[6])
+                raise PG.page_error(word, host_ints(self.lengths).tolist(), self.shape[6],
+                                    s_q=self.s_q)
+            if self.s_q > 1:
+                raise checks.RangeError(
+                    f"lengths: expected lengths 0 or in [s_q={self.s_q}, max_seq="
+                    f"{self.shape[6]}] at a run (the s_q new queries are the last positions "
+                    f"of their sequence); got {host_ints(self.lengths).tolist()}; that "
+                    f"sequence attended nothing")
             raise checks.RangeError(
                 f"lengths: expected lengths in [0, max_seq={self.shape[6]}] at a run; "
                 f"got {host_ints(self.lengths).tolist()}")

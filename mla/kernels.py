@@ -34,6 +34,13 @@ switch of the same source, chosen by the ``defect=`` argument of the
                   look-up a tile inside a page; defect ``page_off_by_one``
                   (``PAGE_DEFECTS``) reads the neighbouring page. The
                   contiguous kernel (``page_size=0``) is built unchanged.
+                  Multi-token decode (``s_q`` > 1, compile-time; ``s_q=1``
+                  builds the kernel above unchanged): the ``s_q * nh``
+                  (query, head) rows of a sequence are the warps of its
+                  blocks, each with its own causal end, the tiles staged
+                  once a block for all of them; defect
+                  ``mla_causal_off_by_one`` (``MULTI_DEFECTS``) lets query
+                  i see one row past its end.
 ``decompress_v``  ``out[t,h,:] = W_UV[h] o_lat[t,h,:]``; grid ``(t_q, nh)``,
                   threads over ``d_v``, four partial sums over ``r``.
 ``append_latent`` writes rows ``[lo, lo + n)`` of one cache plane as
@@ -96,6 +103,9 @@ APPEND_DEFECTS = ("append_one_row_late",)
 # the paged row addressing's (``page_size`` > 0 only; not in KERNEL_DEFECTS: the
 # contiguous entry points cannot take it): rows read from page (entry + 1) % num_pages
 PAGE_DEFECTS = ("page_off_by_one",)
+# multi-token decode's (``s_q`` > 1 only; not in KERNEL_DEFECTS: a single query per
+# sequence cannot show it): query i of s_q attends one position past its causal end
+MULTI_DEFECTS = ("mla_causal_off_by_one",)
 ROPE_DEFECTS = ("rope_pairs_swapped",)
 KERNEL_DEFECTS = ABSORB_DEFECTS + ATTN_DEFECTS + APPEND_DEFECTS + ROPE_DEFECTS
 W_UK_LAYOUTS = ("mla", "checkpoint")
@@ -347,7 +357,8 @@ def plan_blocks(n_head, width, tile=None, heads_per_block=None):
 
 
 @functools.lru_cache(maxsize=None)
-def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, page_size=0):
+def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, page_size=0,
+                         s_q=1):
     """Tiled online-softmax attention over latent rows ``[c_kv | k_pe]``.
 
     Arguments (C-contiguous):
@@ -371,10 +382,31 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, pa
     Only the entries of pages holding visible rows are read. Defect
     ``page_off_by_one`` (``PAGE_DEFECTS``, paged only): rows read from page
     ``(entry + 1) % num_pages``.
+
+    ``s_q`` > 1 (compile-time; 1, the default, builds the kernel above
+    unchanged): multi-token decode. ``Q`` is then the number of sequences B
+    and the ``nh`` of the arrays is ``s_q * nh_q``: q_lat [B, s_q * nh_q, r],
+    q_pe [B, s_q * nh_q, d_rope], o_lat [B, s_q * nh_q, r], lse [B, s_q *
+    nh_q] (the [B * s_q, nh_q, ...] arrays of the queries, viewed so), row
+    ``i * nh_q + h`` being head h of query i. Every warp (one row) attends
+    rows ``< kv_len - q_tail - (s_q - 1 - i)`` of the sequence; a block
+    stages the tiles of its last row's bound once for all its rows (the
+    cache is read once a block, whatever the queries of its rows), and each
+    warp folds in only its own rows of a tile: a tile past a warp's bound
+    leaves its state as it was (``alpha`` 1, ``beta`` 0), so each row gets
+    the bits of a one-query decode over its prefix. Defect
+    ``mla_causal_off_by_one`` (``MULTI_DEFECTS``): query i attends one row
+    past its bound (never past ``kv_len``).
     """
-    _check_defect(defect, ATTN_DEFECTS + (PAGE_DEFECTS if page_size else ()))
+    _check_defect(defect, ATTN_DEFECTS + (PAGE_DEFECTS if page_size else ())
+                  + (MULTI_DEFECTS if int(s_q) > 1 else ()))
     if int(page_size) < 0:
         raise ValueError(f"page_size: expected 0 (contiguous) or >= 1, got {page_size}")
+    if int(s_q) < 1:
+        raise ValueError(f"s_q: expected queries a sequence >= 1, got {s_q}")
+    S_Q = int(s_q)
+    MULTI = S_Q > 1
+    LEAK_Q = 1 if defect == "mla_causal_off_by_one" else 0
     PAGED = int(page_size) > 0
     P = max(int(page_size), 1)
     PAGE_SHIFT = defect == "page_off_by_one"
@@ -436,6 +468,14 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, pa
         slot = kv_slot[q]  # paged: the query's row of the page table
         length = kv_len[q]
         visible = min(length, length - q_tail[q] + LEAK)
+        if MULTI:
+            # rows are (query i, head) pairs, row = i * nh_q + h: query i sees
+            # s_q - 1 - i rows fewer; the tiles run to the block's last live row's bound
+            nh_q = n_heads // S_Q
+            i_w = min(head, n_heads - 1) // nh_q
+            vis_w = min(visible, max(visible - (S_Q - 1 - i_w) + LEAK_Q, 0))
+            i_last = (min(head0 + HG, n_heads) - 1) // nh_q
+            visible = min(visible, max(visible - (S_Q - 1 - i_last) + LEAK_Q, 0))
 
         # -- stage the block's queries [q_lat | q_pe], pre-scaled --
         for idx in range(tid, HG * W, n_threads):
@@ -468,6 +508,9 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, pa
                     d = idx - s * W
                     tile_rows[s, d] = float32(latent[slot, t0 + s, d])
             cuda.syncthreads()  # the tile is complete
+            if MULTI:
+                # this warp's rows of the tile (none when <= 0: the state is kept)
+                n_valid = min(TILE, vis_w - t0)
 
             # -- score of row t0 + lane against this warp's head --
             score = float32(-math.inf)
@@ -523,7 +566,8 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, pa
                 lse[q, head] = m + math.log(l) if l > float32(0.0) else float32(-math.inf)
 
     kernel.__name__ = f"mla_attn_absorbed_r{R}_p{DR}_t{TILE}_g{HG}" + (
-        f"_paged{P}" if PAGED else "") + ("" if defect is None else "_" + defect)
+        f"_paged{P}" if PAGED else "") + (f"_sq{S_Q}" if MULTI else "") + (
+        "" if defect is None else "_" + defect)
     # no fastmath: its no-infinities assumption would license folding away the
     # -inf masking and empty-sequence paths; the exps are 1 per TILE*W FMAs anyway
     return jit(kernel, fastmath=False)
@@ -531,14 +575,28 @@ def attn_absorbed_kernel(kv_rank, d_rope, tile, heads_per_block, defect=None, pa
 
 def launch_attn_absorbed(d_q_lat, d_q_pe, d_latent, d_slot, d_len, d_tail, scale,
                          d_o_lat, d_lse, st, *, d_rope, tile, heads_per_block, defect=None,
-                         page_size=0):
+                         page_size=0, s_q=1):
     """Enqueue attn_absorbed on device arrays (no validation). ``page_size``
     > 0: ``d_latent`` is a paged cache [num_pages, page_size, r + d_rope] and
-    ``d_slot`` the page table [Q, max_pages] int32 (``attn_absorbed_kernel``)."""
-    n_q, nh, rank = d_q_lat.shape
+    ``d_slot`` the page table [Q, max_pages] int32 (``attn_absorbed_kernel``).
+    ``s_q`` > 1: d_q_lat / d_q_pe / d_o_lat [B * s_q, nh, .] and d_lse [B *
+    s_q, nh] hold s_q queries a sequence (query-major within a sequence);
+    d_slot, d_len, d_tail are per sequence [B]; one launch over the B
+    sequences, the s_q * nh rows of each sharing its blocks' tiles."""
+    n_q, nh, rank = (int(x) for x in d_q_lat.shape)
     if n_q == 0:
         return
-    if page_size:
+    if s_q > 1:
+        n_b, rows = n_q // s_q, s_q * nh
+        d_q_lat = d_q_lat.reshape((n_b, rows, rank))
+        if d_rope:
+            d_q_pe = d_q_pe.reshape((n_b, rows, d_rope))
+        d_o_lat = d_o_lat.reshape((n_b, rows, rank))
+        d_lse = d_lse.reshape((n_b, rows))
+        n_q, nh = n_b, rows
+        kernel = attn_absorbed_kernel(rank, d_rope, tile, heads_per_block, defect,
+                                      int(page_size), int(s_q))
+    elif page_size:
         kernel = attn_absorbed_kernel(rank, d_rope, tile, heads_per_block, defect,
                                       int(page_size))
     else:

@@ -21,6 +21,11 @@ Two forms of the same attention:
   c_kv[s] + q_pe . k_pe[s])``, ``o_lat = sum_s p_s c_kv[s]``,
   ``out[t,h] = W_UV[h] o_lat``.
 
+Batched decode (``mla_decode_ref``, and ``mla_decode_paged_ref`` over a paged
+cache): sequence b's ``s_q`` new queries ``[B, s_q, nh, .]`` are its last
+``s_q`` positions (``t_q = s_q``, ``t_kv = lengths[b]``): multi-token decode,
+as in DeepSeek's multi-token prediction, by the same causal rule.
+
 ``mla_attend_float32`` is the same-precision *baseline* (absorbed form in
 float32 numpy) whose error against the float64 oracles sets the kernels'
 tolerance (``tolerance()``).
@@ -194,8 +199,12 @@ def mla_decode_paged_ref(q_nope, q_pe, cache, page_table, lengths, w_uk, w_uv, s
     d_rope], page_table [B, max_pages], lengths [B] (0: zeros, LSE -inf),
     w_uk [nh, d_nope, r], w_uv [nh, d_v, r].
     Returns out [B, nh, d_v] (and lse [B, nh] with ``return_lse``).
+    Multi-token queries [B, s_q, nh, .]: ``mla_decode_ref`` with the table.
     """
     q_nope, q_pe = np.asarray(q_nope), np.asarray(q_pe)
+    if q_nope.ndim == 4:
+        return mla_decode_ref(q_nope, q_pe, cache, lengths, w_uk, w_uv, scale=scale,
+                              page_table=page_table, return_lse=return_lse)
     n_b, nh, _ = q_nope.shape
     rank = np.asarray(w_uk).shape[2]
     out = np.zeros((n_b, nh, np.asarray(w_uv).shape[1]))
@@ -208,6 +217,51 @@ def mla_decode_paged_ref(q_nope, q_pe, cache, page_table, lengths, w_uk, w_uv, s
         o, l_ = mla_attend_absorbed(q_nope[b:b + 1], q_pe[b:b + 1], rows[:, :rank],
                                     rows[:, rank:], w_uk, w_uv, scale=scale, return_lse=True)
         out[b], lse[b] = o[0], l_[0]
+    return (out, lse) if return_lse else out
+
+
+def mla_decode_ref(q_nope, q_pe, latent, lengths, w_uk, w_uv, scale=None, page_table=None,
+                   form="absorbed", return_lse=False):
+    """Batched (multi-token) decode (float64): sequence b's ``s_q`` new queries
+    are its last ``s_q`` positions, so query i attends positions ``0 ..
+    lengths[b] - s_q + i``; each sequence is ``mla_attend_absorbed`` (``form``
+    "absorbed") or ``mla_attend_naive`` ("naive") of its queries over its rows.
+
+    q_nope [B, s_q, nh, d_nope] (or [B, nh, d_nope]: s_q = 1), q_pe [B, s_q,
+    nh, d_rope] (or [B, nh, d_rope]); latent: the contiguous cache [B,
+    max_seq, r + d_rope], or with ``page_table`` [B, max_pages] the paged
+    cache [num_pages, P, r + d_rope] (rows gathered by ``paged_rows_ref``);
+    lengths [B]: 0 (zeros, LSE -inf) or at least s_q (else ValueError);
+    w_uk [nh, d_nope, r], w_uv [nh, d_v, r].
+    Returns out [B, s_q, nh, d_v] (or [B, nh, d_v] for rank-3 queries), and
+    lse [B, s_q, nh] (or [B, nh]) with ``return_lse``.
+    """
+    if form not in ("absorbed", "naive"):
+        raise ValueError(f"form: expected 'absorbed' or 'naive', got {form!r}")
+    attend = mla_attend_absorbed if form == "absorbed" else mla_attend_naive
+    q_nope, q_pe = np.asarray(q_nope), np.asarray(q_pe)
+    single = q_nope.ndim == 3
+    if single:
+        q_nope, q_pe = q_nope[:, None], q_pe[:, None]
+    n_b, s_q, nh, _ = q_nope.shape
+    rank = np.asarray(w_uk).shape[2]
+    out = np.zeros((n_b, s_q, nh, np.asarray(w_uv).shape[1]))
+    lse = np.full((n_b, s_q, nh), -np.inf)
+    for b in range(n_b):
+        n = int(lengths[b])
+        if n == 0:
+            continue  # nothing visible: zeros, LSE -inf
+        if n < s_q:
+            raise ValueError(f"lengths[{b}]={n}: the s_q={s_q} new queries must be the last "
+                             f"of the sequence's positions")
+        if page_table is None:
+            rows = np.asarray(latent)[b, :n].astype(np.float64)
+        else:
+            rows = paged_rows_ref(latent, np.asarray(page_table)[b], n).astype(np.float64)
+        out[b], lse[b] = attend(q_nope[b], q_pe[b], rows[:, :rank], rows[:, rank:], w_uk,
+                                w_uv, scale=scale, return_lse=True)
+    if single:
+        out, lse = out[:, 0], lse[:, 0]
     return (out, lse) if return_lse else out
 
 

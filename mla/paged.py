@@ -144,7 +144,7 @@ def check_page_table(page_table, n_seq, lengths, page_size, n_pages, *, name="pa
 
 
 @functools.lru_cache(maxsize=None)
-def page_check_kernel():
+def page_check_kernel(s_q=1):
     """``vis[b] = lengths[b]`` when ``0 <= lengths[b] <= max_pages * page_size``
     and every entry of the pages it uses is in ``[0, num_pages)``; else
     ``vis[b] = 0`` (attended as empty) and ``flag[0] |= FLAG_LENGTH`` (the
@@ -152,8 +152,11 @@ def page_check_kernel():
 
     lengths [B] int32, page_table [B, max_pages] int32, page_size int32,
     num_pages int32, vis [B] int32 (out), flag [1] int32 (bits or-ed in).
-    Grid ceil(B / block), one thread a sequence.
+    Grid ceil(B / block), one thread a sequence. ``s_q`` > 1 (multi-token
+    decode, compile-time; 1 builds the kernel above unchanged): a length in
+    ``1 .. s_q - 1`` is out of range too (``FLAG_LENGTH``).
     """
+    S_Q = int(s_q)
 
     def kernel(lengths, page_table, page_size, num_pages, vis, flag):
         b = cuda.grid(1)
@@ -174,24 +177,55 @@ def page_check_kernel():
                 vis[b] = 0
                 cuda.atomic.or_(flag, 0, FLAG_PAGE)
 
-    kernel.__name__ = kernel.__qualname__ = "mla_page_check"
+    def kernel_multi(lengths, page_table, page_size, num_pages, vis, flag):
+        b = cuda.grid(1)
+        if b < lengths.shape[0]:
+            n = lengths[b]
+            if n < 0 or n > page_table.shape[1] * page_size or (n > 0 and n < S_Q):
+                vis[b] = 0
+                cuda.atomic.or_(flag, 0, FLAG_LENGTH)
+                return
+            ok = True
+            for j in range((n + page_size - 1) // page_size):
+                page = page_table[b, j]
+                if page < 0 or page >= num_pages:
+                    ok = False
+            if ok:
+                vis[b] = n
+            else:
+                vis[b] = 0
+                cuda.atomic.or_(flag, 0, FLAG_PAGE)
+
+    if S_Q > 1:
+        kernel = kernel_multi
+        kernel.__name__ = kernel.__qualname__ = f"mla_page_check_sq{S_Q}"
+    else:
+        kernel.__name__ = kernel.__qualname__ = "mla_page_check"
     return jit(kernel)
 
 
-def launch_page_check(d_lengths, d_page_table, page_size, n_pages, d_vis, d_flag, stream):
-    """Enqueue ``page_check_kernel`` (device arrays, no validation)."""
+def launch_page_check(d_lengths, d_page_table, page_size, n_pages, d_vis, d_flag, stream,
+                      s_q=1):
+    """Enqueue ``page_check_kernel`` (device arrays, no validation; ``s_q``:
+    the new queries a sequence of a multi-token decode)."""
     n_b = int(d_lengths.shape[0])
     if n_b == 0:
         return
     block = 32 if SIMULATOR else 128
-    page_check_kernel()[(n_b + block - 1) // block, block, stream](
+    kernel = page_check_kernel(int(s_q)) if s_q > 1 else page_check_kernel()
+    kernel[(n_b + block - 1) // block, block, stream](
         d_lengths, d_page_table, np.int32(page_size), np.int32(n_pages), d_vis, d_flag)
 
 
-def page_error(flag_word, lengths=None, capacity=None):
+def page_error(flag_word, lengths=None, capacity=None, s_q=1):
     """The ``RangeError`` of a ``page_check_kernel`` flag word, or None when no
-    bit is raised (``lengths``, ``capacity``: for the message)."""
+    bit is raised (``lengths``, ``capacity``, ``s_q``: for the message)."""
     if flag_word & FLAG_LENGTH:
+        if s_q > 1:
+            return checks.RangeError(
+                f"lengths: expected lengths 0 or in [s_q={s_q}, max_pages * page_size="
+                f"{capacity}] at a run (the s_q new queries are the last positions of their "
+                f"sequence); got {lengths}; that sequence was attended as empty")
         return checks.RangeError(f"lengths: expected lengths in [0, max_pages * page_size="
                                  f"{capacity}] at a run; got {lengths}")
     if flag_word & FLAG_PAGE:

@@ -19,13 +19,17 @@ return_plan=True)`` also returns the ``MethodPlan``: path, chunks and why.
   are the last of ``t_kv`` positions (prefill, chunked prefill, decode).
 * ``mla_attend_cached`` / ``mla_decode_step``  the same over a ``LatentCache``
   plane (rows already appended).
-* ``mla_decode``       a batch of B sequences, one query each, over a pooled
-  latent cache ``[B, max_seq, r + d_rope]`` with per-sequence lengths (the
-  benchmark entry point), or over a paged one (``page_table=``, ``mla.paged``:
-  pages ``[num_pages, page_size, r + d_rope]``, every method giving the bits
-  of the contiguous cache holding the same rows).
+* ``mla_decode``       a batch of B sequences, one query each (q ``[B, nh,
+  .]``) or ``s_q`` new queries each (q ``[B, s_q, nh, .]``, 1 <= s_q <= 16:
+  multi-token decode, query i attending positions ``0 .. lengths[b] - s_q +
+  i``, the latent rows read once a sequence), over a pooled latent cache
+  ``[B, max_seq, r + d_rope]`` with per-sequence lengths (the benchmark
+  entry point), or over a paged one (``page_table=``, ``mla.paged``: pages
+  ``[num_pages, page_size, r + d_rope]``, every method giving the bits of the
+  contiguous cache holding the same rows).
 
-All return ``out [t_q|B, nh, d_v]`` float32: numpy when ``q_nope`` is numpy,
+All return ``out [t_q|B, nh, d_v]`` (``mla_decode`` with multi-token queries:
+``[B, s_q, nh, d_v]``) float32: numpy when ``q_nope`` is numpy,
 else a device array. ``stream=None`` synchronises before returning; with a
 stream the launches are only enqueued. Everything is validated before any copy
 or launch. ``defect`` (falsification suite only) is routed to the kernel that
@@ -62,16 +66,19 @@ GEMM_METHODS = ("gemm", "gemm_fma")
 GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
-def _route(defect, paged=False):
+def _route(defect, paged=False, s_q=1):
     # the GEMM path's kernel switches (``mla.attn_gemm.KERNEL_SWITCHES``) go with
     # the attention: the GEMM path takes them; the flash kernel rejects them.
-    # The paged read defect (``mla.paged.READ_DEFECTS``) only where a page table is read.
-    known = K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
+    # The paged read defect (``mla.paged.READ_DEFECTS``) only where a page table is read,
+    # the multi-token one (``mla.kernels.MULTI_DEFECTS``) only with s_q > 1 queries.
+    known = (K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
+             + (K.MULTI_DEFECTS if s_q > 1 else ()))
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
     return {
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
-        "attn": defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES else None,
+        "attn": (defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES + K.MULTI_DEFECTS
+                 else None),
         "append": defect if defect in K.APPEND_DEFECTS else None,
         "page": defect if defect in PG.READ_DEFECTS else None,
     }
@@ -100,7 +107,8 @@ class MethodPlan(NamedTuple):
 
     method:        "gemm" | "gemm_fma" | "flash"
     chunk:         queries per GEMM launch set (0 when there are none; the
-                   query count for "flash")
+                   query count for "flash"); multi-token decode (``s_q`` > 1):
+                   sequences, each with its s_q queries
     n_chunks:      GEMM launch sets run one after another over one scratch
                    (1: unchunked; 0: no queries)
     scratch_bytes: the GEMM scratch the run allocates (one chunk's; 0 for "flash")
@@ -151,12 +159,14 @@ def check_limit(limit):
 
 
 def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=None,
-                defect=None, *, limit=None, split=True, stacklevel=3, row_bytes=0):
+                defect=None, *, limit=None, split=True, stacklevel=3, row_bytes=0, s_q=1):
     """The path and chunking for ``n_q`` queries of ``nh`` heads over latent rows
     of ``width`` (``r + d_rope``), at most ``max_visible`` visible: a ``MethodPlan``.
     ``row_bytes``: bytes of a latent row the GEMM path gathers into its
     scratch (a paged cache read by ``sgemm``: ``attn_gemm.paged_gathers``), 0
-    otherwise; counted in every scratch size below.
+    otherwise; counted in every scratch size below. ``s_q`` > 1 (multi-token
+    decode): ``n_q`` counts sequences of ``s_q`` queries each (the scratch of
+    one is ``s_q * nh`` rows; ``chunk`` is then in sequences).
 
     * "flash" (asked for, or "auto" with a flash-only option: ``tile``,
       ``heads_per_block``, the ``stuck_rescale`` defect): the tiled path, no scratch.
@@ -190,8 +200,10 @@ def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=
     limit = check_limit(limit)
     n_q = int(n_q)
 
+    s_q = int(s_q)
+
     def scratch(n):
-        return G.workspace_bytes(n, nh, width, max_visible, row_bytes)
+        return G.workspace_bytes(n, nh * s_q, width, max_visible, row_bytes)
 
     full = scratch(n_q)
     if method == "flash" or (method == "auto" and flash_only):
@@ -200,7 +212,8 @@ def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=
                "or stuck_rescale)")
         return MethodPlan("flash", n_q, 1 if n_q else 0, 0, full, limit, False, why)
     how = "gemm" if method == "auto" else method
-    shape = (f"{n_q} queries x {nh} heads x (width {width} + {int(max_visible)} visible "
+    queries = f"{n_q} queries" if s_q == 1 else f"{n_q} sequences x {s_q} queries"
+    shape = (f"{queries} x {nh} heads x (width {width} + {int(max_visible)} visible "
              f"rows) float32")
     if n_q == 0:
         return MethodPlan(how, 0, 0, 0, 0, limit, False, "no queries")
@@ -266,13 +279,17 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
 
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
           heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None,
-          chunk=None, d_table=None, d_vis=None):
+          chunk=None, d_table=None, d_vis=None, s_q=1):
     """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only).
     ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``).
     ``d_table`` (device int32 [Q, max_pages]): d_latent is a paged cache
     [num_pages, P, W] read through it (``slots`` unused; decode: ``tails`` 0);
     ``d_vis`` (device int32 [Q], optional): the visible rows the kernels read
-    (``paged.page_check_kernel``'s), ``lens`` then only sizes the launches."""
+    (``paged.page_check_kernel``'s), ``lens`` then only sizes the launches.
+    ``s_q`` > 1 (multi-token decode): q_nope / q_pe [B * s_q, nh, .] hold s_q
+    queries a sequence; ``slots``, ``lens``, ``tails`` (zeros), ``d_table``,
+    ``d_vis`` are per sequence [B] and ``chunk`` counts sequences.
+    Returns (out [Q, nh, d_v], lse [Q, nh]) device float32."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
@@ -280,20 +297,22 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
         defect = routes["attn"] or routes["absorb"]
         vis = G.visible_rows(lens, tails, defect)
         d_q_pe = to_device(q_pe, stream) if d_rope else K._placeholder(stream)
-        return G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
-                         to_device(w_uv, stream), d_latent, slots, vis, scale, d_rope=d_rope,
-                         w_uk_layout=w_uk_layout, stream=stream, defect=defect,
-                         workspace=workspace, tensor=method == "gemm", chunk=chunk,
-                         d_vis=d_vis, page_table=d_table, page_defect=routes["page"])[0]
+        out, _, lse = G.enqueue(to_device(q_nope, stream), d_q_pe, to_device(w_uk, stream),
+                                to_device(w_uv, stream), d_latent, slots, vis, scale,
+                                d_rope=d_rope, w_uk_layout=w_uk_layout, stream=stream,
+                                defect=defect, workspace=workspace, tensor=method == "gemm",
+                                chunk=chunk, d_vis=d_vis, page_table=d_table,
+                                page_defect=routes["page"], s_q=s_q)
+        return out, lse
     st = launch_stream(stream)
     d_out = device_empty((n_q, nh, d_v), np.float32, stream)
+    d_lse = device_empty((n_q, nh), np.float32, stream)
     if n_q == 0:
-        return d_out
+        return d_out, d_lse
     d_q_lat = device_empty((n_q, nh, rank), np.float32, stream)
     K.launch_absorb_q(to_device(q_nope, stream), to_device(w_uk, stream), d_q_lat, st,
                       w_uk_layout, routes["absorb"])
     d_o_lat = device_empty((n_q, nh, rank), np.float32, stream)
-    d_lse = device_empty((n_q, nh), np.float32, stream)
     d_q_pe = to_device(q_pe, stream) if d_rope else K._placeholder(stream)
     K.launch_attn_absorbed(d_q_lat, d_q_pe, d_latent,
                            to_device(slots, stream) if d_table is None else d_table,
@@ -301,9 +320,10 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
                            to_device(tails, stream), scale, d_o_lat, d_lse, st, d_rope=d_rope,
                            tile=tile, heads_per_block=heads_per_block,
                            defect=routes["attn"] or routes["page"],
-                           page_size=0 if d_table is None else int(d_latent.shape[1]))
+                           page_size=0 if d_table is None else int(d_latent.shape[1]),
+                           s_q=s_q)
     K.launch_decompress_v(d_o_lat, to_device(w_uv, stream), d_out, st)
-    return d_out
+    return d_out, d_lse
 
 
 def _return(d_out, host, stream):
@@ -356,7 +376,7 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
                            device_empty(1, np.int32, stream), st, routes["append"])
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)
+                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)[0]
     return _return(d_out, host, stream)
 
 
@@ -385,7 +405,7 @@ def mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, str
     d_latent = plane.reshape((1,) + tuple(plane.shape))
     d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent, *_chunk_tables(t_q, t_kv), scale=scale,
                   d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)
+                  stream=stream, routes=routes, method=plan.method, chunk=plan.chunk)[0]
     return _return(d_out, is_host_array(q_nope), stream)
 
 
@@ -415,14 +435,69 @@ def _unsqueeze(x):
     return d.reshape((1,) + tuple(d.shape))
 
 
+MAX_S_Q = 16  # new queries a sequence in one multi-token decode call
+
+
+def split_queries(q_nope, q_pe):
+    """Multi-token queries as rows: ``(s_q, q_nope, q_pe, multi)``.
+
+    q_nope [B, s_q, nh, d_nope] and q_pe [B, s_q, nh, d_rope] (``multi``
+    True, 1 <= s_q <= ``MAX_S_Q``) come back as [B * s_q, nh, .] views (a
+    numpy array not C-contiguous is copied); rank-3 [B, nh, .] queries come
+    back as they are with s_q = 1 (``multi`` False). Other ranks are left to
+    the rank-3 checks (their errors name the argument)."""
+    if len(getattr(q_nope, "shape", ())) != 4:
+        return 1, q_nope, q_pe, False
+    n_b, s_q, nh, d_nope = checks.check_array(
+        "q_nope", q_nope, (("B", None), ("s_q", None), ("nh", None), ("d_nope", None)),
+        dtypes=(np.float32,), contiguous=not is_host_array(q_nope))
+    checks.check_range("q_nope", s_q, 1, MAX_S_Q, what="s_q (new queries a sequence)")
+    _, _, _, d_rope = checks.check_array(
+        "q_pe", q_pe, (("B", n_b), ("s_q", s_q), ("nh", nh), ("d_rope", None)),
+        dtypes=(np.float32,), contiguous=not is_host_array(q_pe))
+
+    def rows(x, width):
+        if is_host_array(x):
+            return np.ascontiguousarray(x).reshape((n_b * s_q, nh, width))
+        return to_device(x).reshape((n_b * s_q, nh, width))
+
+    return s_q, rows(q_nope, d_nope), rows(q_pe, d_rope), True
+
+
+def check_multi_lengths(lens, s_q):
+    """Lengths of a multi-token decode: each 0 (nothing attended) or at least
+    ``s_q`` (the s_q new queries are the last positions of their sequence)."""
+    lens = np.asarray(lens)
+    bad = np.flatnonzero((lens > 0) & (lens < s_q))
+    if bad.size:
+        b = int(bad[0])
+        raise checks.RangeError(
+            f"lengths: expected 0 or at least s_q={s_q} (the {s_q} new queries are the last "
+            f"positions of their sequence), got lengths[{b}]={int(lens[b])}")
+
+
+def _shaped(x, n_b, s_q, multi):
+    """``x`` [B * s_q, nh, ...] as [B, s_q, nh, ...] when ``multi``."""
+    if not multi:
+        return x
+    shape = (n_b, s_q) + tuple(int(d) for d in x.shape[1:])
+    return x.reshape(shape)
+
+
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
                w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
                workspace=None, workspace_limit=None, return_plan=False, page_table=None,
-               defect=None):
-    """Batched MLA decode: sequence b's one query over its own ``lengths[b]`` latent rows.
+               defect=None, return_lse=False):
+    """Batched MLA decode: sequence b's new queries over its own ``lengths[b]`` latent rows.
 
-    q_nope:       [B, nh, d_nope] float32
-    q_pe:         [B, nh, d_rope] float32 (rotated)
+    q_nope:       [B, nh, d_nope] float32 (one query a sequence), or [B, s_q,
+                  nh, d_nope] (multi-token decode, 1 <= s_q <= 16, the same
+                  for every sequence): query i of sequence b is position
+                  ``lengths[b] - s_q + i`` and attends positions 0 ..
+                  ``lengths[b] - s_q + i`` (causal within the new tokens; the
+                  lengths count them, so a length must be 0 or at least s_q:
+                  RangeError naming lengths and s_q otherwise)
+    q_pe:         [B, nh, d_rope] or [B, s_q, nh, d_rope] float32 (rotated)
     latent_cache: [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe];
                   with ``page_table``: the paged cache [num_pages, page_size,
                   r + d_rope] (``mla.paged``)
@@ -460,10 +535,34 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     defect:       falsification suite only: a planted defect of the kernels
                   this call runs (``mla.kernels`` absorb / attention defects,
                   ``mla.attn_gemm.KERNEL_SWITCHES``, and with a page table
-                  ``mla.paged.READ_DEFECTS``: "page_off_by_one"), or None
-    Returns out [B, nh, d_v] float32 (with ``return_plan``: (out, plan)).
+                  ``mla.paged.READ_DEFECTS``: "page_off_by_one"; with s_q > 1
+                  also ``mla.kernels.MULTI_DEFECTS``: "mla_causal_off_by_one"),
+                  or None
+    return_lse:   also return lse [B, nh] (multi-token: [B, s_q, nh]) float32,
+                  the natural-log sum of exp of each query's scaled scores
+                  (-inf where nothing is attended)
+    Returns out [B, nh, d_v] float32, or [B, s_q, nh, d_v] for multi-token
+    queries (a rank-4 q_nope; s_q = 1 included); with ``return_lse`` (out,
+    lse), with ``return_plan`` the plan after them: (out, plan) or (out,
+    lse, plan).
+
+    Multi-token decode reads each sequence's latent rows once for all its
+    queries: the ``s_q * nh`` (query, head) rows of a sequence are the rows of
+    its score and P.V GEMMs (``mla.attn_gemm.prepare``'s ``s_q``) or the warps
+    of the tiled kernel's blocks (``mla.kernels.attn_absorbed_kernel``'s
+    ``s_q``), each with its own causal end. Query i's output and LSE are
+    bit-identical to a one-query decode of position ``lengths[b] - s_q + i``
+    over its prefix, for "flash" and "gemm_fma" always and for "gemm" where
+    both calls run the score and P.V GEMMs on the same kernel (both or
+    neither on tensor cores, which take a call of more than 64 rows:
+    ``s_q * nh`` rows here, ``nh`` there); the softmax kernel also has to be
+    the same (rows up to 8192 scores are held in registers, longer ones take
+    the warp-a-row kernel: ``attn_gemm.resident_vals``).
     """
-    n_b, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout, "B")
+    s_q, q_nope, q_pe, multi = split_queries(q_nope, q_pe)
+    n_rows, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv, w_uk_layout,
+                                                     "B")
+    n_b = n_rows // s_q
     paged = page_table is not None
     if not paged:
         _, max_seq, _ = checks.check_array(
@@ -475,18 +574,21 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
                                                      rank + d_rope)
         lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1, count=n_b)
         PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
+    check_multi_lengths(lens, s_q)
     scale = checks.check_scale(scale, d_nope + d_rope)
     if workspace is not None and not isinstance(workspace, G.Workspace):
         raise checks.DTypeError(f"workspace: expected an mla.attn_gemm.Workspace or None, "
                                 f"got {type(workspace).__name__}")
-    routes = _route(defect, paged)
+    routes = _route(defect, paged, s_q)
     if defect is not None and (routes["append"] or defect in K.ROPE_DEFECTS):
         raise ValueError(f"defect: mla_decode runs no append or RoPE kernel, got {defect!r}")
     row_bytes = 0
-    if paged and method != "flash" and G.paged_gathers(method != "gemm_fma", nh, latent_cache):
+    if paged and method != "flash" and G.paged_gathers(method != "gemm_fma", nh * s_q,
+                                                       latent_cache):
         row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
     plan = plan_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
-                       heads_per_block, defect, limit=workspace_limit, row_bytes=row_bytes)
+                       heads_per_block, defect, limit=workspace_limit, row_bytes=row_bytes,
+                       s_q=s_q)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     d_latent = to_device(latent_cache, stream)
     d_table = d_vis = d_flag = None
@@ -496,15 +598,22 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
             d_vis = device_empty((n_b,), np.int32, stream)
             d_flag = to_device(np.zeros(1, np.int32), stream)
             PG.launch_page_check(to_device(lens, stream), d_table, page_size, n_pages, d_vis,
-                                 d_flag, launch_stream(stream))
-    d_out = _core(q_nope, q_pe, w_uk, w_uv, d_latent,
-                  np.arange(n_b, dtype=np.int32), lens, np.zeros(n_b, np.int32), scale=scale,
-                  d_rope=d_rope, tile=tile, heads_per_block=hg, w_uk_layout=w_uk_layout,
-                  stream=stream, routes=routes, method=plan.method, workspace=workspace,
-                  chunk=plan.chunk, d_table=d_table, d_vis=d_vis)
-    out = _return(d_out, is_host_array(q_nope), stream)
+                                 d_flag, launch_stream(stream), s_q=s_q)
+    d_out, d_lse = _core(q_nope, q_pe, w_uk, w_uv, d_latent,
+                         np.arange(n_b, dtype=np.int32), lens, np.zeros(n_b, np.int32),
+                         scale=scale, d_rope=d_rope, tile=tile, heads_per_block=hg,
+                         w_uk_layout=w_uk_layout, stream=stream, routes=routes,
+                         method=plan.method, workspace=workspace, chunk=plan.chunk,
+                         d_table=d_table, d_vis=d_vis, s_q=s_q)
+    host = is_host_array(q_nope)
+    d_out = _shaped(d_out, n_b, s_q, multi)
+    if return_lse:
+        lse = _shaped(to_host(d_lse, stream) if host else d_lse, n_b, s_q, multi)
+    out = _return(d_out, host, stream)
     if d_flag is not None and stream is None:
-        err = PG.page_error(int(to_host(d_flag)[0]))
+        err = PG.page_error(int(to_host(d_flag)[0]), s_q=s_q)
         if err is not None:
             raise err
-    return (out, plan) if return_plan else out
+    result = (out, lse) if return_lse else (out,)
+    result += (plan,) if return_plan else ()
+    return result if len(result) > 1 else result[0]
