@@ -65,6 +65,9 @@ import numpy as np
 
 from .paged import COLUMNS as PAGED_COLUMNS
 from .paged import bench_paged
+from .mla_multi import COLUMNS as MLA_MULTI_COLUMNS
+from .mla_multi import bench_mla_multi
+from .mla_multi import summary_lines as mla_multi_summary_lines
 from .paged import summary_lines as paged_summary_lines
 from .prefill import COLUMNS as PREFILL_COLUMNS
 from .prefill import bench_prefill
@@ -881,7 +884,7 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
     ap.add_argument("--skip", default="",
-                    help="comma list of: host,decode,mla,step,mla_long,prefill,paged")
+                    help="comma list of: host,decode,mla,step,mla_long,prefill,paged,mla_multi")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -931,7 +934,7 @@ def main(argv=None):
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
     rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
-    host_rows, long_rows, paged_rows = [], [], []
+    host_rows, long_rows, paged_rows, mla_multi_rows = [], [], [], []
     for name, fn in (("host", lambda: bench_host(timer, torch, host_rows, checks_log)),
                      ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
@@ -939,7 +942,9 @@ def main(argv=None):
                      ("step", lambda: bench_step(timer, step_rows)),
                      ("mla_long", lambda: bench_long_mla(timer, long_rows)),
                      ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log)),
-                     ("paged", lambda: bench_paged(timer, copy_gbps, torch, paged_rows, log))):
+                     ("paged", lambda: bench_paged(timer, copy_gbps, torch, paged_rows, log)),
+                     ("mla_multi", lambda: mla_multi_rows.extend(
+                         bench_mla_multi(timer, verbose=True)))):
         if name in skip:
             continue
         log(f"== {name} ({time.time() - t_start:.0f} s)")
@@ -961,6 +966,7 @@ def main(argv=None):
     write_csv(out_dir / "mla_long.csv", long_rows)
     write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
     write_csv(out_dir / "paged.csv", paged_rows, PAGED_COLUMNS)
+    write_csv(out_dir / "mla_multi.csv", mla_multi_rows, MLA_MULTI_COLUMNS)
     try:
         plot(out_dir / "decode.png", rows, copy_gbps)
     except Exception as exc:
@@ -978,5 +984,8 @@ def main(argv=None):
     if paged_rows:
         with open(out_dir / "summary.md", "a") as fh:
             fh.write("\n".join(paged_summary_lines(paged_rows)) + "\n")
+    if mla_multi_rows:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("\n".join(mla_multi_summary_lines(mla_multi_rows)) + "\n")
     log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
     log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])
