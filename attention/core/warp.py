@@ -93,6 +93,17 @@ def group_sum(v, lanes):
 
 
 @cuda.jit(device=True, inline="always")
+def group_max(v, lanes):
+    """Maximum of ``v`` over each aligned group of ``lanes`` lanes, in every lane
+    of it (``lanes`` 4: the quad holding one row of an mma accumulator)."""
+    off = lanes // 2
+    while off > 0:
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+        off //= 2
+    return v
+
+
+@cuda.jit(device=True, inline="always")
 def block_max(v, red):
     """Maximum of ``v`` over the block, in every thread. red: shared [warps]
     of ``v``'s type (float32 in the kernels; the simulator test uses float64)."""

@@ -30,8 +30,9 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
   counts them).
 * **Online softmax in fp32 on the accumulator fragments.** A lane holds 4
   scores of rows ``g = lane // 4`` and ``g + 8``; a row's max is taken over its
-  lane quad (two ``shfl.xor``, ``quad_max``); each lane keeps its part of the
-  row sums and the quad adds them at the end (``attention.core.warp.group_sum``).
+  lane quad (``attention.core.warp.group_max``, two ``shfl.xor``); each lane
+  keeps its part of the row sums and the quad adds them at the end
+  (``attention.core.warp.group_sum``).
   ``P = exp(S - m)`` is rounded to the 16-bit type (``mma16`` ``pack``, to
   nearest even) and the score fragments are the A fragments of ``O += P V``
   (V B fragments from ``ldmatrix`` x2.trans); ``l`` sums the fp32 ``P``.
@@ -107,7 +108,7 @@ from attention.core.device import (
     to_device,
     to_host,
 )
-from attention.core.warp import FULL_MASK, batch_reference, group_sum, softmax_finish
+from attention.core.warp import batch_reference, group_max, group_sum, softmax_finish
 from attention.decode import fast
 from attention.gemm import mma16
 
@@ -142,17 +143,6 @@ def check_defect(defect):
 # ---------------------------------------------------------------------------
 # device pieces
 # ---------------------------------------------------------------------------
-
-def quad_max(v):
-    """Maximum of ``v`` over the lane's quad (lanes ``4 (lane // 4) .. + 3``: the
-    lanes holding one row of an mma accumulator), in each lane of it."""
-    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
-    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
-    return v
-
-
-quad_max = device_fn(quad_max)
-
 
 @functools.lru_cache(maxsize=None)
 def _copy_ops(stages):
@@ -463,8 +453,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                     s[4 * h + 2 + e] = y
 
             # -- online softmax of the two rows (max over the quad) --
-            new0 = max(m0, quad_max(max(max(s[0], s[1]), max(s[4], s[5]))))
-            new1 = max(m1, quad_max(max(max(s[2], s[3]), max(s[6], s[7]))))
+            new0 = max(m0, group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4))
+            new1 = max(m1, group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4))
             ref0 = new0 if new0 > NEG else float32(0.0)  # an all-masked row: weights 0
             ref1 = new1 if new1 > NEG else float32(0.0)
             alpha0 = float32(math.exp(m0 - ref0))

@@ -1,0 +1,213 @@
+"""Tensor-core prefill benchmark: ``attention.prefill.mma`` against torch SDPA.
+
+    python3 -m bench.prefill_mma [--reps 30] [--warmup 5] [--no-check] [--csv FILE]
+
+Shapes: T 2048 and 4096, H 32, H_kv 8, D 128, causal, fp16 and bf16 (q, k, v
+in the dtype; ours writes float32 out and lse, torch's output is 16-bit).
+
+FLOP count: the two matrix products Q.K^T and P.V over the visible half of
+the scores, 2 * 2 * T^2 / 2 * H * D (softmax, scale and masking not counted),
+the same for both rows.
+
+Timing: CUDA events around one enqueue, the L2 flushed and a host cover
+(``bench.gpu.Timer`` / ``TorchTimer``) before each repeat, median of
+``--reps`` (>= 20) after ``--warmup`` calls. Ours is timed through
+``mma.launch`` with a plan made once and the inputs already viewed as words
+(what a serving loop enqueues; the public ``prefill_attention_mma`` adds its
+host checks). torch gets K / V unexpanded with ``enable_gqa=True`` and
+``is_causal=True``; the backend that ran is named (``bench.sdpa.backend_of``).
+``ratio`` is torch's time over ours (our speed as a fraction of torch's).
+
+Check (unless ``--no-check``): on kv group 0 (query heads 0 .. 3, every row)
+the float64 oracle, the float32 baseline with the kernel's roundings (P
+rounded to the dtype before P.V) and torch's output; printed: the max error
+against the oracle of ours, of torch (all-16-bit, output rounded to 16 bits)
+and of the baseline, the rule's bound (2 x the baseline's + 2 float32 ulps of
+max|oracle|), 1 - cos(., oracle) (FlashMLA's check: < 1e-5), and whether NaN
+sits where the oracle has it (it has none: NaN anywhere fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+SHAPES = [(2048, 32, 8, 128), (4096, 32, 8, 128)]
+DTYPES = ("float16", "bfloat16")
+COS_LIMIT = 1e-5
+COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "ms", "TFLOPs",
+           "ratio_to_torch", "max_err", "bound", "cos_diff", "nan_ok"]
+
+
+def prefill_flops(t_len, heads, head_dim):
+    """Causal: 2 products x 2 flops a multiply-add x T^2 / 2 visible scores x H x D."""
+    return 2.0 * 2.0 * t_len * t_len / 2.0 * heads * head_dim
+
+
+def _np_dtype(name):
+    if name == "float16":
+        return np.dtype(np.float16)
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _inputs(t_len, heads, kv, head_dim, dt, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t_len, heads * head_dim), np.float32).astype(dt)  # [T, H*D]
+    k = rng.standard_normal((t_len, kv * head_dim), np.float32).astype(dt)  # [T, H_kv*D]
+    v = rng.standard_normal((t_len, kv * head_dim), np.float32).astype(dt)  # [T, H_kv*D]
+    return q, k, v
+
+
+def _torch_view(torch, x, t_len, heads, head_dim, name):
+    """A host 16-bit [T, heads*D] array as a torch [1, heads, T, D] view on the GPU."""
+    tdt = torch.float16 if name == "float16" else torch.bfloat16
+    t = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(tdt)
+    return t.view(t_len, heads, head_dim).transpose(0, 1)[None]
+
+
+def check(q, k, v, heads, kv, dt, ours, theirs):
+    """Kv group 0 against the oracle: a dict of the printed quantities."""
+    from tests.test_prefill_mma import baseline, cos_diff, oracle
+    from validation.tolerance import floor, max_abs_error
+
+    head_dim = q.shape[1] // heads
+    group = heads // kv
+    cols = slice(0, group * head_dim)
+    sub = (q[:, cols], k[:, :head_dim], v[:, :head_dim])
+    scale = 1.0 / math.sqrt(head_dim)
+    ref_out, ref_lse = oracle(*sub, group, 1, True, scale)
+    base_out, base_lse = baseline(*sub, group, 1, True, scale, dt)
+    res = {}
+    for name, out in (("ours", ours[0][:, cols]), ("torch", None if theirs is None
+                                                     else theirs[:, cols])):
+        if out is None:
+            continue
+        res[name] = {"max_err": max_abs_error(out, ref_out), "cos_diff": cos_diff(out, ref_out),
+                     "nan_ok": not np.isnan(out).any()}
+    res["ours"]["lse_err"] = max_abs_error(ours[1][:group], ref_lse)
+    res["ours"]["nan_ok"] &= not np.isnan(ours[1]).any() and not np.isnan(ours[0]).any()
+    res["baseline"] = {"max_err": max_abs_error(base_out, ref_out),
+                       "cos_diff": cos_diff(base_out, ref_out), "nan_ok": True,
+                       "lse_err": max_abs_error(base_lse, ref_lse)}
+    res["bound"] = 2.0 * res["baseline"]["max_err"] + floor(ref_out)
+    res["lse_bound"] = 2.0 * res["baseline"]["lse_err"] + floor(ref_lse)
+    return res
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python3 -m bench.prefill_mma",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=30, help="timed repeats (>= 20)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-check", action="store_true", help="skip the oracle check")
+    parser.add_argument("--csv", help="also write the rows to this CSV file")
+    args = parser.parse_args(argv)
+    reps = max(20, args.reps)
+
+    from attention.core.device import device_name, gpu_available
+
+    if not gpu_available():
+        print("bench.prefill_mma: needs a CUDA GPU (none here)", file=sys.stderr)
+        return 1
+    from numba import cuda
+
+    from attention.prefill import mma
+
+    from .gpu import Timer, TorchTimer
+
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            torch = None
+    except ImportError:
+        torch = None
+    print(f"device: {device_name()}; torch: {torch.__version__ if torch else 'absent'}")
+    print("FLOPs: 2 * 2 * T^2/2 * H * D (causal: the visible half of Q.K^T and P.V)")
+    timer = Timer()
+    tt = TorchTimer(torch) if torch is not None else None
+    rows = []
+    for name in DTYPES:
+        dt = _np_dtype(name)
+        for t_len, heads, kv, head_dim in SHAPES:
+            flops = prefill_flops(t_len, heads, head_dim)
+            q, k, v = _inputs(t_len, heads, kv, head_dim, dt, seed=t_len)
+            scale = 1.0 / math.sqrt(head_dim)
+            words = [cuda.to_device(np.ascontiguousarray(x).view(np.uint32).reshape(-1))
+                     for x in (q, k, v)]
+            d_out = cuda.device_array((t_len, heads * head_dim), np.float32)
+            d_lse = cuda.device_array((heads, t_len), np.float32)
+            pl = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True)
+
+            def ours():
+                mma.launch(pl, *words, t_len, kv, scale, d_out, d_lse)
+
+            ms = timer.time(ours, reps=reps, warmup=args.warmup)
+            row = {"kernel": f"prefill_mma[w{pl['warps']},n{pl['block_n']}]",
+                   "dtype": name, "seq_len": t_len, "heads": heads, "kv_heads": kv,
+                   "head_dim": head_dim, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
+            torch_row, theirs = None, None
+            if tt is not None:
+                from .sdpa import backend_of, label
+
+                tq = _torch_view(torch, q, t_len, heads, head_dim, name)
+                tk = _torch_view(torch, k, t_len, kv, head_dim, name)
+                tv = _torch_view(torch, v, t_len, kv, head_dim, name)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                def run_sdpa():
+                    return sdpa(tq, tk, tv, is_causal=True, scale=scale, enable_gqa=True)
+
+                backend, how = backend_of(torch, run_sdpa)
+                tms = tt.time(run_sdpa, reps=reps, warmup=args.warmup)
+                torch_row = {**row, "kernel": label("torch_sdpa", backend), "ms": tms,
+                             "TFLOPs": flops / (tms * 1e-3) / 1e12, "ratio_to_torch": 1.0}
+                row["ratio_to_torch"] = tms / ms
+                print(f"  torch backend: {backend} ({how})")
+                if not args.no_check:
+                    o = run_sdpa()[0].transpose(0, 1).reshape(t_len, heads * head_dim)
+                    theirs = o.float().cpu().numpy()
+            if not args.no_check:
+                res = check(q, k, v, heads, kv, dt, (d_out.copy_to_host(), d_lse.copy_to_host()),
+                            theirs)
+                for r, key in ((row, "ours"), (torch_row, "torch")):
+                    if r is not None and key in res:
+                        r.update({"max_err": res[key]["max_err"], "cos_diff": res[key]["cos_diff"],
+                                  "nan_ok": res[key]["nan_ok"]})
+                row["bound"] = res["bound"]
+                b = res["baseline"]
+                verdict = ("PASS" if res["ours"]["max_err"] <= res["bound"]
+                           and res["ours"]["lse_err"] <= res["lse_bound"]
+                           and res["ours"]["cos_diff"] < COS_LIMIT and res["ours"]["nan_ok"]
+                           else "FAIL")
+                print(f"  check {name} T={t_len} (kv group 0, all rows): max err vs oracle "
+                      f"ours {res['ours']['max_err']:.3e} (bound {res['bound']:.3e}), "
+                      f"baseline {b['max_err']:.3e}"
+                      + (f", torch {res['torch']['max_err']:.3e}" if "torch" in res else "")
+                      + f"; lse ours {res['ours']['lse_err']:.3e} (bound "
+                      f"{res['lse_bound']:.3e}); 1 - cos ours {res['ours']['cos_diff']:.2e}"
+                      + (f", torch {res['torch']['cos_diff']:.2e}" if "torch" in res else "")
+                      + f"; NaN placement ok: {res['ours']['nan_ok']}; {verdict}")
+            rows.append(row)
+            if torch_row is not None:
+                rows.append(torch_row)
+            ratio = f"{row['ratio_to_torch']:.2f}x torch" if "ratio_to_torch" in row else ""
+            print(f"  {name:<8} T={t_len:<5} ours {ms:8.3f} ms {row['TFLOPs']:7.1f} TFLOP/s"
+                  + (f" | {torch_row['kernel']} {torch_row['ms']:8.3f} ms "
+                     f"{torch_row['TFLOPs']:7.1f} TFLOP/s | {ratio}" if torch_row else ""))
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
