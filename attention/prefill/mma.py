@@ -547,8 +547,12 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
                 # with nothing seen so far takes reference 0 (weights 0, never NaN)
                 ref0 = float32(new0 * scale2) if new0 > NEG else float32(0.0)
                 ref1 = float32(new1 * scale2) if new1 > NEG else float32(0.0)
-                alpha0 = float32(math.exp2(fma(m0, scale2, -ref0)))
-                alpha1 = float32(math.exp2(fma(m1, scale2, -ref1)))
+                # the rescale is 2^(old reference - new reference), both rounded as
+                # the weights took them: exactly 1 while the max stays (a factor
+                # 2^(m scale2 - fl(m scale2)) a tile would compound into l over a
+                # long row; o would divide it away, the LSE would keep it)
+                alpha0 = float32(math.exp2(float32(m0 * scale2) - ref0))
+                alpha1 = float32(math.exp2(float32(m1 * scale2) - ref1))
                 sum0 = float32(0.0)
                 sum1 = float32(0.0)
                 for nt in range(NTS):
