@@ -158,7 +158,7 @@ def resolve(label, inputs, dtype):
         return label
     from attention.decode.fast import LANES, dtype_kind, row_layout
 
-    kind = dtype_kind(np.dtype(dtype))
+    kind = dtype_kind(np.dtype(dtype), fp8=True)  # uint8: fp8 e4m3 codes
     lanes = LANES[kind]
     vec, _ = row_layout(int(inputs["q"].shape[-1]), kind, lanes)
     return f"lanes{lanes}x{vec}/{where}/{tail}"

@@ -478,6 +478,12 @@ def main(argv=None):
     from validation.provenance import provenance
 
     prov = provenance(seeds=config["seeds"], wall_seconds=round(wall, 2))
+    quant = []
+    if any(s.startswith("decode_fp8") for s in config["kernels"]):
+        from validation import fp8_quant
+
+        quant = fp8_quant.table(small=config["small"], seed=config["seeds"][0],
+                                quick=config["quick"])
     out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
     if args.shard:
         import json
@@ -486,7 +492,7 @@ def main(argv=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         part = {"schema": report.SCHEMA, "provenance": prov, "config": config,
                 "wall_seconds": wall, "cases": cases, "growth": growth_recs,
-                "defect_units": unit_recs, "broken_suites": broken}
+                "defect_units": unit_recs, "broken_suites": broken, "quantization": quant}
         path.write_text(json.dumps(part, indent=1, default=report._json_default))
         bad = [r for r in cases if r["status"] in report.FAILING_CASE]
         bad += [g for g in growth_recs if g["status"] in report.FAILING_GROWTH]
@@ -496,7 +502,8 @@ def main(argv=None):
               f"({len(bad)} failing unit(s)); combine with --merge --out {out}")
         return 1 if bad else 0
     rep = report.build(cases=cases, growth=growth_recs, defect_units=unit_recs,
-                       broken_suites=broken, config=config, provenance=prov, wall_seconds=wall)
+                       broken_suites=broken, config=config, provenance=prov, wall_seconds=wall,
+                       quantization=quant)
     report.write(rep, out)
     _print_verdict(rep, out)
     return 0 if rep["verdict"]["passed"] else 1

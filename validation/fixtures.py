@@ -244,3 +244,59 @@ def resolve_dtype(name):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+FP8_MODES = ("tensor", "token_head")  # the fp8 cache's scale modes (attention.cache.fp8)
+
+
+def fp8_quantize(inputs, mode):
+    """A decode case (``decode_inputs``) with its caches quantized to fp8 e4m3
+    by the reference encoder (``attention.cache.fp8``), scales per tensor
+    (``mode`` "tensor": amax over the live values / 448, 1 where there are
+    none) or per (token, kv head) ("token_head": ``fp8.row_scales`` of each
+    row, NaN where no row lives).
+
+    Returns a new dict: ``k_codes`` / ``v_codes`` uint8 [KV_SLOTS, H_kv,
+    max_seq, D] (0x7F, e4m3's NaN, where the case has NaN: unused rows),
+    ``k_scale`` / ``v_scale`` float32 [1] or [KV_SLOTS, H_kv, max_seq],
+    ``fp8_scales`` (the mode), and ``k_cache`` / ``v_cache`` replaced by the
+    DEQUANTIZED values ``decode(code) * scale`` in float64 (exact; NaN where
+    the case has NaN): what the oracle and the baseline take, so the kernel
+    is judged on the values it was given. ``k_source`` / ``v_source``: the
+    unquantized float32 caches (the quantization error's reference)."""
+    from attention.cache import fp8
+
+    if mode not in FP8_MODES:
+        raise ValueError(f"mode: expected one of {FP8_MODES}, got {mode!r}")
+    out = dict(inputs)
+    for name in ("k", "v"):
+        x = np.asarray(inputs[f"{name}_cache"], np.float32)
+        live = np.isfinite(x).all(axis=-1)
+        if mode == "tensor":
+            peak = float(np.abs(x[live]).max()) if live.any() else 0.0
+            scale = np.float32(peak / fp8.E4M3_MAX) if peak > 0 else np.float32(1.0)
+            codes = fp8.quantize_rows(np.where(live[..., None], x, 0), scale)
+            scales = np.array([scale], np.float32)
+            row_scale = np.broadcast_to(np.float64(scale), live.shape)
+        else:
+            scales = fp8.row_scales(np.where(live[..., None], x, 0))
+            codes = fp8.quantize_rows(np.where(live[..., None], x, 0), scales)
+            scales = np.where(live, scales, np.float32(np.nan)).astype(np.float32)
+            row_scale = scales.astype(np.float64)
+        codes = np.where(live[..., None], codes, np.uint8(fp8.E4M3_NAN)).astype(np.uint8)
+        with np.errstate(invalid="ignore"):
+            deq = fp8.decode_e4m3(codes).astype(np.float64) * row_scale[..., None]
+        out[f"{name}_codes"], out[f"{name}_scale"] = codes, scales
+        out[f"{name}_cache"] = np.where(live[..., None], deq, np.nan)
+        out[f"{name}_source"] = x
+    out["fp8_scales"] = mode
+    return out
+
+
+def paged_scales(scales, seq_lens, slot_table, page, layout, rng):
+    """Per-(token, kv head) scales [KV_SLOTS, H_kv, max_seq] in the pages
+    ``paged_from_pooled`` makes from the same ``rng`` state: HND [num_pages,
+    H_kv, P], NHD [num_pages, P, H_kv] (NaN where no row lives)."""
+    s = np.asarray(scales, np.float32)[..., None]
+    pages, _, table = paged_from_pooled(s, s, seq_lens, slot_table, page, layout, rng)
+    return np.ascontiguousarray(pages[..., 0]), table

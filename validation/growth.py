@@ -33,6 +33,14 @@ Runs (``GROWTH_KERNELS``):
   ``DecodePlan(page_size=..., t_q=T)``: T = 1, and T = 4 (the run's steps
   taken 4 at a time, every query judged; a step of the series is a call);
   at the end every page must equal the mirror's rows, NaN elsewhere;
+* ``fp8_decode``: the same sequences in an fp8 e4m3 cache (HND pages of 16,
+  4 on the simulator, shuffled; NaN codes and NaN scales in every unwritten
+  row), each step's new rows (in the job's dtype) quantized per (token, kv
+  head) by ``attention.cache.fp8.fp8_append`` and attended by a
+  ``DecodePlan(cache_dtype="float8_e4m3fn", fp8_scales="token_head")``; the
+  mirror is the reference quantizer's (``quantize_append_ref``) codes and
+  scales, the oracle and the baseline take its dequantized values, and at the
+  end every page byte and every scale must equal the mirror's;
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
@@ -62,7 +70,8 @@ import numpy as np
 from validation import baselines, fixtures, metrics, tolerance
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
-                  "paged_decode_t4", "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode")
+                  "paged_decode_t4", "fp8_decode", "mla_decode", "mla_gemm_decode",
+                  "mla_gemm_fma_decode")
 # the paged runs: queries a call (tokens appended a call) and page size (GPU, simulator)
 PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4}
 PAGED_PAGE = {False: 16, True: 4}
@@ -77,7 +86,8 @@ KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
 # each run's baseline order: its kernel's in the registry (validation.baselines)
 REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_decode",
                    "fast_decode": "decode_fast", "paged_decode": "decode_fast",
-                   "paged_decode_t4": "decode_fast", "mla_decode": "mla",
+                   "paged_decode_t4": "decode_fast", "fp8_decode": "decode_fp8_tok",
+                   "mla_decode": "mla",
                    "mla_gemm_decode": "mla_gemm",
                    "mla_gemm_fma_decode": "mla_gemm_fma"}
 
@@ -99,6 +109,11 @@ DECODE_GEOMETRY = {
     True: dict(m=2, h=2, h_kv=1, d=40, start=(0, 3), kv_slots=3, chunk=8),
     False: dict(m=3, h=8, h_kv=2, d=128, start=(0, 17, 100), kv_slots=5, chunk=128),
 }
+# the fp8 run on the simulator: D 64 and 4 heads, 512 output entries a step (with
+# DECODE_GEOMETRY's 160, i.e. 4 (sequence, head) pairs, one step of 12 of a float16
+# run went over the mean rule); the GPU size is DECODE_GEOMETRY's
+FP8_GEOMETRY = {True: dict(m=2, h=4, h_kv=2, d=64, start=(0, 3), kv_slots=3, chunk=8),
+                False: DECODE_GEOMETRY[False]}
 MLA_START = {True: 3, False: 16}
 MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "flash_decode": ("attention.decode.step", "attention.oracle"),
@@ -106,6 +121,7 @@ MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "paged_decode": ("attention.decode.plan", "attention.cache.paged", "attention.oracle"),
            "paged_decode_t4": ("attention.decode.plan", "attention.cache.paged",
                                "attention.oracle"),
+           "fp8_decode": ("attention.decode.plan", "attention.cache.fp8", "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
@@ -341,6 +357,97 @@ def _paged_growth(job, t_q, probe=None):
     return series, not problems, "; ".join(problems), geometry
 
 
+def _fp8_growth(job):
+    """The fp8 growth run (module docstring): per-(token, kv head) scales."""
+    from attention.cache import fp8
+    from attention.core.device import to_device, to_host
+    from attention.decode.plan import DecodePlan
+    from attention.oracle import decode_attention_ref
+
+    g = FP8_GEOMETRY[job.small]
+    m, h, h_kv, d = g["m"], g["h"], g["h_kv"], g["d"]
+    page = PAGED_PAGE[job.small]
+    start = np.array(g["start"], np.int32)
+    max_seq = int(start.max()) + job.steps + 1  # one position is never written
+    width = -(-max_seq // page)
+    dt = fixtures.resolve_dtype(job.dtype)
+    rng = fixtures.case_rng(job.seed, "growth", "fp8", job.small)
+    n_pages = m * width + 2  # two spare pages nobody owns
+    order = rng.permutation(n_pages).astype(np.int32)
+    if np.array_equal(order, np.arange(n_pages)):
+        order = order[::-1].copy()
+    table = order[:m * width].reshape(m, width).copy()
+    for i in range(m):
+        table[i, -(-(int(start[i]) + job.steps) // page):] = fixtures.HUGE_PAGE
+    # the reference: host pages and scales (NaN codes / NaN scales where nothing lives)
+    ref = {n: np.full((n_pages, h_kv, page, d), fp8.E4M3_NAN, np.uint8) for n in "kv"}
+    ref_sc = {n: np.full((n_pages, h_kv, page), np.nan, np.float32) for n in "kv"}
+    zeros = np.zeros(m, np.int32)
+    pre = {n: rng.standard_normal((m, int(start.max()), h_kv, d)).astype(dt) for n in "kv"}
+    for i in range(m):  # the prefixes, quantized by the reference
+        n_i = int(start[i])
+        for n in "kv":
+            if n_i:
+                fp8.quantize_append_ref(pre[n][i:i + 1, :n_i], ref[n], ref_sc[n],
+                                        table[i:i + 1], zeros[:1])
+    dev = {n: to_device(ref[n].copy()) for n in "kv"}
+    dev_sc = {n: to_device(ref_sc[n].copy()) for n in "kv"}
+    d_table = to_device(table)
+    plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype="float8_e4m3fn",
+                      q_dtype=np.float32, page_size=page, layout="HND", fp8_scales="token_head")
+    series = _series()
+    lengths = start.copy()
+
+    # the reference's dequantized values, pooled [M, H_kv, max_seq, D] float64, NaN past lengths
+    mirror = {n: np.full((m, h_kv, max_seq, d), np.nan) for n in "kv"}
+
+    def dequantize(first):
+        for i in range(m):
+            for p in range(int(first[i]), int(lengths[i])):
+                pg, off = table[i, p // page], p % page
+                for n in "kv":
+                    mirror[n][i, :, p] = (fp8.decode_e4m3(ref[n][pg, :, off]).astype(np.float64)
+                                          * ref_sc[n][pg, :, off, None])
+
+    dequantize(zeros)
+
+    for step in range(job.steps):
+        q = rng.standard_normal((m, h, d)).astype(np.float32)
+        new = {n: rng.standard_normal((m, 1, h_kv, d)).astype(dt) for n in "kv"}
+        fp8.fp8_append(new["k"], new["v"], dev["k"], dev["v"], d_table, to_device(lengths),
+                       k_scales=dev_sc["k"], v_scales=dev_sc["v"], layout="HND")
+        for n in "kv":
+            fp8.quantize_append_ref(new[n], ref[n], ref_sc[n], table, lengths)
+        before = lengths
+        lengths = lengths + 1
+        dequantize(before)
+        out = plan.run(to_device(q), dev["k"], dev["v"], to_device(lengths), page_table=d_table,
+                       k_scale=dev_sc["k"], v_scale=dev_sc["v"], sync=True)
+        out, lse = np.asarray(to_host(out)), np.asarray(to_host(plan.lse))
+        kd, vd = mirror["k"], mirror["v"]
+        o64, l64 = decode_attention_ref(q, kd, vd, lengths)
+        label = baseline_order("fp8_decode", {"q": q}, np.uint8)
+        o32, l32 = baselines.decode_order(q, np.nan_to_num(kd).astype(np.float32),
+                                          np.nan_to_num(vd).astype(np.float32), lengths,
+                                          np.arange(m), label)
+        judged = {"out": metrics.judge(out, o64, o32, label),
+                  "lse": metrics.judge(lse, l64, l32, label)}
+        _record_step(series, step + 1, int(lengths.max()), judged)
+    problems = []
+    for n in "kv":
+        got = np.asarray(to_host(dev[n]))
+        if not np.array_equal(got, ref[n]):
+            bad = np.argwhere(got != ref[n])
+            problems.append(f"{n}_pages differ from the reference codes at {tuple(bad[0])} "
+                            f"({len(bad)} bytes)")
+        got_sc = np.asarray(to_host(dev_sc[n]))
+        if not np.array_equal(got_sc.view(np.uint32), ref_sc[n].view(np.uint32)):
+            problems.append(f"{n}_scales differ from the reference's")
+    geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+    geometry.update(path=f"fp8 e4m3 token_head, paged HND P={page}, {plan.launch_path}")
+    return series, not problems, "; ".join(problems), geometry
+
+
 def mla_growth_inputs(job):
     """The MLA run's inputs: (dims, dtype, start, w_uk [nh, d_nope, r], w_uv [nh, d_v, r],
     c_all [start + steps, r], k_all [start + steps, d_rope], queries), ``queries``
@@ -436,6 +543,8 @@ def run_growth(job):
             series, cache_ok, problems, geometry = _mla_growth(job)
         elif job.kernel in PAGED_T_Q:
             series, cache_ok, problems, geometry = _paged_growth(job, PAGED_T_Q[job.kernel])
+        elif job.kernel == "fp8_decode":
+            series, cache_ok, problems, geometry = _fp8_growth(job)
         else:
             method = DECODE_METHODS[job.kernel]
             series, cache_ok, problems, geometry = _decode_growth(job, method)

@@ -300,6 +300,53 @@ def _run_multi(t_q, page, layout):
     return run
 
 
+def _run_fp8(scales, page=None, layout="HND"):
+    """Run wrapper of the fp8 fast decode: the case quantized by
+    ``fixtures.fp8_quantize`` (``x["k_codes"]`` ... ; ``scales`` is its mode),
+    pooled or laid out in pages of ``page`` (codes and per-row scales in the
+    same pages), then a ``DecodePlan(cache_dtype="float8_e4m3fn",
+    fp8_scales=scales)`` run with q in the case dtype. ``fn`` is
+    ``DecodePlan``. A GPU without fp8 (before sm_89) makes the plan raise
+    ``DTypeError``, and so does a query that overflows the case dtype (the
+    'large' fixture in float16): the case is reported unsupported, with the
+    reason."""
+    def run(fn, x):
+        from attention.core.device import to_device, to_host
+
+        from attention.core.checks import DTypeError
+
+        q, kc, vc = x["q"], x["k_codes"], x["v_codes"]
+        ks, vs = x["k_scale"], x["v_scale"]
+        m, h, d = q.shape
+        if not np.isfinite(q).all():  # q in the case dtype: 'large' scores overflow float16
+            raise DTypeError(f"q: the case's query does not fit in {q.dtype} (inf after the "
+                             "cast); the fp8 kernels take q in the case dtype")
+        lens = np.asarray(x["seq_lens"], np.int32)
+        slots = np.asarray(x["slot_table"], np.int32)
+        kw = {"slot_table": to_device(slots)}
+        n_slots = kc.shape[0]
+        if page is not None:
+            seed = [page, len(layout), m, int(np.sum(lens))]
+            kc, vc, table = fixtures.paged_from_pooled(kc, vc, lens, slots, page, layout,
+                                                       np.random.default_rng(seed))
+            if scales == "token_head":
+                ks, _ = fixtures.paged_scales(ks, lens, slots, page, layout,
+                                              np.random.default_rng(seed))
+                vs, _ = fixtures.paged_scales(vs, lens, slots, page, layout,
+                                              np.random.default_rng(seed))
+            kw = {"page_table": to_device(table)}
+            n_slots = kc.shape[0]
+        plan = fn(m, h, kc.shape[2 if layout == "NHD" and page else 1], d, n_slots,
+                  x["k_codes"].shape[2], cache_dtype="float8_e4m3fn", q_dtype=q.dtype,
+                  fp8_scales=scales, page_size=page, layout=layout)
+        d_lse = to_device(np.zeros((m, h), np.float32))
+        out = plan.run(to_device(q), to_device(kc), to_device(vc), to_device(lens), lse=d_lse,
+                       k_scale=to_device(ks), v_scale=to_device(vs), sync=True, **kw)
+        return {"out": np.asarray(to_host(out)), "lse": np.asarray(to_host(d_lse))}
+
+    return run
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -313,6 +360,9 @@ class KernelSpec:
     # the same-precision baseline's order (``validation.baselines``): how the
     # kernel sums its q.k products and where it applies the scale
     baseline: str = "matmul/after"
+    # fp8 caches: the case's K/V quantized first (``fixtures.fp8_quantize`` with
+    # this scale mode); the oracle and the baseline then take the dequantized cache
+    quantize: str = ""
 
 
 # the warp kernels: lane j holds d = j + 32 c, an FMA sum a lane, then a shuffle
@@ -355,6 +405,17 @@ KERNELS = (
                "multi-token decode (4 queries a sequence, causal) over pages of 16, HND; "
                "each sequence judged at one query, the index varying over the batch",
                "decode_fast/before/recip_after/ex2"),
+    KernelSpec("decode_fp8", "decode_fp8", "decode", "attention.decode.plan", "DecodePlan",
+               _run_fp8("tensor"), ("q",),
+               "the fast decode over an fp8 e4m3 cache (the reference encoder's codes), "
+               "per-tensor scales; judged over the dequantized cache, q in the case dtype",
+               "decode_fast/before/recip_after/ex2", quantize="tensor"),
+    KernelSpec("decode_fp8_tok", "decode_fp8", "decode", "attention.decode.plan", "DecodePlan",
+               _run_fp8("token_head", 3, "NHD"), ("q",),
+               "the fast decode over an fp8 e4m3 cache with per-(token, kv head) scales, "
+               "NHD pages of 3 (codes and scales shuffled alike); judged over the "
+               "dequantized cache, q in the case dtype",
+               "decode_fast/before/recip_after/ex2", quantize="token_head"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),

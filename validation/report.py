@@ -47,7 +47,10 @@ FAMILY_ORDER = ("decode", "batched_decode", "prefill", "mla", "mla_gemm")
 # ---------------------------------------------------------------------------
 
 
-def build(*, cases, growth, defect_units, broken_suites, config, provenance, wall_seconds):
+def build(*, cases, growth, defect_units, broken_suites, config, provenance, wall_seconds,
+          quantization=None):
+    """The report dict. ``quantization``: the fp8 format's error table
+    (``validation.fp8_quant.table``), rows shown in the summary as they are."""
     from validation.defects import aggregate
 
     report = {
@@ -59,6 +62,7 @@ def build(*, cases, growth, defect_units, broken_suites, config, provenance, wal
         "growth": growth,
         "defect_units": defect_units,
         "defects": aggregate(defect_units, broken_suites),
+        "quantization": list(quantization or []),
     }
     report["verdict"] = verdict(report)
     return report
@@ -416,6 +420,7 @@ def summary_markdown(report, images):
                      f"{r['pass']} | {r['unsupported']} | {_fmt(r['ratio'])} | "
                      f"{_fmt(r['margin'])} | {_fmt(r['abs'], '.2e')} | {_fmt(r['cos'], '.1e')} |")
         L.append("")
+    L += quantization_section(report)
     L.append("## Error growth over decode steps")
     L.append("")
     if report["growth"]:
@@ -478,6 +483,31 @@ def summary_markdown(report, images):
                          f"{_first_line(g.get('detail', ''))}")
         L.append("")
     return "\n".join(L)
+
+
+def quantization_section(report):
+    """Markdown lines of the fp8 quantization-error table (none without rows)."""
+    rows = report.get("quantization") or []
+    if not rows:
+        return []
+    L = ["## fp8 e4m3 quantization error (a property of the format, not of a kernel)", ""]
+    L.append("Per decode shape and fixture (first seed): the float64 attention over the cache "
+             "quantized by the reference encoder and dequantized, against the float64 "
+             "attention over the unquantized cache; |error| of `out`. Per tensor: one scale "
+             "for K and one for V (amax / 448); per (token, kv head): each row's amax / 448. "
+             "The fp8 kernels (`decode_fp8`, `decode_fp8_tok`) are judged over the "
+             "dequantized cache, so none of this error is theirs.")
+    L.append("")
+    L.append("| shape | fixture | max abs out | per tensor: max err | per tensor: mean err | "
+             "per token-head: max err | per token-head: mean err |")
+    L.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        L.append(f"| {r['shape']} | {r['fixture']} | {_fmt(r.get('max_out'), '.3g')} | "
+                 f"{_fmt(r.get('tensor_max'), '.2e')} | {_fmt(r.get('tensor_mean'), '.2e')} | "
+                 f"{_fmt(r.get('token_head_max'), '.2e')} | "
+                 f"{_fmt(r.get('token_head_mean'), '.2e')} |")
+    L.append("")
+    return L
 
 
 def findings_section(report):
@@ -581,7 +611,8 @@ def merge(out_dir):
     prov = dict(parts[0]["provenance"], devices=sorted({p["provenance"]["device"] for p in parts}))
     wall = max(p["wall_seconds"] for p in parts)
     return build(cases=cases, growth=growth, defect_units=units, broken_suites=broken,
-                 config=config, provenance=prov, wall_seconds=wall)
+                 config=config, provenance=prov, wall_seconds=wall,
+                 quantization=parts[0].get("quantization"))
 
 
 # ---------------------------------------------------------------------------

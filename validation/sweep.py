@@ -14,7 +14,11 @@
     seconds   kernel wall time (first call includes compilation)
     detail    why it failed / was skipped
 
-References are cached per (kind, shape, fixture, seed, dtype, cast): every
+fp8 kernels (``KernelSpec.quantize``) take the case's caches quantized by the
+reference encoder (``fixtures.fp8_quantize``), and their oracle and baseline
+the dequantized values: the kernel is judged by the same rule as the others.
+
+References are cached per (kind, shape, fixture, seed, dtype, cast, fp8 mode): every
 kernel of a kind sees the same inputs, so the oracle runs once for all of them,
 and each baseline order once for the kernels that share it.
 """
@@ -83,7 +87,8 @@ def _refs(spec, case, used, cast):
     float32 (context), the kernel's baseline order (resolved for the case) and
     that baseline; {output name: array} each. Cached per input data, every
     order computed once for the kernels that share it."""
-    key = (spec.kind, case.shape, case.fixture, case.seed, case.dtype, cast, case.small)
+    key = (spec.kind, case.shape, case.fixture, case.seed, case.dtype, cast, case.small,
+           spec.quantize)
     if key in _REF_CACHE:
         _REF_CACHE.move_to_end(key)
     else:
@@ -93,6 +98,8 @@ def _refs(spec, case, used, cast):
             _REF_CACHE.popitem(last=False)
     entry = _REF_CACHE[key]
     storage = used[spec.storage[0]].dtype if spec.storage else np.float32
+    if spec.quantize:  # fp8 caches: the kernel's lane layout is the fp8 one
+        storage = used["k_codes"].dtype
     label = baselines.resolve(spec.baseline, used, storage)
     if label not in entry["orders"]:
         entry["orders"][label] = baselines.baseline(spec.kind, used, label, entry["plain"])
@@ -128,6 +135,8 @@ def run_case(case):
         rec.update(status="unsupported", detail="the CUDA simulator has no bfloat16")
         return rec
     inputs = registry.make_inputs(spec.kind, shape, case.fixture, case.seed)
+    if spec.quantize:  # fp8: the oracle and the baseline see the dequantized cache
+        inputs = fixtures.fp8_quantize(inputs, spec.quantize)
     from attention.core.checks import DTypeError
 
     start = time.perf_counter()

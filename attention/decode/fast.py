@@ -72,6 +72,11 @@ one the kernels are the production ones, PTX unchanged). ``GROSS_DEFECTS``:
     "fp8_scale_twice"      the V scale applied twice to the output
     "fp8_no_k_scale"       the K scale not applied to the scores
     "fp8_as_e5m2"          the cache's codes decoded as e5m2 instead of e4m3
+    "fp8_scale_wrong_head" per-token-head scales: a row's K and V scales read
+                           from kv head ``(h + 1) % H_kv``
+    "fp8_scale_wrong_token" per-token-head scales: a row's K and V scales read
+                           from the next position of its page (slot), ``(off +
+                           1) % P``
 ``MULTI_DEFECTS`` (multi-token plans only, ``t_q > 1``):
     "causal_off_by_one"    query i of T sees positions 0 .. len - T + i + 1 (one
                            more than causal) for i < T - 1
@@ -186,7 +191,12 @@ PAGED_DEFECTS = ("page_off_by_one", "page_offset_stride")
 MULTI_DEFECTS = ("causal_off_by_one",)
 MAX_T_Q = 16  # most queries a sequence in one multi-token decode
 # switches of the fp8 kernels only (cache_dtype uint8 plans)
-FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2")
+FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2", "fp8_scale_wrong_head",
+               "fp8_scale_wrong_token")
+# the fp8 plans' scale modes: one K and one V scale ("tensor", float32 [1]), or a
+# scale a cached row ("token_head": the cache's layout without D, float32)
+FP8_SCALES = ("tensor", "token_head")
+FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token")  # token_head only
 CHECK_AHEAD = 8  # paged: table entries a thread loads at once in the block's page check
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
 
@@ -256,6 +266,23 @@ merge_chop_exp = device_fn(_merge_chop_exp)
 # ---------------------------------------------------------------------------
 # vector row loads
 # ---------------------------------------------------------------------------
+
+def _e5m2_value(c):
+    # float32 value of the e5m2 code c (0..255): the planted fp8_as_e5m2's
+    # decoding of a scalar-loaded code
+    e = (c >> 2) & 31
+    m = c & 3
+    if e == 31:
+        v = float32(math.inf) if m == 0 else float32(math.nan)
+    elif e == 0:
+        v = float32(m) * float32(2.0 ** -16)
+    else:
+        v = float32(4 + m) * float32(2.0) ** (e - 17)
+    return -v if c & 0x80 else v
+
+
+e5m2_value = device_fn(_e5m2_value)
+
 
 def _halves_to_f32(builder, word, kind):
     """llvmlite: the two 16-bit elements of an i32 ``word`` as float32
@@ -608,7 +635,7 @@ def heads_per_block(group, per_lane):
 @functools.lru_cache(maxsize=None)
 def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, lanes=WARP,
                        pipeline=False, scatter=True, stages=0, pdl=False, defect=None,
-                       paging=None, t_q=1):
+                       paging=None, t_q=1, scales="tensor"):
     """The split-KV, group-shared decode kernel.
 
     kind: 'f32' / 'f16' / 'bf16' (cache dtype), vec / chunks: ``row_layout``,
@@ -624,7 +651,19 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     defect: None or a planted switch of ``DEFECTS`` (module docstring; the
     combine's own switches leave this kernel unchanged), paging: None (a
     pooled cache and a slot table) or a page layout, "HND" / "NHD" (a paged
-    cache and a page table; below), t_q: queries a sequence (below).
+    cache and a page table; below), t_q: queries a sequence (below),
+    scales: fp8 caches ('f8') only, the scale mode (below).
+
+    fp8 scales: the kernel takes two more arguments, ``k_sc`` and ``v_sc``.
+    "tensor": float32 [1] each, every score multiplied by the K scale and the
+    output by the V scale. "token_head": a scale a cached row, float32 in the
+    cache's layout without D (pooled ``[KV_SLOTS, H_kv, max_seq]``, HND
+    ``[num_pages, H_kv, P]``, NHD ``[num_pages, P, H_kv]``): each K and V row
+    is dequantized in registers as it is used, code * its row's scale (one
+    float32 rounding: the float32 value of the dequantized cache), then enters
+    the scores and the P.V sum as any row (fp32 throughout). Rows past a
+    length are never asked for their scales (a step's rows past the end
+    re-read row ``end - 1``'s, whose weight is 0).
 
     Multi-token decode (``t_q = T > 1``): q holds T queries a sequence, the
     kernel's q / out / lse / partials carry ``T * H`` heads, query-major (q
@@ -720,6 +759,12 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     # how the cache's elements convert (the planted fp8_as_e5m2 decodes e4m3 codes as e5m2)
     ROWS = "f8_e5m2" if kind == "f8" and defect == "fp8_as_e5m2" else kind
     load = load_row_vec(ROWS, VEC) if VECTOR else None
+    if kind == "f8" and not VECTOR:  # scalar loads of fp8 codes: decoded arithmetically
+        from attention.cache.fp8 import e4m3_value
+
+        code_value = e5m2_value if ROWS == "f8_e5m2" else e4m3_value
+    else:
+        code_value = None
     load_q = load_row_vec(None, VEC) if VECTOR else None  # q: fp32 or the cache's dtype
     GROUP = group
     if GROUP % GB:
@@ -756,9 +801,24 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     PAGE_OFF = defect == "page_off_by_one"
     PAGE_STRIDE = defect == "page_offset_stride"
     CAUSAL_OFF = defect == "causal_off_by_one"
-    F8 = kind == "f8"  # e4m3 codes; k_sc / v_sc: the per-tensor scales, float32 [1]
+    F8 = kind == "f8"  # e4m3 codes, with scales k_sc / v_sc
+    if scales not in FP8_SCALES:
+        raise ValueError(f"scales: expected one of {FP8_SCALES}, got {scales!r}")
+    TOK = F8 and scales == "token_head"  # a scale a row: [.., .., ..] float32 arrays
+    F8_TENSOR = F8 and not TOK  # float32 [1] scales: on the scores and the output
+    if defect in FP8_TOKEN_DEFECTS and not TOK:
+        raise ValueError(f"defect: {defect!r} needs an fp8 kernel with token_head scales")
     SCALE_TWICE = defect == "fp8_scale_twice"
     NO_K_SCALE = defect == "fp8_no_k_scale"
+    WRONG_HEAD = defect == "fp8_scale_wrong_head"
+    WRONG_TOKEN = defect == "fp8_scale_wrong_token"
+    # fp8 scales the pipelined step reads, kept after the GB alphas of its
+    # ``alpha_h`` (one array, so the steps' signatures are those of the other
+    # kernels): tensor, alpha_h[GB] = the K scale; token_head, the step's rows'
+    # K scales, then their V scales
+    N_ALPHA = GB + 2 * U if TOK else (GB + 1 if F8_TENSOR else GB)
+    K_SCALED = F8_TENSOR and not NO_K_SCALE  # tensor: each score times the K scale
+    N_RSC = 2 * U if TOK else 1  # the one-buffer loop's row scales
 
     def page_split(pos, page, shift):
         # (table column, row in the page) of position pos; P = page, shift =
@@ -825,6 +885,46 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         return row0 + pos
 
     row_of = device_fn(row_of)
+
+    def scale_at(sc, table, seq, slot, pos, n_kv, kv_head, page, shift, n_pages):
+        # token_head: position pos's scale in ``sc`` (the cache's layout without
+        # D; pooled: [slot, kv head, pos]). A page entry outside [0, num_pages)
+        # reads page 0 (the ring path meets one while streaming and discards
+        # the chunk); the planted switches read another head's or the next
+        # position's scale
+        g = kv_head
+        if WRONG_HEAD:
+            g = (kv_head + 1) % n_kv
+        if PAGED:
+            j, off = page_split(pos, page, shift)
+            entry = table[seq, j]
+            if entry < 0 or entry >= n_pages:
+                entry = 0
+            pg = page_entry(entry, n_pages)
+        else:
+            pg = int64(slot)
+            off = pos
+        if WRONG_TOKEN:
+            off = (off + 1) % page  # pooled: page is max_seq
+        if NHD:
+            return sc[pg, off, g]
+        return sc[pg, g, off]
+
+    scale_at = device_fn(scale_at)
+
+    def load_scales(rs, at, k_sc, v_sc, table, seq, slot, tile, end, grp, n_kv, kv_head, page,
+                    shift, n_pages):
+        # token_head: the K and V scales of this lane group's U rows of the step
+        # at ``tile`` into rs[at + u] and rs[at + U + u] (a row past the end:
+        # row end - 1's, which its zero weight meets)
+        for u in range(U):
+            pos = min(tile + u * R + grp, end - 1)
+            rs[at + u] = scale_at(k_sc, table, seq, slot, pos, n_kv, kv_head, page, shift,
+                                  n_pages)
+            rs[at + U + u] = scale_at(v_sc, table, seq, slot, pos, n_kv, kv_head, page, shift,
+                                      n_pages)
+
+    load_scales = device_fn(load_scales)
 
     def round_p(x):
         # a softmax weight as the p_fp16 / p_bf16 mutants hold it
@@ -903,11 +1003,16 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for u in range(U):
                 for e in range(E):
                     row[e] = elem(kbuf, u * E + e)
+                if TOK:  # dequantized: code * the row's K scale (alpha_h[GB + u])
+                    for e in range(E):
+                        row[e] *= alpha_h[GB + u]
                 for h in range(GB):
                     part = float32(0.0)
                     for e in range(E):
                         part += q_reg[h * E + e] * row[e]
                     s = group_sum(part, LPR)
+                    if K_SCALED:  # the K scale (alpha_h[GB])
+                        s = s * alpha_h[GB]
                     score[h * U + u] = s if tile + u * R + grp < end else float32(-math.inf)
             # tile softmax merged into the running state; score <- p * beta
             for h in range(GB):
@@ -925,6 +1030,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for u in range(U):
                 for e in range(E):
                     row[e] = elem(vbuf, u * E + e)
+                if TOK:  # dequantized: code * the row's V scale (alpha_h[GB + U + u])
+                    for e in range(E):
+                        row[e] *= alpha_h[GB + U + u]
                 for h in range(GB):
                     for e in range(E):
                         acc[h * E + e] += score[h * U + u] * row[e]
@@ -935,6 +1043,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for u in range(U):
                 for e in range(E):
                     row[e] = elem(kbuf, u * E + e)
+                if TOK:  # dequantized: code * the row's K scale
+                    for e in range(E):
+                        row[e] *= alpha_h[GB + u]
                 for h in range(GB):
                     part = float32(0.0)
                     for e in range(E):
@@ -953,7 +1064,11 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     score[i] = keep + cuda.shfl_xor_sync(FULL, send, half)
                 half //= 2
             u_mine = sub % U
-            s = score[0] if tile + u_mine * R + grp < end else float32(-math.inf)
+            if K_SCALED:  # the K scale (alpha_h[GB])
+                s = score[0] * alpha_h[GB] if tile + u_mine * R + grp < end else float32(
+                    -math.inf)
+            else:
+                s = score[0] if tile + u_mine * R + grp < end else float32(-math.inf)
             # tile softmax over the U lanes of a head, merged into the lane's
             # running state (m_run[0], l_run[0]: the state of head sub // U)
             m_tile = s
@@ -993,6 +1108,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             for u in range(U):
                 for e in range(E):
                     row[e] = elem(vbuf, u * E + e)
+                if TOK:  # dequantized: code * the row's V scale
+                    for e in range(E):
+                        row[e] *= alpha_h[GB + U + u]
                 for h in range(GB):
                     w = cuda.shfl_sync(FULL, pb, base + h * U + u)
                     for e in range(E):
@@ -1097,13 +1215,15 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     def body(q, k_cache, v_cache, seq_lens, slot_table, scale, chunk,
              out, lse, part_acc, part_ml, err, k_sc, v_sc):
         release_dependents()  # the combine's blocks may be placed from now on
-        qscale = scale  # fp8: the K scale folded into q's, the V scale into the output
+        qscale = scale
+        # fp8 tensor: each score times the K scale (not folded into q's scale:
+        # fl(scale * k_scale) would be one rounding shared by every score, a
+        # bias of the LSE at large scores), the output times the V scale
         vscale = float32(1.0)
-        if F8:
-            qscale = scale * k_sc[0]
+        kscale = float32(1.0)
+        if F8_TENSOR:
+            kscale = k_sc[0]
             vscale = v_sc[0]
-            if NO_K_SCALE:
-                qscale = scale
             if SCALE_TWICE:
                 vscale = vscale * v_sc[0]
         split = cuda.blockIdx.x
@@ -1243,7 +1363,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
             ka = cuda.local.array(N_BUF, WORD)
             va = cuda.local.array(N_BUF, WORD)
             row = cuda.local.array(E, float32)
-            alpha_h = cuda.local.array(GB, float32)
+            alpha_h = cuda.local.array(N_ALPHA, float32)
+            if F8_TENSOR:
+                alpha_h[GB] = kscale
             if STG:
                 # -- the warp's ring: steps t+1 .. t+S-1 in flight while t is computed --
                 ring = cuda.shared.array(0, WORD)
@@ -1281,6 +1403,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if RING_STALE:
                         if i > 0 and tile + STEP >= end:  # the last step: the stage before
                             read_rows(ring, at0 + ((i - 1) % STG) * RING_STAGE, ka, va, lane)
+                    if TOK:
+                        load_scales(alpha_h, GB, k_sc, v_sc, slot_table, seq, slot, tile, end,
+                                    grp, n_kv, kv_head, page, shift, n_pages)
                     tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile += STEP
@@ -1297,6 +1422,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if nxt < end:
                         load_rows(kb, vb, k_cache, v_cache, row0, nxt, end, grp, sub,
                                   slot_table, seq, n_kv, kv_head, page, shift, n_pages)
+                    if TOK:
+                        load_scales(alpha_h, GB, k_sc, v_sc, slot_table, seq, slot, tile, end,
+                                    grp, n_kv, kv_head, page, shift, n_pages)
                     tile_step(ka, va, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile = nxt
@@ -1306,6 +1434,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     if nxt < end:
                         load_rows(ka, va, k_cache, v_cache, row0, nxt, end, grp, sub,
                                   slot_table, seq, n_kv, kv_head, page, shift, n_pages)
+                    if TOK:
+                        load_scales(alpha_h, GB, k_sc, v_sc, slot_table, seq, slot, tile, end,
+                                    grp, n_kv, kv_head, page, shift, n_pages)
                     tile_step(kb, vb, tile, end, grp, sub, q_reg, acc, m_run, l_run, score, row,
                               alpha_h)
                     tile = nxt
@@ -1319,8 +1450,13 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
 
         k_reg = cuda.local.array(N_ROW_REG, float32)
         v_reg = cuda.local.array(N_ROW_REG, float32)
+        if TOK:
+            rsc = cuda.local.array(N_RSC, float32)  # the step's rows' K, then V scales
         while not PIPE and tile < end:
             # -- load U rows of K and V per lane group (all issued before any use) --
+            if TOK:
+                load_scales(rsc, 0, k_sc, v_sc, slot_table, seq, slot, tile, end, grp, n_kv,
+                            kv_head, page, shift, n_pages)
             for u in range(U):
                 pos = min(tile + u * R + grp, end - 1)  # past the end: re-read the last row
                 if VECTOR:
@@ -1340,11 +1476,25 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         if d < head_dim and PAGED:
                             pg, off = page_at(slot_table, seq, pos, page, shift, n_pages)
                             a1, a2 = page_axes(off, kv_head, n_kv, page)
-                            k_reg[u * E + c] = float32(k_cache[pg, a1, a2, d])
-                            v_reg[u * E + c] = float32(v_cache[pg, a1, a2, d])
+                            if F8:  # e4m3 codes
+                                k_reg[u * E + c] = code_value(int32(k_cache[pg, a1, a2, d]))
+                                v_reg[u * E + c] = code_value(int32(v_cache[pg, a1, a2, d]))
+                            else:
+                                k_reg[u * E + c] = float32(k_cache[pg, a1, a2, d])
+                                v_reg[u * E + c] = float32(v_cache[pg, a1, a2, d])
                         elif d < head_dim:
-                            k_reg[u * E + c] = float32(k_cache[slot, kv_head, pos, d])
-                            v_reg[u * E + c] = float32(v_cache[slot, kv_head, pos, d])
+                            if F8:
+                                k_reg[u * E + c] = code_value(
+                                    int32(k_cache[slot, kv_head, pos, d]))
+                                v_reg[u * E + c] = code_value(
+                                    int32(v_cache[slot, kv_head, pos, d]))
+                            else:
+                                k_reg[u * E + c] = float32(k_cache[slot, kv_head, pos, d])
+                                v_reg[u * E + c] = float32(v_cache[slot, kv_head, pos, d])
+                if TOK:  # dequantized: codes * the row's K / V scale
+                    for e in range(E):
+                        k_reg[u * E + e] *= rsc[u]
+                        v_reg[u * E + e] *= rsc[U + u]
 
             # -- scores: U positions x GB heads, each reduced over its lane group --
             for h in range(GB):
@@ -1353,6 +1503,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     for e in range(E):
                         part += q_reg[h * E + e] * k_reg[u * E + e]
                     s = group_sum(part, LPR)
+                    if K_SCALED:
+                        s = s * kscale
                     score[h * U + u] = s if tile + u * R + grp < end else float32(-math.inf)
 
             # -- tile softmax, merged into the running state; P.V --
@@ -1434,7 +1586,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         wt = math.exp(sh_ml[(w * GB + h) * 2] - m_ref)
                     l_all += wt * sh_ml[(w * GB + h) * 2 + 1]
                     a_all += wt * sh_acc[(w * GB + h) * ROW + d]
-                if F8:
+                if F8_TENSOR:
                     a_all *= vscale
                 head = qh0 + h
                 if n_split == 1:
@@ -1469,7 +1621,7 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         + ("" if LPR == WARP else f"l{LPR}")
         + ("p" if PIPE else "") + ("s" if SCATTER else "") + (f"a{STG}" if STG else "")
         + ("" if paging is None else "_paged" + paging)
-        + ("" if TQ == 1 else f"_t{TQ}")
+        + ("" if TQ == 1 else f"_t{TQ}") + ("_tok" if TOK else "")
         + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
@@ -1809,7 +1961,7 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
          warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None,
-         defect=None, paging=None, chunk=None, t_q=1):
+         defect=None, paging=None, chunk=None, t_q=1, fp8_scales="tensor"):
     """Launch plan: dict with kernel, grid, block, chunk, n_split.
 
     ``lanes``: lanes per row (default ``LANES[kind]``). ``pipeline``: packed,
@@ -1838,8 +1990,15 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     ``t_q`` (1 .. ``MAX_T_Q``): queries a sequence (``fast_decode_kernel``'s
     multi-token decode); the grid's middle axis has ``t_q`` blocks a head
     block, and the split count counts them.
+
+    ``fp8_scales`` (``kind`` "f8" only): "tensor" or "token_head" (the
+    kernel's ``k_sc`` / ``v_sc``, ``fast_decode_kernel``).
     """
     check_defect(defect)
+    if fp8_scales not in FP8_SCALES or (fp8_scales != "tensor" and kind != "f8"):
+        raise checks.AttentionInputError(
+            f"fp8_scales: expected one of {FP8_SCALES} ('token_head' with an fp8 cache only), "
+            f"got {fp8_scales!r}")
     t_q = int(t_q)
     if not 1 <= t_q <= MAX_T_Q:
         raise checks.RangeError(f"t_q: expected 1..{MAX_T_Q} queries a sequence, got {t_q}")
@@ -1876,8 +2035,10 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
-                                     pipeline, SCATTERED, stages, pdl, defect, paging, t_q),
+                                     pipeline, SCATTERED, stages, pdl, defect, paging, t_q,
+                                     fp8_scales),
         "paging": paging,
+        "fp8_scales": fp8_scales,
         "t_q": t_q,
         "kind": kind,
         "group": group,
@@ -1969,8 +2130,10 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     main kernel (``attention.core.pdl``), except in a graph capture, where it is
     launched plainly. The combine carries the plan's ``defect``.
 
-    ``scales``: fp8 plans (``kind`` "f8"): ``(k_scale, v_scale)``, float32 [1]
-    device arrays (the cache holds e4m3 codes; K = code * k_scale).
+    ``scales``: fp8 plans (``kind`` "f8"): ``(k_scale, v_scale)`` device arrays
+    (the cache holds e4m3 codes; K = code * k_scale): float32 [1] with
+    ``pl["fp8_scales"]`` "tensor", float32 in the cache's layout without D with
+    "token_head" (``fast_decode_kernel``; shapes are the caller's to check).
     ``err``: the device range check's flag, int32 [ERR_WORDS] device array
     (``clear_flag``); default ``default_flag()``. A bad length or slot makes
     its sequence empty and is counted there (``read_flag`` raises it).
@@ -1991,7 +2154,7 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     if pl.get("kind") == "f8":
         if scales is None:
             raise checks.AttentionInputError(
-                "scales: an fp8 plan needs (k_scale, v_scale), float32 [1] device arrays")
+                "scales: an fp8 plan needs (k_scale, v_scale) float32 device arrays")
         args = args + tuple(scales)
     _allow_shared(pl, args)
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)

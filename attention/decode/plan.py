@@ -241,9 +241,16 @@ class DecodePlan:
     kv_slots:     KV_SLOTS of the cache (>= M); max_seq: its capacity
     cache_dtype:  float32, float16 or bfloat16 (numpy / torch dtype or name), or
                   fp8 e4m3: ``np.uint8`` / "float8_e4m3fn" (codes as uint8,
-                  ``attention.cache.fp8``; sm_89 and later), run with per-tensor
-                  ``k_scale`` / ``v_scale`` (K = code * k_scale): the K scale is
-                  folded into q's, the V scale into the output
+                  ``attention.cache.fp8``; sm_89 and later), run with scales
+                  ``k_scale`` / ``v_scale`` (K = code * scale; ``fp8_scales``)
+    fp8_scales:   fp8 caches: "tensor" (default): ``k_scale`` / ``v_scale`` are
+                  float32 [1] (each score times the K scale, the output times the
+                  V scale); "token_head": a float32 scale a cached row, in the
+                  cache's layout without D (pooled ``[KV_SLOTS, H_kv, max_seq]``,
+                  HND ``[num_pages, H_kv, P]``, NHD ``[num_pages, P, H_kv]``, as
+                  ``attention.cache.fp8.fp8_append`` writes them): each K / V row
+                  is dequantized in registers, code * its scale (fp32). Fixed at
+                  construction (the kernel is compiled for it)
     q_dtype:      float32 or the cache's dtype (default: the cache's); with fp8,
                   float32, float16 or bfloat16 (default float32)
     max_len:      the longest sequence a call may hold (default: max_seq); the
@@ -293,8 +300,10 @@ class DecodePlan:
     ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
     output buffers, overwritten by every run that is given none), ``flag``
     (int32 [fast.ERR_WORDS] device error flag), ``launch_path`` ("cuda.core",
-    "numba" or "none"), ``launch_reason`` and ``registers`` (the main kernel's
-    registers a thread where the plan compiled it for a GPU, else None).
+    "numba" or "none"), ``launch_reason``, ``registers`` (the main kernel's
+    registers a thread where the plan compiled it for a GPU, else None),
+    ``fp8_scales`` and ``scale_shape`` (the shape ``k_scale`` / ``v_scale``
+    must have: ``(1,)``, or the cache's shape without D).
 
     A plan belongs to the device current when it was made. ``run`` is not
     thread-safe (it writes pointers into the plan's argument lists).
@@ -303,7 +312,7 @@ class DecodePlan:
     def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
                  cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
                  n_split=None, page_size=None, layout="HND", batch_invariant=False,
-                 t_q=1, defect=None):
+                 t_q=1, defect=None, fp8_scales="tensor"):
         m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
         kv_slots, max_seq = int(kv_slots), int(max_seq)
         checks.check_range("m", m, 1, 1 << 30, what="sequence count")
@@ -351,6 +360,17 @@ class DecodePlan:
             if qdt not in (_FLOAT32, cdt):
                 raise checks.DTypeError(
                     f"q_dtype: expected float32 or the cache's {cdt}, got {qdt}")
+        if fp8_scales not in fast.FP8_SCALES:
+            raise checks.AttentionInputError(
+                f"fp8_scales: expected one of {fast.FP8_SCALES}, got {fp8_scales!r}")
+        if fp8_scales != "tensor" and kind != "f8":
+            raise checks.AttentionInputError(
+                f"fp8_scales: {fp8_scales!r} needs an fp8 cache (cache_dtype uint8 / "
+                f"'float8_e4m3fn'), got cache_dtype {cdt}")
+        if defect in fast.FP8_TOKEN_DEFECTS and fp8_scales != "token_head":
+            raise checks.AttentionInputError(
+                f"defect: {defect!r} needs fp8_scales='token_head'")
+        self.fp8_scales = fp8_scales
         self.scale = checks.check_scale(scale, head_dim)
         self.m, self.n_heads, self.n_kv_heads, self.head_dim = m, n_heads, n_kv, head_dim
         self.kv_slots, self.max_seq, self.max_len = kv_slots, max_seq, max_len
@@ -375,7 +395,8 @@ class DecodePlan:
                 chunk = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
         kernel_defect = None if defect in PLAN_DEFECTS else defect
         pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
-                       defect=kernel_defect, paging=paging, chunk=chunk, t_q=t_q)
+                       defect=kernel_defect, paging=paging, chunk=chunk, t_q=t_q,
+                       fp8_scales=fp8_scales)
         self.fast_plan = pl
         self.n_split = pl["n_split"]
         P = self.page_size
@@ -397,6 +418,11 @@ class DecodePlan:
             table = _Spec("slot_table", (m,), _INT32, 1, ("M",))
         align = 16 if pl["vec"] > 1 else 1
         lab = ("M", "T") if t_q > 1 else ("M",)
+        if fp8_scales == "token_head":  # the cache's layout without D
+            scale_shape, scale_dims = cache_shape[:3], cache_dims[:3]
+        else:
+            scale_shape, scale_dims = (1,), ("1",)
+        self.scale_shape = scale_shape
         self._specs = (
             _Spec("q", self.out_shape, qdt, align, lab + ("H", "D")),
             _Spec("k_cache", cache_shape, cdt, align, cache_dims),
@@ -405,8 +431,8 @@ class DecodePlan:
             table,
             _Spec("out", self.out_shape, _FLOAT32, 1, lab + ("H", "D")),
             _Spec("lse", self.lse_shape, _FLOAT32, 1, lab + ("H",)),
-            _Spec("k_scale", (1,), _FLOAT32, 1, ("1",)),
-            _Spec("v_scale", (1,), _FLOAT32, 1, ("1",)),
+            _Spec("k_scale", scale_shape, _FLOAT32, 1, scale_dims),
+            _Spec("v_scale", scale_shape, _FLOAT32, 1, scale_dims),
         )
         self.fp8 = kind == "f8"
         self._last = (None, None)  # (seq_lens, slot_table) of the last run
@@ -458,7 +484,8 @@ class DecodePlan:
                     types.Array(f32, 2, "C"), types.Array(f32, 4, "C"),
                     types.Array(f32, 4, "C"), types.Array(i32, 1, "C"))
         if self.fp8:
-            argtypes += (types.Array(f32, 1, "C"), types.Array(f32, 1, "C"))
+            nd = len(self.scale_shape)
+            argtypes += (types.Array(f32, nd, "C"), types.Array(f32, nd, "C"))
         compiled = pl["kernel"].compile(argtypes)
         fn = compiled._codelibrary.get_cufunc()
         self.registers = int(compiled.regs_per_thread)
@@ -484,8 +511,8 @@ class DecodePlan:
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
         t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
         if self.fp8:  # k_scale, v_scale pointers (set by each run)
-            at.append(t.add_array((1,), 4))
-            at.append(t.add_array((1,), 4))
+            at.append(t.add_array(self.scale_shape, 4))
+            at.append(t.add_array(self.scale_shape, 4))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
         self._combine_kernel = None
@@ -545,9 +572,13 @@ class DecodePlan:
                     view of the plan's buffer)
         stream:     None or 0 (default stream), a numba, cuda.core or torch stream
         sync:       wait for the launches, then ``check()``
-        k_scale, v_scale: fp8 plans only (required there): float32 [1] device
-                    arrays, the per-tensor scales (K = e4m3 code * k_scale), read
-                    on the device by each run
+        k_scale, v_scale: fp8 plans only (required there): float32 device
+                    arrays (K = e4m3 code * k_scale), read on the device by each
+                    run: [1] (``fp8_scales`` "tensor"), or the cache's layout
+                    without D ("token_head": ``scale_shape``, e.g. pooled
+                    [KV_SLOTS, H_kv, max_seq], HND [num_pages, H_kv, P], NHD
+                    [num_pages, P, H_kv]); a row's scale must be finite where
+                    the row is attended
         No copy, allocation or synchronisation (unless ``sync``); a bad length or
         slot makes its sequence empty and is raised by ``check()``.
         """
@@ -565,7 +596,8 @@ class DecodePlan:
         if (k_scale is None or v_scale is None) if self.fp8 else (
                 k_scale is not None or v_scale is not None):
             raise checks.AttentionInputError(
-                "k_scale, v_scale: an fp8 plan needs both (float32 [1] device arrays)"
+                f"k_scale, v_scale: an fp8 plan needs both (float32 "
+                f"{self._specs[7].dims} device arrays)"
                 if self.fp8 else "k_scale, v_scale: only fp8 plans take scales")
         if self.launch_path != "cuda.core":
             return self._run_other(q, k_cache, v_cache, seq_lens, slot_table, out, lse,
@@ -616,7 +648,8 @@ class DecodePlan:
         no-GPU plan's (checks, then RuntimeError)."""
         s = self._specs
         if self.launch_path == "none":
-            for spec, x in zip(s, (q, k_cache, v_cache, seq_lens, slot_table, out, lse)):
+            for spec, x in zip(s, (q, k_cache, v_cache, seq_lens, slot_table, out, lse,
+                                   k_scale, v_scale)):
                 if x is not None:
                     pointer(spec, x)
             raise RuntimeError(f"DecodePlan.run: {self.launch_reason}")
