@@ -45,11 +45,13 @@ def pytest_report_header(config):
     return f"attention test mode: {MODE} (device: {device_name()})"
 
 
-# Simulator tests that take 13 s or more each (seconds measured with two workers on
-# two busy cores): skipped in the default simulator run to keep the test
-# command's CI run short, with this reason. They run on a GPU (plain process,
-# every time) and here with ATTN_SIM_FULL=1. Each suite keeps at least one
-# planted defect caught on the simulator in the default run.
+# Tests that take 7 s or more each on a machine without a GPU (seconds measured with
+# two workers on two cores): skipped there by default to keep the test command's CI
+# run short, with this reason. With a GPU they all run (plain process), and without
+# one with ATTN_TEST_FULL=1. What stays: each suite keeps a planted defect caught on
+# the simulator; each kernel family keeps compile-only PTX checks of its production
+# form; of the per-switch PTX checks, one switch of each kind (main-kernel precision,
+# combine, ring) stays.
 SLOW_SIM = {
     "tests/test_decode_paged.py::test_paged_suite_clean_passes": 65,
     "tests/test_gemm_defects.py::test_tgemm_gpu_plan": 46,
@@ -71,27 +73,71 @@ SLOW_SIM = {
     "tests/test_decode_fast_defects.py::test_suite_catches_gross_defect[slot_off_by_one]": 14,
     "tests/test_decode_paged.py::test_batch_invariant_plans_give_a_sequence_the_same_bits[True]":
         13,
+    "tests/test_mla_chunking.py::test_decode_graph_chunked_equals_mla_decode": 22,
+    "tests/test_mla_chunking.py::test_chunked_decode_equals_unchunked[gemm-float16]": 16,
+    "tests/test_mla_chunking.py::test_chunks_keep_the_tensor_core_gemms[float16]": 14,
+    "tests/test_gemm_defects.py::test_sgemm_gpu_plan": 13,
+    "tests/test_decode_fast.py::test_small_matches_oracle[s6]": 12,
+    "tests/test_mla_decode_graph.py::test_runs_match_mla_decode_and_follow_buffers[float16]": 12,
+    "tests/test_mla_kernels.py::test_decode_stepwise_through_cache[nh4_dn24_p8_v32_r64]": 9,
+    "tests/test_decode_multi.py::test_paged_multi_token_matches_the_oracle[NHD-4]": 9,
+    "tests/test_decode_paged.py::test_paged_matches_the_oracle_and_the_pooled_plan[float32-16-NHD]":
+        8,
 }
-SIM_FULL = os.environ.get("ATTN_SIM_FULL") == "1"
+SLOW_COMPILE = {
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[gqa_mod]": 22,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[one_short]": 22,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[slot_off_by_one]":
+        23,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[combine_drops_*":
+        25,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[split_off_by_*": 24,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[scale_fp16]": 23,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[lse_fp16]": 23,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[max_fp16]": 22,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[q_bf16]": 22,
+    "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[p_bf16]": 22,
+    "tests/test_decode_fp8.py::test_token_head_kernel_compiles[HND-64-16]": 20,
+    "tests/test_decode_fp8.py::test_token_head_kernel_compiles[NHD-128-32]": 18,
+    "tests/test_decode_paged.py::test_paged_kernels_compile[f16-cp.async.cg.shared.global-NHD]":
+        11,
+    "tests/test_decode_fp8.py::test_fp8_kernel_compiles_with_the_e4m3_conversion[None-fp8_*": 8,
+    "tests/test_mla_gemm.py::test_compile_sgemm[float16-zkn]": 7,
+    "tests/test_mla_gemm.py::test_compile_sgemm[float32-znk]": 7,
+    "tests/test_mla_gemm.py::test_compile_sgemm[float32-zkn]": 7,
+    "tests/test_decode_fast.py::test_compile_ptx[f32-bf16-128-cp.async.cg.shared.global]": 7,
+    "tests/test_gemm_defects.py::test_switch_compiles[sgemm-k_tail_dropped]": 6,
+    "tests/test_decode_fast_defects.py::test_production_ptx_has_no_mutant_rounding[buffers]": 20,
+    "tests/test_decode_fast_defects.py::test_production_ptx_has_no_mutant_rounding[scalar]": 20,
+    "tests/test_decode_fp8.py::test_fp8_kernel_compiles_with_the_e4m3_conversion[HND-None-*": 12,
+    "tests/test_decode_multi.py::test_multi_token_kernels_compile[f32]": 7,
+    "tests/test_decode_plan.py::test_checked_kernel_compiles_without_spills[bf16]": 7,
+    "tests/test_decode_mma.py::test_compiles_to_mma_ldmatrix_and_cp_async_without_local_*NHD]": 7,
+    "tests/test_decode_fast.py::test_compile_ptx[f32-f16-128-cp.async.cg.shared.global]": 7,
+    "tests/test_decode_fast.py::test_compile_ptx[cache-bf16-128-cp.async.cg.shared.global]": 7,
+}
+TEST_FULL = os.environ.get("ATTN_TEST_FULL") == "1"
 
 
-def _slow_on_sim(nodeid):
+def _slow(nodeid, table):
+    """The seconds ``table`` gives ``nodeid`` (its keys: node ids, ``*`` a
+    wildcard, brackets literal), or None."""
     import fnmatch
 
-    for pattern, seconds in SLOW_SIM.items():
-        if fnmatch.fnmatchcase(nodeid, pattern):
+    for pattern, seconds in table.items():
+        if fnmatch.fnmatchcase(nodeid, pattern.replace("[", "[[]")):
             return seconds
     return None
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if SIM and not SIM_FULL:
-            seconds = _slow_on_sim(item.nodeid)
+        if not GPU and not TEST_FULL:
+            seconds = _slow(item.nodeid, SLOW_SIM if SIM else SLOW_COMPILE)
             if seconds is not None:
                 item.add_marker(pytest.mark.skip(
-                    reason=f"slow on the simulator (~{seconds} s): runs on a GPU, and on the "
-                           f"simulator with ATTN_SIM_FULL=1"))
+                    reason=f"slow without a GPU (~{seconds} s): runs on a GPU, and here with "
+                           f"ATTN_TEST_FULL=1"))
         if "compile" in item.keywords and SIM:
             item.add_marker(pytest.mark.skip(
                 reason="compile-only: compile_ptx does not exist under the simulator; "

@@ -157,11 +157,12 @@ def _chop_mask():
 
 
 @pytest.mark.compile
-def test_production_ptx_has_no_mutant_rounding():
+@pytest.mark.parametrize("form", [f[0] for f in FORMS] + ["combine"])
+def test_production_ptx_has_no_mutant_rounding(form):
     """Without a switch no kernel form rounds to fp16 or chops an exponential;
     with ``p_fp16`` / ``exp_approx`` every form does (the patterns can match)."""
     chop = _chop_mask()
-    for form in [f[0] for f in FORMS] + ["combine"]:
+    for form in [form]:
         ptx = _ptx(form, None)
         assert not FP16_ROUNDING.search(ptx), f"{form}: fp32 -> fp16 rounding"
         assert not chop.search(ptx), f"{form}: the chop_exp mask"

@@ -235,6 +235,20 @@ def device_empty(shape, dtype, stream=None):
     return cuda.device_array(shape, dtype=dtype, stream=stream or 0)
 
 
+def output_array(name, given, shape, stream=None):
+    """A float32 output buffer of ``shape`` on the device: a new one when
+    ``given`` is None, else ``given`` checked (``attention.core.checks``: the
+    shape and dtype, the error naming ``name``) and staged (a device array is
+    used in place)."""
+    from attention.core import checks
+
+    if given is None:
+        return device_empty(shape, np.float32, stream)
+    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
+                       dtypes=(np.float32,))
+    return to_device(given, stream)
+
+
 def device_fill(shape, dtype, value, stream=None):
     """A device array filled with ``value`` (copied from a host array)."""
     return cuda.to_device(np.full(shape, value, dtype=dtype), stream=stream or 0)

@@ -136,6 +136,7 @@ from attention.core.device import (
     is_host_array,
     jit,
     launch_stream,
+    output_array,
     ptx_statement,
     to_device,
     to_host,
@@ -2105,14 +2106,6 @@ def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
     return m_count, n_heads, n_kv, max_seq, head_dim, kind, lens, slots
 
 
-def _output(name, given, shape, stream):
-    if given is None:
-        return device_empty(shape, np.float32, stream)
-    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
-                       dtypes=(np.float32,))
-    return to_device(given, stream)
-
-
 def _query_rows(x, rank):
     """A multi-token array ``[M, T, H, ...]`` of ``rank`` dimensions as ``[M, T
     * H, ...]`` (a view); one already of rank ``rank - 1`` is returned as is."""
@@ -2214,8 +2207,8 @@ def batched_decode_attention_fast(q, k_cache, v_cache, seq_lens, slot_table=None
     d_q, d_k = to_device(q, stream), to_device(k_cache, stream)
     d_v = to_device(v_cache, stream)
     d_lens, d_slots = to_device(lens, stream), to_device(slots, stream)
-    d_out = _output("out", out, (m_count, n_heads, head_dim), stream)
-    d_lse = _output("lse", lse, (m_count, n_heads), stream)
+    d_out = output_array("out", out, (m_count, n_heads, head_dim), stream)
+    d_lse = output_array("lse", lse, (m_count, n_heads), stream)
     d_pa, d_pm = scratch(m_count, n_heads, head_dim, pl["n_split"], stream)
     launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_pa, d_pm, st)
     result = (d_out, d_lse)

@@ -95,8 +95,6 @@ from attention.core import checks
 from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
-    as_device_view,
-    device_empty,
     device_fn,
     ensure_dynamic_shared,
     finish,
@@ -104,6 +102,7 @@ from attention.core.device import (
     is_host_array,
     jit,
     launch_stream,
+    output_array,
     ptx_statement,
     to_device,
     to_host,
@@ -127,12 +126,7 @@ LAYOUTS = ("HND", "NHD")
 
 def dtype_kind(dt):
     """"f16" / "bf16" for a 16-bit cache dtype."""
-    dt = np.dtype(dt)
-    if dt == np.float16:
-        return "f16"
-    if BFLOAT16 is not None and dt == BFLOAT16:
-        return "bf16"
-    raise checks.DTypeError(f"k_cache: expected dtype float16 or bfloat16, got {dt}")
+    return mma16.kind_of(dt, "k_cache")
 
 
 def check_defect(defect):
@@ -590,18 +584,6 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     }
 
 
-def _words(x, flat=False):
-    """A 16-bit device array (numba, ``__cuda_array_interface__``, DLPack, torch
-    bfloat16 included) as uint32 words (the last axis halved; ``flat``: 1-D), no copy."""
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        x = x.view(torch.int32)
-    d = as_device_view(x)
-    d = d.view(np.uint32)
-    return d.reshape(int(np.prod(d.shape))) if flat else d
-
-
 def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, d_part_ml,
            stream=0):
     """Enqueue a planned decode (one launch, or two with the combine); no
@@ -620,7 +602,8 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     if len(d_table.shape) == 1:
         d_table = d_table.reshape(m_count, 1)
     shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
-    args = (_words(d_q), _words(d_k, True), _words(d_v, True), d_lens, d_table,
+    words = mma16.as_words
+    args = (words(d_q), words(d_k, True), words(d_v, True), d_lens, d_table,
             np.int32(n_kv), np.int32(page), np.int32(n_pages), np.int32(shift),
             np.float32(scale), np.int32(pl["chunk"]), d_out, d_lse, d_part_acc, d_part_ml)
     ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
@@ -729,14 +712,6 @@ def _stage(x, stream):
     return x
 
 
-def _output(name, given, shape, stream):
-    if given is None:
-        return device_empty(shape, np.float32, stream)
-    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
-                       dtypes=(np.float32,))
-    return to_device(given, stream)
-
-
 def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
                layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
                stream=None, warps=WARPS, stages=STAGES, defect=None):
@@ -783,8 +758,8 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     d_q, d_k, d_v = (_stage(x, stream) for x in (q, k_cache, v_cache))
     d_lens = to_device(geo["lens"], stream)
     d_table = to_device(geo["table"], stream)
-    d_out = _output("out", out, o_shape, stream)
-    d_lse = _output("lse", lse, s_shape, stream)
+    d_out = output_array("out", out, o_shape, stream)
+    d_lse = output_array("lse", lse, s_shape, stream)
     d_pa, d_pm = fast.scratch(m_count, tq * n_heads, head_dim, pl["n_split"], stream)
     launch(pl, d_q.reshape(m_count, tq, n_heads, head_dim), d_k, d_v, d_lens, d_table,
            scale, d_out.reshape(m_count, tq, n_heads, head_dim),

@@ -49,10 +49,33 @@ import functools
 import numpy as np
 from numba import cuda, types, uint32
 
-from attention.core.device import SIMULATOR, device_fn
+from attention.core import checks
+from attention.core.device import BFLOAT16, SIMULATOR, as_device_view, device_fn
 
 WARP = 32
 KINDS = ("f16", "bf16")
+
+
+def kind_of(dt, name):
+    """"f16" / "bf16" for a 16-bit dtype; else a DTypeError naming ``name``."""
+    dt = np.dtype(dt)
+    if dt == np.float16:
+        return "f16"
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bf16"
+    raise checks.DTypeError(f"{name}: expected dtype float16 or bfloat16, got {dt}")
+
+
+def as_words(x, flat=False):
+    """A 16-bit device array (numba, ``__cuda_array_interface__``, DLPack, torch
+    bfloat16 included) as uint32 words, two elements a word (the last axis
+    halved; ``flat``: 1-D), no copy."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        x = x.view(torch.int32)
+    d = as_device_view(x).view(np.uint32)
+    return d.reshape(int(np.prod(d.shape))) if flat else d
 
 
 def swizzle(row, chunk, chunks):

@@ -95,15 +95,15 @@ from attention.core import checks
 from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
-    as_device_view,
     device_empty,
     device_fn,
     ensure_dynamic_shared,
-    fma,
     finish,
+    fma,
     is_host_array,
     jit,
     launch_stream,
+    output_array,
     ptx_statement,
     to_device,
 )
@@ -124,12 +124,7 @@ DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
 
 def dtype_kind(dt, name="q"):
     """"f16" / "bf16" for a 16-bit dtype."""
-    dt = np.dtype(dt)
-    if dt == np.float16:
-        return "f16"
-    if BFLOAT16 is not None and dt == BFLOAT16:
-        return "bf16"
-    raise checks.DTypeError(f"{name}: expected dtype float16 or bfloat16, got {dt}")
+    return mma16.kind_of(dt, name)
 
 
 def check_defect(defect):
@@ -697,21 +692,7 @@ def _words(x, stream=None):
     if is_host_array(x):
         words = np.ascontiguousarray(x).view(np.uint16).view(np.uint32)
         return to_device(words.reshape(-1), stream)
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        x = x.view(torch.int32)
-    d = as_device_view(x).view(np.uint32)
-    return d.reshape(int(np.prod(d.shape)))
-
-
-def _output(name, given, shape, stream):
-    """``given`` checked (float32, ``shape``) and on the device, or a new array."""
-    if given is None:
-        return device_empty(shape, np.float32, stream)
-    checks.check_array(name, given, tuple((f"d{i}", s) for i, s in enumerate(shape)),
-                       dtypes=(np.float32,))
-    return to_device(given, stream)
+    return mma16.as_words(x, flat=True)
 
 
 def launch(pl, d_q, d_k, d_v, t_len, n_kv, scale, d_out, d_lse, stream=0):
@@ -762,8 +743,8 @@ def prefill_attention_mma(q, k, v, n_heads, n_kv_heads=None, *, causal=True, sca
         return device_empty(o_shape, np.float32, stream), device_empty(s_shape, np.float32, stream)
     pl = plan(t_len, n_heads, head_dim, kind, causal, warps=warps, block_n=block_n,
               defect=defect)
-    d_out = _output("out", out, o_shape, stream)
-    d_lse = _output("lse", lse, s_shape, stream)
+    d_out = output_array("out", out, o_shape, stream)
+    d_lse = output_array("lse", lse, s_shape, stream)
     d_q, d_k, d_v = (_words(x, stream) for x in (q, k, v))
     launch(pl, d_q, d_k, d_v, t_len, n_kv, scale, d_out, d_lse, launch_stream(stream))
     result = (d_out, d_lse)
