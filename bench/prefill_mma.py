@@ -72,7 +72,8 @@ def _torch_view(torch, x, t_len, heads, head_dim, name):
 
 def check(q, k, v, heads, kv, dt, ours, theirs):
     """Kv group 0 against the oracle: a dict of the printed quantities."""
-    from tests.test_prefill_mma import baseline, cos_diff, oracle
+    from tests.test_prefill_mma import cos_diff, oracle
+    from validation.baselines import prefill_rounded_p as baseline
     from validation.tolerance import floor, max_abs_error
 
     head_dim = q.shape[1] // heads

@@ -4,8 +4,8 @@ heads x the T queries as one 16-row mma tile.
 The kernel's arithmetic is not the fp32 decode's: S = q.k accumulates in fp32
 on the mma (16-bit inputs, exact products), the softmax is fp32 and P is
 rounded to the cache's 16-bit type before P.V. So its baseline is a float32
-numpy decode with the same roundings (``baseline``: P rounded to the cache
-dtype, ``l`` the sum of the unrounded P), judged with the oracle on the same
+numpy decode with the same roundings (``validation.baselines.decode_rounded_p``:
+P rounded to the cache dtype, ``l`` the sum of the unrounded P), judged with the oracle on the same
 16-bit inputs (``attention.oracle``, float64). An output passes when NaN and
 inf sit where the oracle has them and
 
@@ -46,6 +46,7 @@ from attention.core import checks
 from attention.core.device import BFLOAT16
 from attention.decode import mma
 from tests.test_decode_paged import paged_case
+from validation.baselines import decode_rounded_p as baseline
 
 F16 = np.dtype(np.float16)
 
@@ -53,37 +54,6 @@ F16 = np.dtype(np.float16)
 # ---------------------------------------------------------------------------
 # the baseline and the rule
 # ---------------------------------------------------------------------------
-
-def baseline(q, k_rows, v_rows, lens, scale, dtype):
-    """float32 decode with the kernel's roundings.
-
-    q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
-    query i of sequence m sees positions 0 .. lens[m] - T + i. Per row:
-    s = (K q) * scale in float32, p = exp(s - max s), l = sum p, out = (p
-    rounded to ``dtype``) V / l, lse = max s + log l. Returns (out [M, T, H, D],
-    lse [M, T, H]) float32; zeros and -inf for a row that sees nothing."""
-    f32 = np.float32
-    m_count, t_q, n_heads, head_dim = q.shape
-    group = n_heads // k_rows.shape[1]
-    out = np.zeros(q.shape, f32)
-    lse = np.full(q.shape[:3], -np.inf, f32)
-    for m in range(m_count):
-        for i in range(t_q):
-            seen = 0 if lens[m] == 0 else int(lens[m]) - t_q + 1 + i
-            if seen == 0:
-                continue
-            for h in range(n_heads):
-                keys = k_rows[m, h // group, :seen].astype(f32)  # [n, D]
-                vals = v_rows[m, h // group, :seen].astype(f32)  # [n, D]
-                s = (keys @ q[m, i, h].astype(f32)) * f32(scale)  # [n]
-                top = s.max()
-                p = np.exp(s - top)  # [n] float32
-                total = p.sum(dtype=f32)
-                p16 = p.astype(dtype).astype(f32)  # P as the mma takes it
-                out[m, i, h] = (p16 @ vals) / total
-                lse[m, i, h] = top + np.log(total)
-    return out, lse
-
 
 def errors(got, ref, base):
     """(kernel's max error, bound, same non-finite placement) under the rule."""

@@ -48,6 +48,7 @@ import pytest
 from attention.core import checks
 from attention.prefill import mma
 from tests.conftest import storage_dtype
+from validation.baselines import prefill_rounded_p as baseline
 
 F16 = np.dtype(np.float16)
 COS_LIMIT = 1e-5  # FlashMLA's bound on 1 - cos(kernel, reference)
@@ -56,57 +57,6 @@ COS_LIMIT = 1e-5  # FlashMLA's bound on 1 - cos(kernel, reference)
 # ---------------------------------------------------------------------------
 # the baseline and the rule
 # ---------------------------------------------------------------------------
-
-def _round_rz(x):
-    """float64 ``x`` to float32, toward zero."""
-    y = x.astype(np.float32)
-    over = np.abs(y.astype(np.float64)) > np.abs(x)
-    y[over] = np.nextafter(y[over], np.float32(0))
-    return y
-
-
-def mma_scores(qh, kh):
-    """``qh @ kh.T`` ([R, D] @ [D, S] -> [R, S] float32) accumulated as the mma
-    does it (the model of ``tests/test_mma16``): each 16-wide k step's products
-    summed exactly and added to the fp32 accumulator, the sum truncated."""
-    acc = np.zeros((qh.shape[0], kh.shape[0]), np.float32)
-    for k0 in range(0, qh.shape[1], 16):
-        part = qh[:, k0:k0 + 16].astype(np.float64) @ kh[:, k0:k0 + 16].astype(np.float64).T
-        acc = _round_rz(acc.astype(np.float64) + part)
-    return acc
-
-
-def baseline(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=256):
-    """float32 prefill with the kernel's roundings.
-
-    q [T, H*D], k / v [T, H_kv*D] (16-bit values). Per row t of head h (kv head
-    g = h * H_kv // H): s = (K_g q_t) accumulated as the mma does (``mma_scores``)
-    times scale in float32, over the keys it sees; p = exp(s - max s), l = sum p,
-    out = (p rounded to ``dtype``) V_g / l, lse = max s + log l. Returns (out
-    [T, H*D], lse [H, T]) float32."""
-    f32 = np.float32
-    t_len = q.shape[0]
-    head_dim = q.shape[1] // n_heads
-    out = np.zeros((t_len, n_heads * head_dim), f32)
-    lse = np.full((n_heads, t_len), -np.inf, f32)
-    for h in range(n_heads):
-        g = h * n_kv // n_heads
-        qh = q[:, h * head_dim:(h + 1) * head_dim].astype(f32)  # [T, D]
-        kh = k[:, g * head_dim:(g + 1) * head_dim].astype(f32)  # [T, D]
-        vh = v[:, g * head_dim:(g + 1) * head_dim].astype(f32)  # [T, D]
-        for lo in range(0, t_len, row_block):
-            rows = np.arange(lo, min(lo + row_block, t_len))  # [R]
-            s = mma_scores(qh[rows], kh) * f32(scale)  # [R, T]
-            if causal:
-                s[np.arange(t_len)[None, :] > rows[:, None]] = -np.inf
-            top = s.max(axis=1, keepdims=True)  # [R, 1]
-            p = np.exp(s - top)  # [R, T] float32
-            total = p.sum(axis=1, dtype=f32)  # [R]
-            p16 = p.astype(dtype).astype(f32)  # P as the mma takes it
-            out[rows, h * head_dim:(h + 1) * head_dim] = (p16 @ vh) / total[:, None]
-            lse[h, rows] = top[:, 0] + np.log(total)
-    return out, lse
-
 
 def oracle(q, k, v, n_heads, n_kv, causal, scale):
     from attention.oracle import prefill_attention_ref

@@ -555,3 +555,90 @@ def baseline(kind, inputs, label, plain=None):
     from validation.registry import MLA_ARGS
 
     return {"out": mla_order(*(inputs[n] for n in MLA_ARGS), label)}
+
+
+# ---------------------------------------------------------------------------
+# 16-bit tensor-core kernels (attention.decode.mma, attention.prefill.mma): P is
+# rounded to the 16-bit type before P.V, so the same-precision baseline applies
+# that rounding too (16-bit q and K: every product of S is exact in fp32)
+# ---------------------------------------------------------------------------
+
+def _truncate32(x):
+    """float64 ``x`` to float32, toward zero."""
+    y = x.astype(F32)
+    over = np.abs(y.astype(F64)) > np.abs(x)
+    y[over] = np.nextafter(y[over], F32(0))
+    return y
+
+
+def mma16_scores(qh, kh):
+    """``qh @ kh.T`` ([R, D] @ [D, S] -> [R, S] float32) accumulated as
+    ``mma.m16n8k16`` does it in this model: each 16-wide k step's products
+    summed exactly and added to the fp32 accumulator, the sum truncated
+    (``tests/test_mma16.py``'s model; on the H200 it differs by an ulp in places)."""
+    acc = np.zeros((qh.shape[0], kh.shape[0]), F32)
+    for k0 in range(0, qh.shape[1], 16):
+        part = qh[:, k0:k0 + 16].astype(F64) @ kh[:, k0:k0 + 16].astype(F64).T
+        acc = _truncate32(acc.astype(F64) + part)
+    return acc
+
+
+def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=256):
+    """float32 prefill with the tensor-core kernel's roundings.
+
+    q [T, H*D], k / v [T, H_kv*D] (16-bit values). Per row t of head h (kv head
+    g = h * H_kv // H): s = (K_g q_t) accumulated as the mma does (``mma16_scores``)
+    times scale in float32, over the keys it sees; p = exp(s - max s), l = sum p,
+    out = (p rounded to ``dtype``) V_g / l, lse = max s + log l. Returns (out
+    [T, H*D], lse [H, T]) float32."""
+    t_len = q.shape[0]
+    head_dim = q.shape[1] // n_heads
+    out = np.zeros((t_len, n_heads * head_dim), F32)
+    lse = np.full((n_heads, t_len), -np.inf, F32)
+    for h in range(n_heads):
+        g = h * n_kv // n_heads
+        qh = q[:, h * head_dim:(h + 1) * head_dim].astype(F32)  # [T, D]
+        kh = k[:, g * head_dim:(g + 1) * head_dim].astype(F32)  # [T, D]
+        vh = v[:, g * head_dim:(g + 1) * head_dim].astype(F32)  # [T, D]
+        for lo in range(0, t_len, row_block):
+            rows = np.arange(lo, min(lo + row_block, t_len))  # [R]
+            s = mma16_scores(qh[rows], kh) * F32(scale)  # [R, T]
+            if causal:
+                s[np.arange(t_len)[None, :] > rows[:, None]] = -np.inf
+            top = s.max(axis=1, keepdims=True)  # [R, 1]
+            p = np.exp(s - top)  # [R, T] float32
+            total = p.sum(axis=1, dtype=F32)  # [R]
+            p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
+            out[rows, h * head_dim:(h + 1) * head_dim] = (p16 @ vh) / total[:, None]
+            lse[h, rows] = top[:, 0] + np.log(total)
+    return out, lse
+
+
+def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype):
+    """float32 decode with the tensor-core kernel's roundings.
+
+    q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
+    query i of sequence m sees positions 0 .. lens[m] - T + i. Per row:
+    s = (K q) * scale in float32, p = exp(s - max s), l = sum p, out = (p
+    rounded to ``dtype``) V / l, lse = max s + log l. Returns (out [M, T, H, D],
+    lse [M, T, H]) float32; zeros and -inf for a row that sees nothing."""
+    m_count, t_q, n_heads, head_dim = q.shape
+    group = n_heads // k_rows.shape[1]
+    out = np.zeros(q.shape, F32)
+    lse = np.full(q.shape[:3], -np.inf, F32)
+    for m in range(m_count):
+        for i in range(t_q):
+            seen = 0 if lens[m] == 0 else int(lens[m]) - t_q + 1 + i
+            if seen == 0:
+                continue
+            for h in range(n_heads):
+                keys = k_rows[m, h // group, :seen].astype(F32)  # [n, D]
+                vals = v_rows[m, h // group, :seen].astype(F32)  # [n, D]
+                s = (keys @ q[m, i, h].astype(F32)) * F32(scale)  # [n]
+                top = s.max()
+                p = np.exp(s - top)  # [n] float32
+                total = p.sum(dtype=F32)
+                p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
+                out[m, i, h] = (p16 @ vals) / total
+                lse[m, i, h] = top + np.log(total)
+    return out, lse
