@@ -56,11 +56,10 @@ F16 = np.dtype(np.float16)
 # ---------------------------------------------------------------------------
 
 def errors(got, ref, base):
-    """(kernel's max error, bound, same non-finite placement) under the rule."""
-    from validation.tolerance import floor, max_abs_error, same_nonfinite
+    """(kernel's max error, the max rule's bound, same non-finite placement)."""
+    from validation.tolerance import budget, max_abs_error, same_nonfinite
 
-    return (max_abs_error(got, ref), 2.0 * max_abs_error(base, ref) + floor(ref),
-            same_nonfinite(got, ref))
+    return max_abs_error(got, ref), budget(ref, base), same_nonfinite(got, ref)
 
 
 def judge(got, ref, base, what):

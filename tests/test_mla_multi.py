@@ -33,9 +33,8 @@ import pytest
 from attention.core import checks
 from mla.dims import DEEPSEEK_V3, MlaDims
 from mla.oracle import mla_attend_absorbed, mla_decode_ref
-from mla.paged import pages_needed
 from tests.conftest import MODE, small
-from tests.test_mla_paged import build_pages
+from tests.test_mla_paged import paged_case
 from validation.suite_mla import parity
 
 DIMS = MlaDims(n_head=2, d_nope=8, d_rope=4, d_v=8, kv_rank=12)  # rows of 16 words
@@ -44,31 +43,12 @@ SIM_TILE = 8 if small() else None
 
 def multi_case(s_q, *, dims=DIMS, lengths=None, page_size=3, dtype=np.float32, seed=0):
     """Queries [B, s_q, nh, .], weights, a contiguous cache [B, cap, W] (NaN
-    past each length) and the same rows in shuffled, shared pages."""
-    rng = np.random.default_rng(seed)
-    nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
-    width = r + p_
-    if lengths is None:
-        lengths = [0, s_q, s_q + 1, 13]
-    lengths = np.array(lengths, np.int64)
-    max_pages = max(2, pages_needed(lengths.max(), page_size))
-    cap = max_pages * page_size
-    n_b = len(lengths)
-    cont = rng.standard_normal((n_b, cap, width)).astype(dtype)
-    donor = int(np.argmax(lengths))
-    for b in range(n_b):  # the shared first page: the donor's rows
-        n = min(page_size, lengths[b])
-        cont[b, :n] = cont[donor, :n]
-        cont[b, lengths[b]:] = np.nan
-    pages, table, _ = build_pages(cont, lengths, page_size, max_pages, rng)
-    ws = 1.0 / np.sqrt(r)
-    f32 = np.float32
-    return {"q_nope": rng.standard_normal((n_b, s_q, nh, dims.d_nope)).astype(f32),
-            "q_pe": rng.standard_normal((n_b, s_q, nh, p_)).astype(f32),
-            "w_uk": (rng.standard_normal((nh, dims.d_nope, r)) * ws).astype(f32),
-            "w_uv": (rng.standard_normal((nh, dims.d_v, r)) * ws).astype(f32),
-            "lengths": lengths, "cont": cont, "pages": pages, "table": table, "dims": dims,
-            "s_q": s_q}
+    past each length) and the same rows in shuffled, shared pages
+    (``tests.test_mla_paged.paged_case``)."""
+    c = paged_case(page_size, dtype, dims=dims, seed=seed, s_q=s_q,
+                   lengths=[0, s_q, s_q + 1, 13] if lengths is None else lengths)
+    c["s_q"] = s_q
+    return c
 
 
 def decode(c, paged=False, **kw):

@@ -80,10 +80,11 @@ def build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=True, s
     return pages, table, ids[:len(need)]
 
 
-def paged_case(page_size, dtype=np.float32, *, dims=DIMS, lengths=None, seed=0):
+def paged_case(page_size, dtype=np.float32, *, dims=DIMS, lengths=None, seed=0, s_q=None):
     """Queries, weights, a contiguous cache and the same rows paged.
 
     lengths default [0, 1, P, P + 1, 2P] (2P: the capacity of a 2-page table).
+    ``s_q``: None, queries [B, nh, .]; else multi-token queries [B, s_q, nh, .].
     Returns a dict: q_nope, q_pe, w_uk, w_uv, lengths, cont [B, cap, W] (NaN
     past each length), pages, table, used (page ids in hand-out order).
     """
@@ -105,8 +106,9 @@ def paged_case(page_size, dtype=np.float32, *, dims=DIMS, lengths=None, seed=0):
     pages, table, used = build_pages(cont, lengths, page_size, max_pages, rng)
     ws = 1.0 / np.sqrt(r)
     f32 = np.float32
-    return {"q_nope": rng.standard_normal((n_b, nh, dims.d_nope)).astype(f32),
-            "q_pe": rng.standard_normal((n_b, nh, p_)).astype(f32),
+    rows = (n_b, nh) if s_q is None else (n_b, s_q, nh)
+    return {"q_nope": rng.standard_normal(rows + (dims.d_nope,)).astype(f32),
+            "q_pe": rng.standard_normal(rows + (p_,)).astype(f32),
             "w_uk": (rng.standard_normal((nh, dims.d_nope, r)) * ws).astype(f32),
             "w_uv": (rng.standard_normal((nh, dims.d_v, r)) * ws).astype(f32),
             "lengths": lengths, "cont": cont, "pages": pages, "table": table, "used": used,

@@ -48,6 +48,7 @@ import pytest
 from attention.core import checks
 from attention.prefill import mma
 from tests.conftest import storage_dtype
+from tests.test_decode_mma import errors, fails
 from validation.baselines import prefill_rounded_p as baseline
 
 F16 = np.dtype(np.float16)
@@ -74,14 +75,6 @@ def cos_diff(got, ref):
     return 0.0 if denom == 0 else float(1.0 - (g @ r) / denom)
 
 
-def errors(got, ref, base):
-    """(kernel's max error, bound, same non-finite placement) under the rule."""
-    from validation.tolerance import floor, max_abs_error, same_nonfinite
-
-    return (max_abs_error(got, ref), 2.0 * max_abs_error(base, ref) + floor(ref),
-            same_nonfinite(got, ref))
-
-
 def judge(got, ref, base, what):
     for name, g, r, b in zip(("out", "lse"), got, ref, base):
         err, bound, placed = errors(g, r, b)
@@ -92,15 +85,6 @@ def judge(got, ref, base, what):
             raise AssertionError(f"{what} {name}: max err {err:.3e} > bound {bound:.3e} "
                                  f"(largest at {tuple(int(i) for i in where)})")
     assert cos_diff(got[0], ref[0]) < COS_LIMIT, f"{what} out: 1 - cos {cos_diff(got[0], ref[0])}"
-
-
-def fails(got, ref, base):
-    """True where the rule rejects ``got`` (out or lse)."""
-    for g, r, b in zip(got, ref, base):
-        err, bound, placed = errors(g, r, b)
-        if not placed or err > bound:
-            return True
-    return False
 
 
 # ---------------------------------------------------------------------------

@@ -259,6 +259,21 @@ def _decode_growth(job, method):
     return series, cache_ok, "; ".join(problems), geometry
 
 
+def _shuffled_table(rng, m, width, page, reach):
+    """``(n_pages, table [m, width] int32)``: ``m * width + 2`` pages (two spare,
+    nobody's) handed out in a shuffled order that is never the identity; the
+    entries past the pages sequence i can reach (``reach[i]`` positions) are
+    ``fixtures.HUGE_PAGE``, which a kernel must never read."""
+    n_pages = m * width + 2
+    order = rng.permutation(n_pages).astype(np.int32)
+    if np.array_equal(order, np.arange(n_pages)):
+        order = order[::-1].copy()
+    table = order[:m * width].reshape(m, width).copy()
+    for i in range(m):
+        table[i, -(-int(reach[i]) // page):] = fixtures.HUGE_PAGE
+    return n_pages, table
+
+
 def _paged_growth(job, t_q, probe=None):
     """One paged growth run; ``probe`` (optional): called after each step as
     ``probe(step, q, mirror_k, mirror_v, lengths, out, lse, o64, l64, o32, l32)``
@@ -277,18 +292,12 @@ def _paged_growth(job, t_q, probe=None):
     width = -(-max_seq // page)
     dt = fixtures.resolve_dtype(job.dtype)
     rng = fixtures.case_rng(job.seed, "growth", "paged", job.small)
-    n_pages = m * width + 2  # two spare pages nobody owns
-    order = rng.permutation(n_pages).astype(np.int32)
-    if np.array_equal(order, np.arange(n_pages)):
-        order = order[::-1].copy()
-    table = order[:m * width].reshape(m, width).copy()
+    n_pages, table = _shuffled_table(rng, m, width, page, start + calls * t_q)
     # sequences whose starts fill a first page share the longest one's (a common prefix)
     owner = int(np.argmax(start))
     sharing = [i for i in range(m) if i != owner and start[i] >= page]
     for i in sharing:
         table[i, 0] = table[owner, 0]
-    for i in range(m):  # entries past the pages a run can reach: never read
-        table[i, -(-(int(start[i]) + calls * t_q) // page):] = fixtures.HUGE_PAGE
     mirror_k = np.full((m, h_kv, max_seq, d), np.nan)  # sequence-major, float64
     mirror_v = np.full((m, h_kv, max_seq, d), np.nan)
     pages_k = np.full((n_pages, h_kv, page, d), np.nan, dt)
@@ -372,13 +381,7 @@ def _fp8_growth(job):
     width = -(-max_seq // page)
     dt = fixtures.resolve_dtype(job.dtype)
     rng = fixtures.case_rng(job.seed, "growth", "fp8", job.small)
-    n_pages = m * width + 2  # two spare pages nobody owns
-    order = rng.permutation(n_pages).astype(np.int32)
-    if np.array_equal(order, np.arange(n_pages)):
-        order = order[::-1].copy()
-    table = order[:m * width].reshape(m, width).copy()
-    for i in range(m):
-        table[i, -(-(int(start[i]) + job.steps) // page):] = fixtures.HUGE_PAGE
+    n_pages, table = _shuffled_table(rng, m, width, page, start + job.steps)
     # the reference: host pages and scales (NaN codes / NaN scales where nothing lives)
     ref = {n: np.full((n_pages, h_kv, page, d), fp8.E4M3_NAN, np.uint8) for n in "kv"}
     ref_sc = {n: np.full((n_pages, h_kv, page), np.nan, np.float32) for n in "kv"}
