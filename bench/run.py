@@ -68,6 +68,9 @@ from .paged import bench_paged
 from .mla_multi import COLUMNS as MLA_MULTI_COLUMNS
 from .mla_multi import bench_mla_multi
 from .mla_multi import summary_lines as mla_multi_summary_lines
+from .mla_mma import COLUMNS as MLA_MMA_COLUMNS
+from .mla_mma import bench_mla_mma
+from .mla_mma import summary_lines as mla_mma_summary_lines
 from .paged import summary_lines as paged_summary_lines
 from .prefill import COLUMNS as PREFILL_COLUMNS
 from .prefill import bench_prefill
@@ -390,9 +393,10 @@ def fmt_frac(frac):
     return "n/a" if frac is None else f"{frac:.3f}"
 
 
-def bench_mla(timer, peaks, torch, mla_rows):
+def bench_mla(timer, peaks, torch, mla_rows, shape=None):
     """MLA rows into ``mla_rows``; ``peaks``: {"fp32_fma", "tf32_tc", "bf16_tc"}
-    TFLOP/s (a tensor-core peak None when it was not measured)."""
+    TFLOP/s (a tensor-core peak None when it was not measured); ``shape``: a
+    dict as ``MLA`` (default)."""
     seen = [len(timer.raised)]  # host-cover raises already logged
     from numba import cuda
 
@@ -444,6 +448,14 @@ def bench_mla(timer, peaks, torch, mla_rows):
                 record("mla_decode", timer.time(run_gemm, reps=5, warmup=1, host=True),
                        "(method gemm: scores and P.V on tensor cores, split tf32; public "
                        "launcher, host work included)", out=run_gemm(), peak="tf32_tc")
+                if dname == "float16":
+                    def run_mma():
+                        return mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                                          method="mma")
+
+                    record("mla_decode_mma", timer.time(run_mma, reps=5, warmup=1, host=True),
+                           "(method mma: 16-bit tensor cores, q and P rounded to fp16; public "
+                           "launcher, host work included)", out=run_mma(), peak="bf16_tc")
                 del ws
                 # the same launches prepared once and replayed as a CUDA graph, with
                 # the tensor-core GEMMs and with fp32 FMA GEMMs only (method gemm_fma)
@@ -884,7 +896,8 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
     ap.add_argument("--skip", default="",
-                    help="comma list of: host,decode,mla,step,mla_long,prefill,paged,mla_multi")
+                    help="comma list of: host,decode,mla,mla_mma,step,mla_long,prefill,paged,"
+                         "mla_multi")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -934,11 +947,13 @@ def main(argv=None):
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
     rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
-    host_rows, long_rows, paged_rows, mla_multi_rows = [], [], [], []
+    host_rows, long_rows, paged_rows, mla_multi_rows, mla_mma_rows = [], [], [], [], []
     for name, fn in (("host", lambda: bench_host(timer, torch, host_rows, checks_log)),
                      ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
                                                       checks_log, args.quick)),
                      ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
+                     ("mla_mma", lambda: mla_mma_rows.extend(bench_mla_mma(
+                         timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
                      ("step", lambda: bench_step(timer, step_rows)),
                      ("mla_long", lambda: bench_long_mla(timer, long_rows)),
                      ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log)),
@@ -967,6 +982,7 @@ def main(argv=None):
     write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
     write_csv(out_dir / "paged.csv", paged_rows, PAGED_COLUMNS)
     write_csv(out_dir / "mla_multi.csv", mla_multi_rows, MLA_MULTI_COLUMNS)
+    write_csv(out_dir / "mla_mma.csv", mla_mma_rows, MLA_MMA_COLUMNS)
     try:
         plot(out_dir / "decode.png", rows, copy_gbps)
     except Exception as exc:
@@ -987,5 +1003,9 @@ def main(argv=None):
     if mla_multi_rows:
         with open(out_dir / "summary.md", "a") as fh:
             fh.write("\n".join(mla_multi_summary_lines(mla_multi_rows)) + "\n")
+    if mla_mma_rows:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("\n## MLA decode on 16-bit tensor cores (bench.mla_mma)\n\n"
+                     + "\n".join(mla_mma_summary_lines(mla_mma_rows)) + "\n")
     log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
     log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])

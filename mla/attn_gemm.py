@@ -638,6 +638,28 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
                 ready=p["smem_ready"], defect=defect)
 
 
+def launch_absorb(p, stream, defect=None):
+    """qc[:, :, :r] = q_nope W_UK (an fp32 FMA GEMM batched over heads) and
+    qc[:, :, r:] = q_pe: the ``p`` keys q_nope, w_uk, uk_order, qc, heads,
+    h_rank, h_nope, q_pe, n_q, nh, rank, d_rope, smem_ready (``prepare``'s).
+    ``defect``: the sgemm switch or None."""
+    n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
+    sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
+                 a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
+                 n_batch=nh, stream=stream, ready=p["smem_ready"], defect=defect)
+    if d_rope:
+        total = n_q * nh * d_rope
+        pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
+
+
+def launch_decompress(p, stream, defect=None):
+    """out = o_lat W_UV^T (batched over heads): the ``p`` keys o_lat, w_uv, out,
+    heads, h_dv, h_rank, d_v, nh, smem_ready."""
+    sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
+                 a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=p["nh"],
+                 stream=stream, ready=p["smem_ready"], defect=defect)
+
+
 def launch_prepared(p, stream):
     """Enqueue the five launches of a ``prepare`` dict on ``stream`` (a numba
     stream, 0, or a cuda.core graph builder)."""
@@ -650,12 +672,7 @@ def launch_prepared(p, stream):
         PG.launch_gather(p["pages"], p["page_table"], p["vis"], p["latent"], stream,
                          p["page_defect"])
     # -- 1. absorb into qc[:, :, :r], pack q_pe into qc[:, :, r:] --
-    sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
-                 a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
-                 n_batch=nh, stream=stream, ready=p["smem_ready"], defect=sw["sgemm"])
-    if d_rope:
-        total = n_q * nh * d_rope
-        pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
+    launch_absorb(p, stream, sw["sgemm"])
     if sw["q_bf16"]:
         total = n_q * nh * (rank + d_rope)
         round_bf16_kernel[min((total + 255) // 256, 1024), 256, stream](p["qc"])
@@ -672,9 +689,7 @@ def launch_prepared(p, stream):
                     b_order="zkn", max_n=rank, stream=stream, switches=sw)
 
     # -- 5. decompress through W_UV (batch over heads) --
-    sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
-                 a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=nh,
-                 stream=stream, ready=p["smem_ready"], defect=sw["sgemm"])
+    launch_decompress(p, stream, sw["sgemm"])
 
 
 def chunk_bounds(n_q, chunk=None):

@@ -67,8 +67,9 @@ from attention.core.graph import CapturedLaunches
 
 from . import attn_gemm as G
 from . import kernels as K
+from . import mma as MM
 from . import paged as PG
-from .pipeline import _check_q, check_multi_lengths, plan_method, split_queries
+from .pipeline import _check_q, check_mma_cache, check_multi_lengths, plan_method, split_queries
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,6 +128,10 @@ class MLADecodeGraph:
     Attributes ``out`` [B, nh, d_v] and ``lse`` [B, nh] (device float32;
     multi-token [B, s_q, nh, d_v] and [B, s_q, nh]), ``s_q``.
     ``tensor=False``: fp32 FMA GEMMs only (``mla.attn_gemm.prepare``).
+    ``method``: None (the GEMM path, as ``tensor`` says), "gemm", "gemm_fma"
+    or "mma" (the attention on 16-bit tensor cores, ``mla.mma``: an fp16
+    cache; absorb, one attention launch (two with its split combine) and
+    decompress are captured).
     ``graph=False`` never builds a graph (``run`` then launches plainly);
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
     "plain") and ``fallback_reason`` (None, or why a graph was asked for and
@@ -139,7 +144,7 @@ class MLADecodeGraph:
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
                  w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None,
-                 page_table=None):
+                 page_table=None, method=None):
         q4 = (q_nope, q_pe)  # the buffers as given (multi-token: [B, s_q, nh, .])
         s_q, q_nope, q_pe, multi = split_queries(q_nope, q_pe)
         n_rows, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv,
@@ -168,12 +173,21 @@ class MLADecodeGraph:
         if not host_lengths:
             checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
         self.scale = checks.check_scale(scale, d_nope + d_rope)
+        if method is None:
+            method = "gemm" if tensor else "gemm_fma"
+        if method not in ("gemm", "gemm_fma", "mma"):
+            raise ValueError(f"method: expected None, 'gemm', 'gemm_fma' or 'mma', got "
+                             f"{method!r}")
+        if method == "mma":
+            check_mma_cache(latent_cache, rank, d_rope)
+        tensor = method == "gemm"
+        self.method = method
         row_bytes = 0
         if self.paged and G.paged_gathers(tensor, nh * s_q, latent_cache):
             row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
         # every query may see max_seq rows: the scratch is planned for that
-        self.plan = plan_method("gemm" if tensor else "gemm_fma", n_b, nh, rank + d_rope,
-                                max_seq, limit=workspace_limit, row_bytes=row_bytes, s_q=s_q)
+        self.plan = plan_method(method, n_b, nh, rank + d_rope, max_seq,
+                                limit=workspace_limit, row_bytes=row_bytes, s_q=s_q)
         self.shape = (n_b, nh, d_nope, d_rope, rank, d_v, max_seq)
         if multi:  # the [B, s_q, nh, .] buffers on the device; the launches read row views
             self.q_nope, self.q_pe = to_device(q4[0]), to_device(q4[1])
@@ -191,14 +205,18 @@ class MLADecodeGraph:
         self._vis = device_empty((n_b,), np.int32)
         self._flag = to_device(np.zeros(1, np.int32))
         self.workspace = G.Workspace()
-        # planned for the full capacity: every query may see max_seq rows
-        self._ps, self.out, _, self.lse = G.prepare_chunks(
-            self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None), self.d_w_uk,
-            self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
-            np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
-            w_uk_layout=w_uk_layout, stream=None, chunk=self.plan.chunk,
-            workspace=self.workspace, d_vis=self._vis, tensor=tensor,
-            page_table=self.page_table, s_q=s_q)
+        self._mma = None
+        if method == "mma":  # planned for the full capacity, as below
+            self._mma = MM.prepare(
+                self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None), self.d_w_uk,
+                self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
+                np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
+                w_uk_layout=w_uk_layout, stream=None, d_vis=self._vis,
+                page_table=self.page_table, s_q=s_q)
+            self._ps, self.out, self.lse = None, self._mma["out"], self._mma["lse"]
+        else:  # planned for the full capacity: every query may see max_seq rows
+            self._ps, self.out, _, self.lse = self._prepare_gemm(
+                n_b, d_rope, max_seq, w_uk_layout, tensor, s_q)
         if multi:  # [B, s_q, nh, .] views of the rows
             self.out = self.out.reshape((n_b, s_q, nh, d_v))
             self.lse = self.lse.reshape((n_b, s_q, nh))
@@ -207,6 +225,15 @@ class MLADecodeGraph:
                                        plain_call="run_plain()'s launches at every run()")
         self.graph, self.graph_error = self._graph.graph, self._graph.error
         self.path, self.fallback_reason = self._graph.path, self._graph.fallback_reason
+
+    def _prepare_gemm(self, n_b, d_rope, max_seq, w_uk_layout, tensor, s_q):
+        return G.prepare_chunks(
+            self.d_q_nope, self.d_q_pe if d_rope else K._placeholder(None), self.d_w_uk,
+            self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
+            np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
+            w_uk_layout=w_uk_layout, stream=None, chunk=self.plan.chunk,
+            workspace=self.workspace, d_vis=self._vis, tensor=tensor,
+            page_table=self.page_table, s_q=s_q)
 
     def enqueue(self, stream):
         """The launches of one run on ``stream`` (numba stream, 0, or a graph builder)."""
@@ -219,7 +246,10 @@ class MLADecodeGraph:
             kernel = lengths_check_kernel(self.s_q) if self.s_q > 1 else lengths_check_kernel()
             kernel[(n_b + 127) // 128, 128, stream](
                 self.lengths, self._vis, np.int32(max_seq), self._flag)
-        G.launch_chunks(self._ps, stream)
+        if self._mma is not None:
+            MM.launch_prepared(self._mma, stream)
+        else:
+            G.launch_chunks(self._ps, stream)
 
     @property
     def stream_handle(self):

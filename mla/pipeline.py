@@ -56,9 +56,10 @@ from attention.core.device import (
 
 from . import attn_gemm as G
 from . import kernels as K
+from . import mma as MM
 from . import paged as PG
 
-METHODS = ("auto", "gemm", "gemm_fma", "flash")
+METHODS = ("auto", "gemm", "gemm_fma", "flash", "mma")
 GEMM_METHODS = ("gemm", "gemm_fma")
 # the GEMM path's scratch budget (scores of every query over its visible rows):
 # past it the queries run in chunks (``plan_method``); "auto" takes the tiled
@@ -72,13 +73,14 @@ def _route(defect, paged=False, s_q=1):
     # The paged read defect (``mla.paged.READ_DEFECTS``) only where a page table is read,
     # the multi-token one (``mla.kernels.MULTI_DEFECTS``) only with s_q > 1 queries.
     known = (K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
-             + (K.MULTI_DEFECTS if s_q > 1 else ()))
+             + (K.MULTI_DEFECTS if s_q > 1 else ()) + MM.DEFECTS)
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
     return {
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
         "attn": (defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES + K.MULTI_DEFECTS
                  else None),
+        "mma": defect if defect in MM.DEFECTS else None,
         "append": defect if defect in K.APPEND_DEFECTS else None,
         "page": defect if defect in PG.READ_DEFECTS else None,
     }
@@ -141,10 +143,32 @@ def _flash_only(method, tile, heads_per_block, defect):
         defect is not None and defect in K.ATTN_DEFECTS and defect not in G.GEMM_DEFECTS)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if method in GEMM_METHODS and flash_only:
+    if method in GEMM_METHODS + ("mma",) and flash_only:
         raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
                          "(options of the tiled online-softmax kernel)")
+    if defect is not None and (defect in MM.DEFECTS) != (method == "mma"):
+        raise ValueError(f"defect: method='mma' takes the tensor-core kernel's switches "
+                         f"{MM.DEFECTS} only, and they go with it; got {defect!r} with "
+                         f"method={method!r}")
     return flash_only
+
+
+def _decode_only(method):
+    if method == "mma":
+        raise ValueError("method: 'mma' (the 16-bit tensor-core attention) is a decode "
+                         "path: mla_decode and MLADecodeGraph take it; expected 'auto', "
+                         "'gemm', 'gemm_fma' or 'flash' here")
+
+
+def check_mma_cache(latent_cache, rank, d_rope):
+    """method='mma' wants a 16-bit latent cache and a shape its kernel takes."""
+    dt = np.dtype(checks._dtype(latent_cache))
+    if dt != np.float16:
+        raise checks.DTypeError(f"latent_cache: method='mma' expected a float16 cache (q and "
+                                f"P are rounded to the cache's type), got {dt}")
+    why = MM.supported(rank, d_rope)
+    if why is not None:
+        raise checks.RangeError(f"latent_cache: method='mma' cannot take {why}")
 
 
 def check_limit(limit):
@@ -206,6 +230,10 @@ def plan_method(method, n_q, nh, width, max_visible, tile=None, heads_per_block=
         return G.workspace_bytes(n, nh * s_q, width, max_visible, row_bytes)
 
     full = scratch(n_q)
+    if method == "mma":
+        return MethodPlan("mma", n_q, 1 if n_q else 0, 0, full, limit, False,
+                          "method='mma' asked for: the 16-bit tensor-core attention "
+                          "(mla.mma), no score scratch")
     if method == "flash" or (method == "auto" and flash_only):
         why = ("method='flash' asked for" if method == "flash" else
                "method='auto' with an option of the tiled kernel (tile, heads_per_block "
@@ -293,6 +321,14 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
     d_v = int(w_uv.shape[1])
+    if method == "mma":
+        p = MM.prepare(to_device(q_nope, stream), to_device(q_pe, stream) if d_rope
+                       else K._placeholder(stream), to_device(w_uk, stream),
+                       to_device(w_uv, stream), d_latent, slots, lens, scale, d_rope=d_rope,
+                       w_uk_layout=w_uk_layout, stream=stream, d_vis=d_vis,
+                       page_table=d_table, s_q=s_q, defect=routes["mma"])
+        MM.launch_prepared(p, launch_stream(stream))
+        return p["out"], p["lse"]
     if method in GEMM_METHODS:
         defect = routes["attn"] or routes["absorb"]
         vis = G.visible_rows(lens, tails, defect)
@@ -360,6 +396,7 @@ def mla_attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale=None, stream=None,
     if t_q > t_kv:
         raise checks.RangeError(f"q_nope: expected t_q <= t_kv={t_kv}, got t_q={t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
+    _decode_only(method)
     plan = plan_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     host = is_host_array(q_nope)
@@ -399,6 +436,7 @@ def mla_attend_cached(q_nope, q_pe, cache, layer, w_uk, w_uv, *, scale=None, str
         raise checks.RangeError(
             f"q_nope: expected t_q <= the {t_kv} rows cached in layer {layer}, got {t_q}")
     scale = checks.check_scale(scale, d_nope + d_rope)
+    _decode_only(method)
     plan = plan_method(method, t_q, nh, rank + d_rope, t_kv, tile, heads_per_block, defect)
     tile, hg = K.plan_blocks(nh, rank + d_rope, tile, heads_per_block)
     plane = cache.plane(layer)
@@ -586,6 +624,8 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     if paged and method != "flash" and G.paged_gathers(method != "gemm_fma", nh * s_q,
                                                        latent_cache):
         row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
+    if method == "mma":
+        check_mma_cache(latent_cache, rank, d_rope)
     plan = plan_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
                        heads_per_block, defect, limit=workspace_limit, row_bytes=row_bytes,
                        s_q=s_q)

@@ -78,11 +78,20 @@ SLOW_SIM = {
     "tests/test_mla_chunking.py::test_chunks_keep_the_tensor_core_gemms[float16]": 14,
     "tests/test_gemm_defects.py::test_sgemm_gpu_plan": 13,
     "tests/test_decode_fast.py::test_small_matches_oracle[s6]": 12,
+    "tests/test_mla_mma.py::test_two_column_blocks_and_two_row_groups": 36,
+    "tests/test_mla_mma.py::test_contiguous_matches_the_oracle[2-lens1-64-2]": 25,
+    "tests/test_mla_mma.py::test_contiguous_matches_the_oracle[3-lens2-64-3]": 28,
+    "tests/test_mla_mma.py::test_paged_matches_the_oracle[5]": 25,
+    "tests/test_mla_mma.py::test_paged_matches_the_oracle[16]": 25,
+    "tests/test_mla_mma.py::test_planted_defect_is_caught[ldmatrix_no_trans]": 17,
+    "tests/test_mla_mma.py::test_mla_decode_mma_matches_the_oracle[1]": 30,
+    "tests/test_mla_mma.py::test_decode_graph_gives_mla_decode_bits": 24,
     "tests/test_mla_decode_graph.py::test_runs_match_mla_decode_and_follow_buffers[float16]": 12,
     "tests/test_mla_kernels.py::test_decode_stepwise_through_cache[nh4_dn24_p8_v32_r64]": 9,
     "tests/test_decode_multi.py::test_paged_multi_token_matches_the_oracle[NHD-4]": 9,
     "tests/test_decode_paged.py::test_paged_matches_the_oracle_and_the_pooled_plan[float32-16-NHD]":
         8,
+    "tests/test_registry_mma.py::test_suite_clean_run_passes": 12,
 }
 SLOW_COMPILE = {
     "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[gqa_mod]": 22,

@@ -76,14 +76,26 @@ def _scales(k_scale, v_scale):
     return to_device(np.float32([k_scale])), to_device(np.float32([v_scale]))
 
 
+def test_fp8_rows_load_whole_words():
+    """fp8 codes load 32-bit words (a vector of 4 or 8); D 32 over 16 lanes (pieces
+    of 2) takes the scalar path (it failed to plan on the H200 before)."""
+    from attention.decode import fast as F
+
+    for d in (32, 40, 48, 64, 128, 256):
+        vec, ch = F.row_layout(d, "f8", F.LANES["f8"])
+        assert vec in (1, 4, 8) and (vec > 1 or ch == -(-d // F.LANES["f8"])), (d, vec)
+    assert F.row_layout(32, "f8", 16) == (1, 2) and F.row_layout(32, "f16", 16) == (2, 1)
+
+
 @pytest.mark.device
-@pytest.mark.parametrize("q_dtype,n_split", [("float32", 1), ("float16", 2)])
-def test_pooled_fp8_decode_matches_the_oracle(q_dtype, n_split):
+@pytest.mark.parametrize("q_dtype,n_split,d", [("float32", 1, 64), ("float16", 2, 64),
+                                               ("float16", 1, 32)])
+def test_pooled_fp8_decode_matches_the_oracle(q_dtype, n_split, d):
     from attention.core.device import to_device, to_host
     from attention.decode.plan import DecodePlan
 
     rng = np.random.default_rng(n_split)
-    h, n_kv, d, cap = 4, 2, 64, 40
+    h, n_kv, cap = 4, 2, 40
     lens = np.array([cap, 0, 17], np.int32)
     ks, vs = 0.02, 0.5
     kc, vc, kd, vd = _case(rng, lens, cap, n_kv, d, ks, vs)

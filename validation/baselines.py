@@ -51,6 +51,30 @@ SUM (how the products of a dot product are added, ``dot``)
     ``mla_gemm``     resolved per case to ``tc16`` where the attention GEMMs
                      run on tensor cores (more heads than half a tile,
                      ``attention.gemm.tgemm``), else ``blocked64`` (``attention.gemm.sgemm``).
+    ``mma16_pT``     the 16-bit tensor-core kernels (``attention.decode.mma``,
+                     ``attention.prefill.mma``): S accumulated as
+                     ``mma.m16n8k16`` does in this model (``mma16_scores``:
+                     16-wide k steps, each added to the fp32 sum with
+                     truncation), and P rounded to the 16-bit type ``T``
+                     (``f16``, ``bf16``) before P.V: ``decode_rounded_p(...,
+                     sums="mma16")`` and ``prefill_rounded_p`` (below).
+                     ``T = 16`` names the case's dtype and is resolved per case
+                     (``resolve``); ``T = f32`` (P kept in float32, no
+                     rounding) is the order of a float32 case, which these
+                     kernels do not take (the sweep reports it unsupported).
+                     P is rounded by design, as in FlashAttention and FlashMLA:
+                     the rule is unchanged, only its baseline rounds P too. q
+                     and K are 16-bit, so every product of S is exact in
+                     float32; the baseline sees the case's 16-bit values
+                     exactly, as every baseline does.
+    ``matmul_pT``    the same with S as numpy's float32 ``@``
+                     (``decode_rounded_p``'s default; decode only). Not the
+                     registry's: at the 'large' fixture (|score| 1e4) the
+                     tensor-core decode's LSE is 3x this baseline's mean error
+                     (truncated sums), and within 1.5x of ``mma16_pT``'s.
+                     The rounded-P orders take SCALE ``after``, NORM ``divide``
+                     (``(p16 @ v) / l``, ``l`` the sum of the unrounded P) and
+                     EXP ``exp``, or for the prefill ``ex2fma`` (below).
 
 SCALE
     ``after``        the scores are multiplied by the scale (the oracle's choice,
@@ -74,6 +98,14 @@ EXP (the exponential of the softmax)
                      rounding costs up to |x| units of float32 in a weight, which
                      numpy's exp does not. ``ex2.approx``'s own error (~2 ulps)
                      is left to the factor 2.
+    ``ex2fma``       FlashAttention-2's weights, the tensor-core prefill's form
+                     until it took the difference first (``mma16_pT`` only; no
+                     registry kernel uses it: the model of a finding): ``2 ** fl32(fma(r, c, -fl(m c)))``
+                     with r the raw scores, m their max and c = fl(scale log2 e):
+                     the argument rounded at the size of the scaled scores (at
+                     |score| 1e4, ~1e-3 of relative error in every weight but
+                     the largest; the H200's prefill out mean error at the
+                     'large' fixture is this, not P's rounding).
     ``ex2lg2``       ``ex2`` and the LSE as fast-math kernels form it:
                      ``m + log(l)`` is ``lg2.approx(l)`` times fl32(ln 2) added
                      to ``m`` in one fused multiply-add (the PTX of
@@ -116,6 +148,7 @@ LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
 _LANES = re.compile(r"^lanes(\d+)x(\d+)$")
 _BLOCKED = re.compile(r"^(blocked|tc)(\d+)$")
+_ROUNDED_P = re.compile(r"^(matmul|mma16)_p(16|f16|bf16|f32)$")
 
 
 def parse(label):
@@ -127,13 +160,21 @@ def parse(label):
     norm = parts[2] if len(parts) > 2 else "divide"
     exp = parts[3] if len(parts) > 3 else "exp"
     ok_how = (how in ("matmul", "fma", "interleaved4", "decode_fast", "mla_gemm")
-              or _LANES.match(how) or _BLOCKED.match(how))
-    if (not ok_how or where not in SCALES or norm not in NORMS or exp not in EXPS
-            or len(parts) > 4):
+              or _LANES.match(how) or _BLOCKED.match(how) or _ROUNDED_P.match(how))
+    if (not ok_how or where not in SCALES or norm not in NORMS
+            or exp not in EXPS + ("ex2fma",) or len(parts) > 4):
         raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
                          f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
-                         f"mla_gemm, "
+                         f"mla_gemm, matmul_pT, mma16_pT, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
+    if _ROUNDED_P.match(how) and (where != "after" or norm != "divide"
+                                  or exp not in ("exp", "ex2fma")):
+        raise ValueError(f"baseline order: the rounded-P orders scale after the sum and "
+                         f"take NORM divide and EXP exp or ex2fma (decode_rounded_p, "
+                         f"prefill_rounded_p), got {label!r}")
+    if exp == "ex2fma" and not (_ROUNDED_P.match(how) and how.startswith("mma16")):
+        raise ValueError(f"baseline order: EXP ex2fma (FlashAttention-2's weights) is the "
+                         f"rounded-P prefill's only (mma16_pT), got {label!r}")
     if how == "matmul" and (norm != "divide" or exp != "exp"):
         raise ValueError(f"baseline order: matmul is the oracle as written (NORM divide, "
                          f"EXP exp), got {label!r}")
@@ -142,9 +183,15 @@ def parse(label):
 
 def resolve(label, inputs, dtype):
     """The concrete order of ``label`` for a case: ``decode_fast`` becomes the
-    fast decode's lane layout for the case's head size and cache dtype."""
+    fast decode's lane layout for the case's head size and cache dtype,
+    ``mla_gemm`` the GEMM path's partials, and the rounded-P orders' ``p16``
+    the case's 16-bit dtype (``pf16`` / ``pbf16``)."""
     how, where, norm, exp = parse(label)
     tail = f"{norm}/{exp}" if exp != "exp" else norm
+    rounded = _ROUNDED_P.match(how)
+    if rounded and rounded.group(2) == "16":  # P rounded to the case's 16-bit dtype
+        return f"{rounded.group(1)}_p{rounded_kind(dtype)}/{where}" + (
+            f"/{norm}/{exp}" if exp != "exp" else "")
     if how == "mla_gemm":
         from attention.gemm import sgemm
         from attention.gemm import tgemm
@@ -535,6 +582,65 @@ def _tc_blocked():
     return call
 
 
+ROUNDED_KINDS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def rounded_kind(dtype):
+    """"f16" / "bf16" / "f32": the rounded-P orders' name of the case's dtype,
+    the type P is rounded to before P.V ("f32": kept; ValueError for others)."""
+    name = str(np.dtype(dtype))
+    if name not in ROUNDED_KINDS:
+        raise ValueError(f"rounded-P baseline: P is rounded to the case's dtype (float16, "
+                         f"bfloat16, float32), got {name}")
+    return ROUNDED_KINDS[name]
+
+
+def _rounded_dtype(kind):
+    """The numpy dtype of a rounded-P type name ("f16", "bf16", "f32")."""
+    from validation.fixtures import resolve_dtype
+
+    return resolve_dtype({v: k for k, v in ROUNDED_KINDS.items()}[kind])
+
+
+def rounded_p_baseline(kind, inputs, label):
+    """{"out", "lse"}: the rounded-P baseline of a sweep case's inputs, in the
+    registry's layouts (``label`` resolved: ``mma16_pT/after``, or
+    ``matmul_pT/after`` for decode).
+
+    decode: q [M, H, D], caches [KV_SLOTS, H_kv, max_seq, D], seq_lens [M],
+    slot_table [M] -> out [M, H, D], lse [M, H], through ``decode_rounded_p``
+    (its [M, T, H, D] with T = 1, the rows of each sequence gathered by its
+    slot). prefill: q [T, H*D], k / v [T, H_kv*D] -> out [T, H*D], lse [H, T],
+    through ``prefill_rounded_p``. Scale 1 / sqrt(D), as the kernels' default."""
+    how, _, _, exp = parse(label)
+    rounded = _ROUNDED_P.match(how)
+    if rounded is None or rounded.group(2) == "16":
+        raise ValueError(f"rounded_p_baseline: expected a resolved rounded-P order, got "
+                         f"{label!r}")
+    sums, dtype = rounded.group(1), _rounded_dtype(rounded.group(2))
+    if kind == "decode" and exp == "exp":
+        q = np.asarray(inputs["q"], F32)  # [M, H, D]
+        slots = np.asarray(inputs["slot_table"])
+        k_rows = np.asarray(inputs["k_cache"], F32)[slots]  # [M, H_kv, max_seq, D]
+        v_rows = np.asarray(inputs["v_cache"], F32)[slots]
+        scale = 1.0 / np.sqrt(q.shape[-1])
+        out, lse = decode_rounded_p(q[:, None], k_rows, v_rows,
+                                    np.asarray(inputs["seq_lens"]), scale, dtype, sums)
+        return {"out": out[:, 0], "lse": lse[:, 0]}
+    if kind == "prefill" and sums == "mma16":
+        q = np.asarray(inputs["q"], F32)
+        n_heads = int(inputs["n_heads"])
+        head_dim = q.shape[1] // n_heads if n_heads else 0
+        scale = 1.0 / np.sqrt(head_dim) if head_dim else 1.0
+        out, lse = prefill_rounded_p(q, np.asarray(inputs["k"], F32),
+                                     np.asarray(inputs["v"], F32), n_heads,
+                                     int(inputs["n_kv_heads"]), bool(inputs["causal"]), scale,
+                                     dtype, exp=exp)
+        return {"out": out, "lse": lse}
+    raise ValueError(f"rounded_p_baseline: {label!r} has no {kind} form (decode: mma16_pT "
+                     f"or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
+
+
 def baseline(kind, inputs, label, plain=None):
     """{output name: float32 array}: the case's baseline in order ``label``
     (already ``resolve``d) for a sweep case's inputs (the registry's input dict
@@ -544,6 +650,8 @@ def baseline(kind, inputs, label, plain=None):
         raise ValueError(f"baseline: kind must be decode, prefill or mla, got {kind!r}")
     if label == MATMUL and plain is not None:
         return dict(plain)
+    if _ROUNDED_P.match(parse(label)[0]):
+        return rounded_p_baseline(kind, inputs, label)
     if kind == "decode":
         o, lse = decode_order(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                               inputs["seq_lens"], inputs["slot_table"], label)
@@ -583,14 +691,26 @@ def mma16_scores(qh, kh):
     return acc
 
 
-def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=256):
+def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=256,
+                      exp="exp"):
     """float32 prefill with the tensor-core kernel's roundings.
 
     q [T, H*D], k / v [T, H_kv*D] (16-bit values). Per row t of head h (kv head
     g = h * H_kv // H): s = (K_g q_t) accumulated as the mma does (``mma16_scores``)
     times scale in float32, over the keys it sees; p = exp(s - max s), l = sum p,
     out = (p rounded to ``dtype``) V_g / l, lse = max s + log l. Returns (out
-    [T, H*D], lse [H, T]) float32."""
+    [T, H*D], lse [H, T]) float32.
+
+    ``exp="ex2fma"``: the weights as FlashAttention-2's form takes them (the
+    kernel's): with r the raw (unscaled) scores, m their max and c = fl(scale
+    log2 e), p = 2^fl(fma(r, c, -fl(m c))): the argument is rounded once at the
+    size of the scaled scores, not of their difference from the max, so at
+    |score| 1e4 every weight but the largest carries ~1e-3 of relative error
+    (the exponential itself exact). ``exp="exp"``: numpy's exp of the scaled
+    differences (the tests' default)."""
+    if exp not in ("exp", "ex2fma"):
+        raise ValueError(f"exp: expected 'exp' or 'ex2fma', got {exp!r}")
+    scale2 = F32(F32(scale) * LOG2E)
     t_len = q.shape[0]
     head_dim = q.shape[1] // n_heads
     out = np.zeros((t_len, n_heads * head_dim), F32)
@@ -602,11 +722,18 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
         vh = v[:, g * head_dim:(g + 1) * head_dim].astype(F32)  # [T, D]
         for lo in range(0, t_len, row_block):
             rows = np.arange(lo, min(lo + row_block, t_len))  # [R]
-            s = mma16_scores(qh[rows], kh) * F32(scale)  # [R, T]
+            raw = mma16_scores(qh[rows], kh)  # [R, T]
             if causal:
-                s[np.arange(t_len)[None, :] > rows[:, None]] = -np.inf
+                raw[np.arange(t_len)[None, :] > rows[:, None]] = -np.inf
+            s = raw * F32(scale)  # [R, T]
             top = s.max(axis=1, keepdims=True)  # [R, 1]
-            p = np.exp(s - top)  # [R, T] float32
+            if exp == "ex2fma":
+                ref = (raw.max(axis=1, keepdims=True) * scale2).astype(F32)  # [R, 1]
+                with np.errstate(invalid="ignore"):  # -inf - -inf: a row that sees nothing
+                    arg = (raw.astype(F64) * F64(scale2) - ref.astype(F64)).astype(F32)
+                p = np.exp2(arg.astype(F64)).astype(F32)  # [R, T]
+            else:
+                p = np.exp(s - top)  # [R, T] float32
             total = p.sum(axis=1, dtype=F32)  # [R]
             p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
             out[rows, h * head_dim:(h + 1) * head_dim] = (p16 @ vh) / total[:, None]
@@ -614,14 +741,19 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
     return out, lse
 
 
-def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype):
+def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul"):
     """float32 decode with the tensor-core kernel's roundings.
 
     q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
     query i of sequence m sees positions 0 .. lens[m] - T + i. Per row:
     s = (K q) * scale in float32, p = exp(s - max s), l = sum p, out = (p
     rounded to ``dtype``) V / l, lse = max s + log l. Returns (out [M, T, H, D],
-    lse [M, T, H]) float32; zeros and -inf for a row that sees nothing."""
+    lse [M, T, H]) float32; zeros and -inf for a row that sees nothing.
+    ``sums``: how K q is summed: "matmul" (numpy's float32 ``@``) or "mma16"
+    (``mma16_scores``: 16-wide k steps added to the fp32 sum with truncation,
+    as the kernel's mma sums them; the validation registry's order)."""
+    if sums not in ("matmul", "mma16"):
+        raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
     m_count, t_q, n_heads, head_dim = q.shape
     group = n_heads // k_rows.shape[1]
     out = np.zeros(q.shape, F32)
@@ -634,7 +766,11 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype):
             for h in range(n_heads):
                 keys = k_rows[m, h // group, :seen].astype(F32)  # [n, D]
                 vals = v_rows[m, h // group, :seen].astype(F32)  # [n, D]
-                s = (keys @ q[m, i, h].astype(F32)) * F32(scale)  # [n]
+                qh = q[m, i, h].astype(F32)  # [D]
+                if sums == "mma16":
+                    s = mma16_scores(qh[None], keys)[0] * F32(scale)  # [n]
+                else:
+                    s = (keys @ qh) * F32(scale)  # [n]
                 top = s.max()
                 p = np.exp(s - top)  # [n] float32
                 total = p.sum(dtype=F32)

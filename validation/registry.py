@@ -20,10 +20,18 @@ latent rows) is cast first; if the kernel rejects that with
 ``checks.DTypeError``, every floating input is cast; a second rejection makes
 the case "unsupported" (not a failure). The oracle and the baseline always see
 exactly the values the kernel was given (upcast).
+
+A kernel may also report a case it cannot take as "unsupported" with the
+reason, by raising ``unsupported_case()`` (a ``DTypeError``) from its run
+wrapper before anything is launched: the 16-bit tensor-core kernels
+(``attention.decode.mma``, ``attention.prefill.mma``) do so for float32
+cases, head dims they have no tile for and GQA groups that do not fit one
+16-row mma tile. Such a case is never counted as a pass nor as a failure.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import traceback
 from dataclasses import dataclass, field
@@ -49,14 +57,16 @@ class Shape:
     dims: dict = field(compare=False, hash=False)
     quick: bool = False
     fixtures: tuple = fixtures.SCORE_FIXTURES
+    # kernel families that run this shape; empty: every kernel of the kind
+    families: tuple = ()
 
 
-def _decode(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, **dims):
-    return Shape(name, "decode", dims, quick, fixtures_)
+def _decode(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, families=(), **dims):
+    return Shape(name, "decode", dims, quick, fixtures_, families)
 
 
-def _prefill(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, **dims):
-    return Shape(name, "prefill", dims, quick, fixtures_)
+def _prefill(name, quick=False, fixtures_=fixtures.SCORE_FIXTURES, families=(), **dims):
+    return Shape(name, "prefill", dims, quick, fixtures_, families)
 
 
 NORMAL_ONLY = ("normal",)
@@ -95,6 +105,22 @@ PREFILL_SMALL = (
     _prefill("d111_t9", t=9, h=2, h_kv=2, d=111, causal=False),
     _prefill("d80_t17_causal", t=17, h=2, h_kv=1, d=80, causal=True),
 )
+
+# Shapes of one kernel family (``Shape.families``), beside the shared tables above:
+# the simulator's quick shapes of the tensor-core kernels ("mma"). The decode takes
+# head dims 32/64/128 only, so of the shared quick shapes only zero_len (nothing to
+# attend); the prefill none but T 0 (D 40 it does not take). Not in ``shapes``
+# (what every kernel of a kind runs, and the fp8 quantization table); in
+# ``all_shapes``, which ``cases`` and ``find_shape`` read.
+FAMILY_SMALL = (
+    # GQA 4 (T_q 4 fills the 16-row tile), lengths across 16-position tiles
+    _decode("mma_gqa4_d64", True, fixtures.SCORE_FIXTURES, ("mma",), m=3, h=8, h_kv=2, d=64,
+            lens=(19, 0, 33), max_seq=40, kv_slots=5),
+    # GQA 2:1, T past one 16-row tile, causal
+    _prefill("mma_gqa2_d64_t20_causal", True, fixtures.SCORE_FIXTURES, ("mma",), t=20, h=2,
+             h_kv=1, d=64, causal=True),
+)
+FAMILY_FULL = ()
 
 PREFILL_FULL = (
     _prefill("t1_gqa9x3_d80", True, t=1, h=9, h_kv=3, d=80, causal=True),
@@ -143,8 +169,15 @@ def shapes(kind, small):
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def all_shapes(kind, small):
+    """``shapes`` and the kind's family shapes (``FAMILY_SMALL`` / ``FAMILY_FULL``:
+    run only by the kernels of the families each names)."""
+    own = FAMILY_SMALL if small else FAMILY_FULL
+    return tuple(shapes(kind, small)) + tuple(s for s in own if s.kind == kind)
+
+
 def find_shape(kind, name, small):
-    for s in shapes(kind, small):
+    for s in all_shapes(kind, small):
         if s.name == name:
             return s
     raise KeyError(f"no {kind} shape named {name!r}")
@@ -347,6 +380,124 @@ def _run_fp8(scales, page=None, layout="HND"):
     return run
 
 
+@functools.lru_cache(maxsize=None)
+def unsupported_case():
+    """The exception class a run wrapper raises for a case its kernel cannot take:
+    a ``checks.DTypeError``, which the sweep reports as "unsupported" with the
+    message as the reason (built on first use, so that importing the registry
+    imports no kernel code)."""
+    from attention.core.checks import DTypeError
+
+    class UnsupportedCase(DTypeError):
+        """A case outside what the kernel takes (dtype, head dim, rows a tile)."""
+
+    return UnsupportedCase
+
+
+def _mma_inputs(module, q, cache, head_dim, rows):
+    """Reject, before any launch, a case the 16-bit tensor-core kernels cannot take.
+
+    q [M, H, D] (decode) or [T, H*D] (prefill) and ``cache`` (K: [KV_SLOTS,
+    H_kv, max_seq, D] or [T, H_kv*D]) as the case gives them; ``head_dim``: D;
+    ``rows``: query rows a kv head puts in one mma tile (decode: group x T_q;
+    prefill: None, each warp takes 16 rows of one head).
+    ``module``: ``attention.decode.mma`` or ``attention.prefill.mma`` (their
+    ``HEAD_DIMS``). Raises ``unsupported_case()`` for a float32 case, a head dim
+    with no tile, more rows than a tile or a q that overflowed the 16-bit
+    type (the 'large' fixture's q in float16); ``checks.DTypeError`` when only
+    the caches are 16-bit (the sweep then casts q too: these kernels take q in
+    the cache's dtype)."""
+    from attention.core.checks import DTypeError
+
+    unsupported = unsupported_case()
+    if str(np.dtype(cache.dtype)) not in ("float16", "bfloat16"):
+        raise unsupported(f"{np.dtype(cache.dtype)}: the tensor-core kernels take 16-bit "
+                          f"q, K and V only (float16, bfloat16)")
+    if np.dtype(q.dtype) != np.dtype(cache.dtype):
+        raise DTypeError(f"q: the tensor-core kernels take q in the dtype of K and V, "
+                         f"{np.dtype(cache.dtype)}, got {np.dtype(q.dtype)}")
+    if head_dim not in module.HEAD_DIMS:
+        raise unsupported(f"head dim {head_dim}: {module.__name__} has tiles for head dims "
+                          f"{module.HEAD_DIMS} only")
+    if rows is not None and rows > module.TILE_ROWS:
+        raise unsupported(f"GQA group x T_q = {rows} query rows a kv head: "
+                          f"{module.__name__} takes at most {module.TILE_ROWS} (one mma tile)")
+    if not np.isfinite(q).all():
+        raise unsupported(f"q: the case's query does not fit in {np.dtype(q.dtype)} (inf "
+                          "after the cast); the tensor-core kernels take q in that dtype")
+
+
+def _own_tokens(k, v, lens, raised, slots):
+    """Copies of the pooled caches k, v [KV_SLOTS, H_kv, max_seq, D] with finite
+    rows (standard normal, in the caches' dtype) at positions ``lens[m]`` ..
+    ``raised[m] - 1`` of sequence m (slot ``slots[m]``): the later queries' own
+    tokens of ``fixtures.multi_token_case``, which it leaves NaN.
+
+    The tensor-core decode computes a sequence's T queries as rows of one mma
+    tile, so P.V multiplies the judged query's zero weights with the V rows the
+    later queries see: 0 x NaN would make the judged output NaN. Positions below
+    a length are real tokens in any decode, finite; the judged query never sees
+    these rows, so its oracle is the case's."""
+    k, v = k.copy(), v.copy()
+    rng = np.random.default_rng([len(lens), int(np.sum(raised))])
+    for m, (n, n_raised) in enumerate(zip(lens, raised)):
+        if n_raised > n:
+            rows = (k.shape[1], int(n_raised - n), k.shape[3])
+            k[slots[m], :, n:n_raised] = rng.standard_normal(rows).astype(k.dtype)
+            v[slots[m], :, n:n_raised] = rng.standard_normal(rows).astype(v.dtype)
+    return k, v
+
+
+def _run_mma_decode(page=None, layout="HND", t_q=1):
+    """Run wrapper of the tensor-core decode (``attention.decode.mma.mma_decode``,
+    ``fn``): q in the cache's 16-bit dtype; the pooled case as it is
+    (``page`` None, slot table shuffled), or laid out in pages of ``page``
+    (``fixtures.paged_from_pooled``, as ``_run_paged``); ``t_q`` > 1: the case
+    as a ``t_q``-query decode (``fixtures.multi_token_case``, as
+    ``_run_multi``, the later queries' own rows made finite: ``_own_tokens``),
+    each sequence judged at one query. Returns {"out" [M, H,
+    D], "lse" [M, H]}. Cases the kernel cannot take raise ``unsupported_case()``
+    (``_mma_inputs``)."""
+    def run(fn, x, **kw):
+        from attention.decode import mma as module
+
+        q, k, v = x["q"], x["k_cache"], x["v_cache"]
+        m, h, _ = q.shape
+        _mma_inputs(module, q, k, int(q.shape[-1]), (h // k.shape[1]) * t_q)
+        lens = np.asarray(x["seq_lens"], np.int32)
+        slots = np.asarray(x["slot_table"], np.int32)
+        pick = None
+        if t_q > 1:
+            q, raised, pick = fixtures.multi_token_case(q, lens, k.shape[2], t_q)
+            k, v = _own_tokens(k, v, lens, raised, slots)
+            lens = raised
+        if page is None:
+            out, lse = fn(q, k, v, lens, slot_table=slots, **kw)
+        else:
+            rng = np.random.default_rng([page, t_q, len(layout), m, int(np.sum(lens))])
+            kp, vp, table = fixtures.paged_from_pooled(k, v, lens, slots, page, layout, rng)
+            out, lse = fn(q, kp, vp, lens, page_table=table, layout=layout, **kw)
+        out, lse = np.asarray(out), np.asarray(lse)
+        if pick is not None:  # [M, T, H, D] -> the judged query of each sequence
+            rows = np.arange(m)
+            out, lse = out[rows, pick], lse[rows, pick]
+        return {"out": out, "lse": lse}
+
+    return run
+
+
+def _run_mma_prefill(fn, x, **kw):
+    """Run wrapper of the tensor-core prefill (``attention.prefill.mma.
+    prefill_attention_mma``, ``fn``): q, k, v [T, H*D] / [T, H_kv*D] in one
+    16-bit dtype. Cases it cannot take raise ``unsupported_case()``."""
+    from attention.prefill import mma as module
+
+    n_heads = int(x["n_heads"])
+    _mma_inputs(module, x["q"], x["k"], int(x["q"].shape[1]) // n_heads, None)
+    out, lse = fn(x["q"], x["k"], x["v"], n_heads, x["n_kv_heads"], causal=x["causal"], **kw)
+    return {"out": np.asarray(out), "lse": np.asarray(lse)}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -416,6 +567,39 @@ KERNELS = (
                "NHD pages of 3 (codes and scales shuffled alike); judged over the "
                "dequantized cache, q in the case dtype",
                "decode_fast/before/recip_after/ex2", quantize="token_head"),
+    # the 16-bit tensor-core kernels: P is rounded to the 16-bit type before P.V by
+    # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
+    # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and
+    # ``prefill_rounded_p``, S summed as the mma model sums it; p16 becomes pf16 /
+    # pbf16 with the case's dtype). float32 cases, head dims without a tile and GQA
+    # groups over one 16-row tile are reported unsupported, with the reason
+    # (``_mma_inputs``). Storage: the caches only, so the
+    # kernel's DTypeError on a float32 q makes the sweep cast every input (cast
+    # "all"): the oracle cache of the other kernels' cast "storage" inputs, whose q
+    # stays float32, is never shared with these.
+    KernelSpec("decode_mma", "mma", "decode", "attention.decode.mma", "mma_decode",
+               _run_mma_decode(), ("k_cache", "v_cache"),
+               "tensor-core decode (mma.m16n8k16, P rounded to 16 bits) over a pooled "
+               "16-bit cache, q in the cache dtype; D 32/64/128, GQA group <= 16",
+               "mma16_p16/after"),
+    KernelSpec("decode_mma_paged16", "mma", "decode", "attention.decode.mma", "mma_decode",
+               _run_mma_decode(16, "HND"), ("k_cache", "v_cache"),
+               "the tensor-core decode over pages of 16 (one page a tile), HND, shuffled",
+               "mma16_p16/after"),
+    KernelSpec("decode_mma_paged1_nhd", "mma", "decode", "attention.decode.mma",
+               "mma_decode", _run_mma_decode(1, "NHD"), ("k_cache", "v_cache"),
+               "the tensor-core decode over NHD pages of 1 (a page entry a row)",
+               "mma16_p16/after"),
+    KernelSpec("decode_mma_t4", "mma", "decode", "attention.decode.mma", "mma_decode",
+               _run_mma_decode(16, "HND", t_q=4), ("k_cache", "v_cache"),
+               "the tensor-core decode, 4 queries a sequence (causal; group x 4 <= 16 rows) "
+               "over pages of 16, HND; each sequence judged at one query",
+               "mma16_p16/after"),
+    KernelSpec("prefill_mma", "mma", "prefill", "attention.prefill.mma",
+               "prefill_attention_mma", _run_mma_prefill, ("k", "v"),
+               "tensor-core prefill (fp16/bf16 q, k, v; P rounded to 16 bits), causal or "
+               "not, GQA; head dims multiples of 16 up to 128, and 256",
+               "mma16_p16/after"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
@@ -529,7 +713,7 @@ def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_fi
     out = []
     for kind, specs in by_kind.items():
         try:
-            kind_shapes = shapes(kind, small)
+            kind_shapes = all_shapes(kind, small)
         except ImportError:
             continue
         for shape in kind_shapes:
@@ -543,6 +727,8 @@ def cases(kernels, *, small, quick, seeds, dtypes, shape_filter=None, fixture_fi
                 for seed in seeds:
                     for dtype in dtypes:
                         for spec in specs:
+                            if shape.families and spec.family not in shape.families:
+                                continue
                             out.append(Case(spec.name, shape.name, fixture, int(seed), dtype,
                                             small, spec.name in MUTANT_SOURCES
                                             and int(seed) in mutant_seeds))

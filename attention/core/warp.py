@@ -40,6 +40,10 @@ predicate loads and stores, never the collective itself.
   ``math.log`` to ``lg2.approx``: both cost an ulp or two on every output of a
   head (the validation's mean rule saw it, notes/validation.md), for one
   division and one log a head, so the epilogues take the accurate ones.
+* ``fragment_softmax_step(s, o, n_o, m0, m1, l0, l1, new0, new1)``: the same
+  step on the C fragments of a 16-row ``mma.m16n8k16`` tile (two rows a lane,
+  two n tiles of scores): P in place of the scores, the accumulators rescaled,
+  the lane's parts of the row sums returned (the 16-bit tensor-core kernels).
 * ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
   with Kahan compensation, for accumulators summed over many positions in
   sequence (the warp-per-head decode). The true sum is ``total - comp``. A
@@ -180,6 +184,39 @@ def batch_reference(m_max):
     all-empty batch (``m_max = -inf``) takes 0, so every weight is
     ``exp(-inf) = 0``, not NaN."""
     return m_max if m_max > float32(-3.0e38) else float32(0.0)
+
+
+@cuda.jit(device=True, inline="always")
+def fragment_softmax_step(s, o, n_o, m0, m1, l0, l1, new0, new1):
+    """One online-softmax step on a 16-row mma tile's fragments (the 16-bit
+    tensor-core kernels: ``attention.decode.mma``, ``mla.mma``).
+
+    ``s`` [8] float32: a lane's scaled, masked scores of two 8-position n tiles,
+    ``s[4 h + e]`` of row ``g = lane // 4`` and ``s[4 h + 2 + e]`` of row ``g + 8``
+    (``mma.m16n8k16``'s C layout, ``h`` the n tile); ``o`` [n_o] float32: the
+    lane's P.V accumulators in the same layout (``o[4 nd + 0, 1]`` row g, ``+ 2,
+    3`` row g + 8); ``m0, m1``: the rows' running maxima; ``l0, l1``: this lane's
+    parts of the row sums; ``new0, new1``: the rows' new maxima (the caller
+    takes them over the quad, or over warps). An all-masked row (new max
+    ``-inf``) takes reference 0, so its weights are ``exp(-inf) = 0``, never
+    NaN. ``s`` becomes ``P = exp(s - new)`` and ``o`` is rescaled by
+    ``exp(m - new)``; returns ``(l0, l1)`` with this tile's P added."""
+    ref0 = new0 if new0 > float32(-3.0e38) else float32(0.0)
+    ref1 = new1 if new1 > float32(-3.0e38) else float32(0.0)
+    alpha0 = float32(math.exp(m0 - ref0))
+    alpha1 = float32(math.exp(m1 - ref1))
+    for h in range(2):
+        for e in range(2):
+            s[4 * h + e] = float32(math.exp(s[4 * h + e] - ref0))
+            s[4 * h + 2 + e] = float32(math.exp(s[4 * h + 2 + e] - ref1))
+    l0 = float32(l0 * alpha0 + ((s[0] + s[1]) + (s[4] + s[5])))
+    l1 = float32(l1 * alpha1 + ((s[2] + s[3]) + (s[6] + s[7])))
+    for nd in range(n_o // 4):
+        o[4 * nd] *= alpha0
+        o[4 * nd + 1] *= alpha0
+        o[4 * nd + 2] *= alpha1
+        o[4 * nd + 3] *= alpha1
+    return l0, l1
 
 
 @cuda.jit(device=True, inline="always")

@@ -615,8 +615,12 @@ def row_layout(head_dim, kind, lanes=WARP):
     The vector path needs ``D % (lanes*VEC) == 0`` (no predication); other head
     sizes use scalar loads (``VEC=1``, ``CH=ceil(D/lanes)``, predicated). 16-byte
     loads of 16-bit rows (``VEC=8``) are used when a row has fewer than 32 lanes.
+    fp8 codes load whole 32-bit words (``VEC`` 4 or 8: ``_vector_loader``); a row
+    that would split into pieces of 2 (D 32 over 16 lanes) takes the scalar path.
     """
     vecs = (8, 4, 2) if kind != "f32" and lanes < WARP else (4, 2)
+    if kind in ("f8", "f8_e5m2"):
+        vecs = tuple(v for v in vecs if v % 4 == 0)
     for vec in vecs:
         if head_dim % (lanes * vec) == 0:
             return vec, head_dim // (lanes * vec)

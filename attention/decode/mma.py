@@ -107,7 +107,13 @@ from attention.core.device import (
     to_device,
     to_host,
 )
-from attention.core.warp import batch_reference, group_max, group_sum, softmax_finish
+from attention.core.warp import (
+    batch_reference,
+    fragment_softmax_step,
+    group_max,
+    group_sum,
+    softmax_finish,
+)
 from attention.decode import fast
 from attention.gemm import mma16
 
@@ -251,7 +257,6 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     M_ML = NW * TILE_ROWS * D  # (m, l) a row a warp
     M_WT = M_ML + NW * 2 * TILE_ROWS  # the merge's weight of a warp a row
     M_INV = M_WT + NW * TILE_ROWS  # 1 / l a row (one split)
-    NEG = float32(-3.0e38)
 
     mma, pack = mma16.ops(kind)
     copy, commit, wait = _copy_ops(S)
@@ -449,23 +454,9 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             # -- online softmax of the two rows (max over the quad) --
             new0 = max(m0, group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4))
             new1 = max(m1, group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4))
-            ref0 = new0 if new0 > NEG else float32(0.0)  # an all-masked row: weights 0
-            ref1 = new1 if new1 > NEG else float32(0.0)
-            alpha0 = float32(math.exp(m0 - ref0))
-            alpha1 = float32(math.exp(m1 - ref1))
-            for h in range(2):
-                for e in range(2):
-                    s[4 * h + e] = float32(math.exp(s[4 * h + e] - ref0))
-                    s[4 * h + 2 + e] = float32(math.exp(s[4 * h + 2 + e] - ref1))
-            l0 = float32(l0 * alpha0 + ((s[0] + s[1]) + (s[4] + s[5])))
-            l1 = float32(l1 * alpha1 + ((s[2] + s[3]) + (s[6] + s[7])))
+            l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
             m0 = new0
             m1 = new1
-            for nd in range(NT):
-                o[4 * nd] *= alpha0
-                o[4 * nd + 1] *= alpha0
-                o[4 * nd + 2] *= alpha1
-                o[4 * nd + 3] *= alpha1
 
             # -- O += P V: P rounded to 16 bits, the score fragments as A --
             p0 = pack(s[0], s[1])

@@ -53,18 +53,41 @@ and no allocation; given arrays, it checks only their shape and dtype.
 ``pdl`` records whether the fast kernel's combine is a programmatic dependent
 launch and why (``attention.core.pdl.status``; inside a graph it is plain).
 
+FP8 e4m3 caches (``dtype=np.uint8`` or "float8_e4m3fn": codes as uint8,
+``attention.cache.fp8``; sm_89 and later): the new rows ``k_new`` / ``v_new``
+stay float32, float16 or bfloat16 (``new_dtype``) and launch 2 is the quantizing
+append instead (``attention.cache.fp8.fp8_append_kernel``: the pooled cache as
+HND pages of ``max_seq`` with a one-column table ``[M, 1]`` = the slot table,
+the row at ``positions[m]``; a position ``>= max_seq`` is not written). The
+scales are the state's (``fp8_scales``, as ``DecodePlan``'s):
+
+* "tensor": ``k_scale`` / ``v_scale`` float32 ``[1]``, given at construction:
+  ``code = e4m3(x / scale)``;
+* "token_head": ``k_scale`` / ``v_scale`` float32 ``[KV_SLOTS, H_kv,
+  max_seq]`` (the cache's shape without D), a scale a cached row: the append
+  writes ``amax / 448`` over the new row's D values (``fp8.row_scales``; a
+  row of zeros gets scale 0 and codes 0) beside the codes.
+
+The attention is the state's ``DecodePlan(cache_dtype=uint8,
+fp8_scales=...)`` run with the state's ``k_scale`` / ``v_scale``.
+
 Planted defects (``defect=``, falsification suite only): the state's own
 "length_not_advanced" (lengths stay put after a step) and "done_slot_read"
 (finished sequences keep their length for the kernel); a defect of the
 attention kernel in use (``attention.decode.fast.DEFECTS`` for "fast",
 ``attention.reference.warp_decode.KERNEL_DEFECTS`` for "warp" / "split") or of
-the scatter (``attention.cache.scatter.SCATTER_DEFECTS``) is passed on to it.
+the scatter (``attention.cache.scatter.SCATTER_DEFECTS``) or of the fp8
+append (``attention.cache.fp8.FP8_DEFECTS``, fp8 states) is passed on to it.
 
 Buffers (device arrays; fill or read them between steps):
-    q            [M, H, D]                     float32 (or the cache dtype: ``q_dtype``)
-    k_new, v_new [M, H_kv, D]                  cache dtype (rows of done sequences ignored)
-    k_cache      [KV_SLOTS, H_kv, max_seq, D]  float32 / float16 / bfloat16
-    v_cache      [KV_SLOTS, H_kv, max_seq, D]
+    q            [M, H, D]                     float32 (or the cache dtype: ``q_dtype``;
+                                               fp8: float32 / float16 / bfloat16)
+    k_new, v_new [M, H_kv, D]                  cache dtype; fp8: ``new_dtype`` (rows
+                                               of done sequences ignored)
+    k_cache      [KV_SLOTS, H_kv, max_seq, D]  float32 / float16 / bfloat16 / uint8
+    v_cache      [KV_SLOTS, H_kv, max_seq, D]  (fp8 e4m3 codes)
+    k_scale      fp8 only: [1] ("tensor") or [KV_SLOTS, H_kv, max_seq]
+    v_scale      ("token_head", written by each step's append) float32
     d_lengths    [M] int32, d_slots [M] int32
     positions    [M] int32, seq_lens [M] int32 (written by the step)
     out          [M, H, D] float32, lse [M, H] float32 (written by the step)
@@ -77,6 +100,8 @@ import functools
 import numpy as np
 from numba import cuda
 
+from attention.cache import fp8 as fp8_cache
+from attention.cache.paged import new_flag
 from attention.cache.scatter import SCATTER_DEFECTS, scatter_kernel
 from attention.core import checks
 from attention.core.device import (
@@ -95,11 +120,11 @@ from attention.core.graph import CapturedLaunches
 from attention.core.launch import PrebuiltLaunch, core_stream
 from attention.core.pdl import status as pdl_status
 from attention.decode import fast
-from attention.decode.plan import DecodePlan
+from attention.decode.plan import DecodePlan, _fp8_name
 
 MODES = ("eager", "graph")
 STATE_DEFECTS = ("length_not_advanced", "done_slot_read")
-STATE_DTYPES = fast.CACHE_DTYPES  # float32, float16, bfloat16 (fast kernel)
+STATE_DTYPES = fast.CACHE_DTYPES + (fast.FP8_DTYPE,)  # fp32, fp16, bf16, fp8 codes (fast)
 # host us of one step, eager (prebuilt launches) and replayed, B 32 fp32 on the
 # H200 (notes/bench.md, run 17): quoted when a graph cannot be built
 EAGER_COSTS = (38.8, 5.5)
@@ -126,7 +151,8 @@ def kernels():
 def all_defects():
     """Every defect switch a state accepts now (its own, the scatter's, the
     fast kernel's and the registered backends')."""
-    names = fast.DEFECTS + SCATTER_DEFECTS + STATE_DEFECTS
+    names = (fast.DEFECTS + fast.FP8_DEFECTS + SCATTER_DEFECTS + fp8_cache.FP8_DEFECTS
+             + STATE_DEFECTS)
     for b in BACKENDS.values():
         names += tuple(b.defects)
     return tuple(dict.fromkeys(names))
@@ -206,17 +232,30 @@ class DecodeState:
     m, n_heads, n_kv_heads, head_dim, max_seq: the batch and cache geometry
     kv_slots:   cache slots (default M; must be >= M)
     slot_table: [M] distinct ints in [0, kv_slots) (default ``arange(M)``)
-    dtype:      cache dtype: float32, float16 or bfloat16 (``ml_dtypes``)
-    q_dtype:    float32 (default) or the cache dtype (fast kernel only)
+    dtype:      cache dtype: float32, float16 or bfloat16 (``ml_dtypes``), or fp8
+                e4m3 (``np.uint8`` / "float8_e4m3fn": codes as uint8; fast kernel)
+    q_dtype:    float32 (default) or the cache dtype (fast kernel only); with
+                fp8, float32, float16 or bfloat16
+    new_dtype:  fp8 only: the dtype of the new rows ``k_new`` / ``v_new``,
+                float32 (default), float16 or bfloat16 (quantized by the
+                append); otherwise the cache dtype (the default)
+    fp8_scales: fp8 only, as ``DecodePlan``'s: "tensor" (default) or
+                "token_head" (a scale a cached row, written by the append)
+    k_scale, v_scale: fp8 only, float32, numpy (copied) or device (used in
+                place): "tensor": ``[1]``, required, finite and > 0 (checked
+                when numpy); "token_head": ``[KV_SLOTS, H_kv, max_seq]``
+                (``scale_shape``), optional (default fresh arrays: NaN when
+                ``fill`` is NaN, else 1), the scales of rows already cached
     kernel:     "fast" (default), or a registered kernel ("warp" / "split": the
                 reference kernels, float32, after ``import attention.reference.decode_step``)
     mode:       "graph" (default; eager where no graph can be built) or "eager"
     scale:      default 1/sqrt(D)
     n_split:    the fast kernel's split count (default: planned for max_seq)
     split_chunk: the split kernel's chunk (default ``split_plan`` for max_seq)
-    k_cache, v_cache: optional [KV_SLOTS, H_kv, max_seq, D] caches of ``dtype``:
-                device arrays are used in place, numpy arrays copied; default
-                fresh caches filled with ``fill``
+    k_cache, v_cache: optional [KV_SLOTS, H_kv, max_seq, D] caches of ``dtype``
+                (fp8: uint8 codes): device arrays are used in place, numpy
+                arrays copied; default fresh caches filled with ``fill`` (fp8:
+                its e4m3 code)
     fill:       initial value of every element of fresh caches (NaN makes
                 stray reads visible)
     defect:     planted defect (falsification suite only)
@@ -225,7 +264,8 @@ class DecodeState:
     def __init__(self, m, n_heads, n_kv_heads, head_dim, max_seq, *, kv_slots=None,
                  slot_table=None, dtype=np.float32, q_dtype=np.float32, kernel="fast",
                  mode="graph", scale=None, n_split=None, split_chunk=None, k_cache=None,
-                 v_cache=None, fill=0.0, defect=None):
+                 v_cache=None, fill=0.0, defect=None, fp8_scales="tensor", k_scale=None,
+                 v_scale=None, new_dtype=None):
         # -- validation: every named error before any allocation or launch --
         for name, value, lo in (("m", m, 1), ("n_heads", n_heads, 1),
                                 ("n_kv_heads", n_kv_heads, 1), ("max_seq", max_seq, 1)):
@@ -244,22 +284,32 @@ class DecodeState:
         backend = None if kernel == "fast" else BACKENDS[kernel]
         if mode not in MODES:
             raise checks.AttentionInputError(f"mode: expected one of {MODES}, got {mode!r}")
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise checks.DTypeError(f"dtype: expected a numpy dtype, got {dtype!r}") from None
+        dt = _fp8_name(dtype)
+        if dt is None:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise checks.DTypeError(f"dtype: expected a numpy dtype, got {dtype!r}") from None
         allowed = STATE_DTYPES if backend is None else backend.dtypes
         if SIMULATOR and BFLOAT16 is not None and dt == BFLOAT16:
             raise checks.DTypeError("dtype: the CUDA simulator has no bfloat16")
         if dt not in allowed:
             raise checks.DTypeError(
                 f"dtype: expected {' or '.join(str(a) for a in allowed)} for kernel "
-                f"{kernel!r}, got {dt}")
+                f"{kernel!r} (uint8: fp8 e4m3 codes), got {dt}")
+        is_fp8 = dt == fast.FP8_DTYPE
         qdt = np.dtype(q_dtype)
-        if qdt not in (np.dtype(np.float32), dt) or (kernel != "fast" and qdt != dt):
+        if is_fp8:
+            if qdt not in fast.CACHE_DTYPES:
+                raise checks.DTypeError(
+                    f"q_dtype: expected float32, float16 or bfloat16 with an fp8 cache, "
+                    f"got {qdt}")
+        elif qdt not in (np.dtype(np.float32), dt) or (kernel != "fast" and qdt != dt):
             raise checks.DTypeError(
                 f"q_dtype: expected float32{'' if kernel != 'fast' else ' or ' + str(dt)}, "
                 f"got {qdt}")
+        new_dt = self._check_new_dtype(new_dtype, dt, is_fp8)
+        self._check_fp8_mode(fp8_scales, is_fp8, dt, k_scale, v_scale, defect)
         if defect not in (None,) + all_defects():
             raise ValueError(f"defect: expected one of {all_defects()} or None, got {defect!r}")
         if n_split is not None:
@@ -267,6 +317,8 @@ class DecodeState:
         self.m, self.n_heads, self.n_kv_heads = int(m), int(n_heads), int(n_kv_heads)
         self.head_dim, self.max_seq, self.kv_slots = int(head_dim), int(max_seq), int(kv_slots)
         self.dtype, self.q_dtype, self.kernel, self.mode = dt, qdt, kernel, mode
+        self.new_dtype, self.fp8 = new_dt, is_fp8
+        self.fp8_scales = fp8_scales if is_fp8 else None
         self.defect = defect
         self.scale = checks.check_scale(scale, self.head_dim)
         self.slot_table = checks.check_slot_table(
@@ -278,20 +330,33 @@ class DecodeState:
                     ("KV_SLOTS", "H_kv", "max_seq", "D"), self.cache_shape)), dtypes=(dt,))
                 if kernel == "fast" and not is_host_array(given):
                     checks.check_aligned(name, given, 16)
+        if is_fp8:  # k_scale / v_scale: shape, dtype (and values, host per-tensor)
+            for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if given is not None:
+                    self._check_scale_array(name, given)
         self._backend = backend
         self._attn_defect = defect if defect in (
-            fast.DEFECTS if backend is None else backend.defects) else None
+            fast.DEFECTS + fast.FP8_DEFECTS if backend is None else backend.defects) else None
         self._scatter_defect = defect if defect in SCATTER_DEFECTS else None
+        self._append_defect = defect if defect in fp8_cache.FP8_DEFECTS else None
         self._plan_attention(n_split, split_chunk)  # host only: no launch
 
         # -- device state and buffers (allocated once) --
         shape = self.cache_shape
-        self.k_cache = _filled(shape, dt, fill) if k_cache is None else to_device(k_cache)
-        self.v_cache = _filled(shape, dt, fill) if v_cache is None else to_device(v_cache)
+        code = fp8_cache.encode_e4m3(np.float32(fill))[()] if is_fp8 else fill
+        self.k_cache = _filled(shape, dt, code) if k_cache is None else to_device(k_cache)
+        self.v_cache = _filled(shape, dt, code) if v_cache is None else to_device(v_cache)
         mc, h, d = self.m, self.n_heads, self.head_dim
         self.q = to_device(np.zeros((mc, h, d), qdt))
-        self.k_new = to_device(np.zeros((mc, self.n_kv_heads, d), dt))
-        self.v_new = to_device(np.zeros((mc, self.n_kv_heads, d), dt))
+        self.k_new = to_device(np.zeros((mc, self.n_kv_heads, d), new_dt))
+        self.v_new = to_device(np.zeros((mc, self.n_kv_heads, d), new_dt))
+        self.k_scale = self.v_scale = None
+        if is_fp8:
+            sfill = np.float32(np.nan if np.isnan(fill) else 1.0)
+            self.k_scale = (_filled(self.scale_shape, np.float32, sfill) if k_scale is None
+                            else to_device(k_scale))
+            self.v_scale = (_filled(self.scale_shape, np.float32, sfill) if v_scale is None
+                            else to_device(v_scale))
         self.d_slots = to_device(self.slot_table)
         self.d_lengths = to_device(np.zeros(mc, np.int32))
         self._done = np.zeros(mc, bool)
@@ -316,6 +381,21 @@ class DecodeState:
         self._scatter = scatter_kernel(True, self._scatter_defect)
         self._threads = threads_for(mc)
         self._scatter_threads = int(min(128, max(32, (d + 31) // 32 * 32)))
+        if is_fp8:
+            # the quantizing append over the pooled cache as HND pages of max_seq
+            # (table [M, 1]: the slots), T = 1 row at positions[m]; the checked
+            # kernel skips a position >= max_seq (a done or full sequence, which
+            # the prepare kernel has already flagged) and counts it in a sink
+            self._table = to_device(self.slot_table.astype(np.int32)[:, None])
+            self._append_sink = new_flag()
+            self._append = fp8_cache.fp8_append_kernel(
+                "HND", self.fp8_scales == "token_head", self._append_defect, checked=True)
+            n_kv = self.n_kv_heads
+            self._append_args = (self.k_new.reshape(mc, 1, n_kv, d),
+                                 self.v_new.reshape(mc, 1, n_kv, d), self.k_cache,
+                                 self.v_cache, self.k_scale, self.v_scale, self._table,
+                                 self.positions, self._append_sink)
+            self._append_grid = (1, mc, n_kv)
         self._streams = {}
         self._prebuilt = None
         if not SIMULATOR and gpu_available():  # compiled and loaded here
@@ -324,6 +404,8 @@ class DecodeState:
                                                self.seq_lens, np.int32(self.max_seq),
                                                self._flag),
                                (mc + self._threads - 1) // self._threads, self._threads),
+                PrebuiltLaunch(self._append, self._append_args, self._append_grid,
+                               self._scatter_threads) if is_fp8 else
                 PrebuiltLaunch(self._scatter, (self.k_new, self.v_new, self.k_cache,
                                                self.v_cache, self.positions, self.d_slots),
                                (mc, self.n_kv_heads), self._scatter_threads))
@@ -345,6 +427,82 @@ class DecodeState:
     def cache_shape(self):
         return (self.kv_slots, self.n_kv_heads, self.max_seq, self.head_dim)
 
+    @property
+    def scale_shape(self):
+        """fp8 states: the shape of ``k_scale`` / ``v_scale``: ``(1,)``
+        ("tensor") or ``(KV_SLOTS, H_kv, max_seq)`` ("token_head"); else None."""
+        if not self.fp8:
+            return None
+        return (1,) if self.fp8_scales == "tensor" else self.cache_shape[:3]
+
+    @staticmethod
+    def _check_new_dtype(new_dtype, dt, is_fp8):
+        """The new rows' dtype (module docstring); DTypeError naming ``new_dtype``."""
+        if not is_fp8:
+            ndt = dt if new_dtype is None else np.dtype(new_dtype)
+            if ndt != dt:
+                raise checks.DTypeError(
+                    f"new_dtype: expected the cache's {dt} (only fp8 states quantize new "
+                    f"rows), got {ndt}")
+            return ndt
+        ndt = np.dtype(np.float32) if new_dtype is None else np.dtype(new_dtype)
+        if SIMULATOR and BFLOAT16 is not None and ndt == BFLOAT16:
+            raise checks.DTypeError("new_dtype: the CUDA simulator has no bfloat16")
+        if ndt not in fp8_cache.NEW_DTYPES:
+            raise checks.DTypeError(
+                f"new_dtype: expected float32, float16 or bfloat16 new rows for an fp8 "
+                f"cache, got {ndt}")
+        return ndt
+
+    @staticmethod
+    def _check_fp8_mode(fp8_scales, is_fp8, dt, k_scale, v_scale, defect):
+        """``fp8_scales`` and the presence of ``k_scale`` / ``v_scale`` (their
+        shapes: ``_check_scale_array``), as ``DecodePlan`` names them."""
+        if fp8_scales not in fast.FP8_SCALES:
+            raise checks.AttentionInputError(
+                f"fp8_scales: expected one of {fast.FP8_SCALES}, got {fp8_scales!r}")
+        if not is_fp8:
+            if fp8_scales != "tensor":
+                raise checks.AttentionInputError(
+                    f"fp8_scales: {fp8_scales!r} needs an fp8 cache (dtype uint8 / "
+                    f"'float8_e4m3fn'), got dtype {dt}")
+            if k_scale is not None or v_scale is not None:
+                raise checks.AttentionInputError(
+                    "k_scale, v_scale: only fp8 states (dtype uint8 / 'float8_e4m3fn') take "
+                    "scales")
+            if defect in fp8_cache.FP8_DEFECTS + fast.FP8_DEFECTS:
+                raise checks.AttentionInputError(f"defect: {defect!r} needs an fp8 state")
+            return
+        if fp8_scales == "tensor" and (k_scale is None or v_scale is None):
+            raise checks.AttentionInputError(
+                "k_scale, v_scale: an fp8 state with per-tensor scales (fp8_scales='tensor') "
+                "needs both (float32 [1], finite and > 0)")
+        if fp8_scales == "token_head" and (k_scale is None) != (v_scale is None):
+            raise checks.AttentionInputError(
+                "k_scale, v_scale: give both per-(token, head) scale arrays or neither "
+                "(fresh ones)")
+
+    def _check_scale_array(self, name, x):
+        """``x`` as ``name`` (k_scale / v_scale): float32 of ``scale_shape``,
+        C-contiguous; a numpy per-tensor scale finite and > 0. Named errors."""
+        if self.fp8_scales == "tensor":
+            dims = (("1", 1),)
+        else:
+            dims = tuple(zip(("KV_SLOTS", "H_kv", "max_seq"), self.scale_shape))
+        try:
+            checks.check_array(name, x, dims, dtypes=(np.float32,))
+        except checks.ShapeError as exc:
+            other = {"tensor": (self.cache_shape[:3], "per-(token, head) scales need "
+                                "fp8_scales='token_head'"),
+                     "token_head": ((1,), "per-tensor scales need fp8_scales='tensor'")}
+            shape, hint = other[self.fp8_scales]
+            hint = f"; {hint}" if tuple(x.shape) == shape else ""
+            raise checks.ShapeError(f"{exc} (fp8_scales={self.fp8_scales!r}{hint})") from None
+        if self.fp8_scales == "tensor" and is_host_array(x):
+            v = float(np.asarray(x)[0])
+            if not (np.isfinite(v) and v > 0):
+                raise checks.RangeError(f"{name}: expected a finite scale > 0, got {v}")
+
     def _plan_attention(self, n_split, split_chunk):
         """The attention launches' plan, for the cache's full capacity (blocks
         or chunks past a sequence's length exit at once): a ``DecodePlan`` for
@@ -355,7 +513,8 @@ class DecodeState:
             self._attn = DecodePlan(self.m, self.n_heads, self.n_kv_heads, self.head_dim,
                                     self.kv_slots, self.max_seq, cache_dtype=self.dtype,
                                     q_dtype=self.q_dtype, scale=self.scale, n_split=n_split,
-                                    defect=self._attn_defect)
+                                    defect=self._attn_defect,
+                                    fp8_scales=self.fp8_scales or "tensor")
             self.plan = self._attn.fast_plan
             self.n_split = self.plan["n_split"]
         else:
@@ -390,14 +549,19 @@ class DecodeState:
         lengths, done, flag = self._dry if dry else (self.d_lengths, self._d_done, self._flag)
         self._prepare[(self.m + self._threads - 1) // self._threads, self._threads, stream](
             lengths, done, self.positions, self.seq_lens, np.int32(self.max_seq), flag)
-        self._scatter[(self.m, self.n_kv_heads), self._scatter_threads, stream](
-            self.k_new, self.v_new, self.k_cache, self.v_cache, self.positions, self.d_slots)
+        if self.fp8:
+            self._append[self._append_grid, self._scatter_threads, stream](*self._append_args)
+        else:
+            self._scatter[(self.m, self.n_kv_heads), self._scatter_threads, stream](
+                self.k_new, self.v_new, self.k_cache, self.v_cache, self.positions,
+                self.d_slots)
         self._attend(stream)
 
     def _attend(self, stream):
         if self._attn is not None:  # the plan's error flag is the state's
             self._attn.run(self.q, self.k_cache, self.v_cache, self.seq_lens, self.d_slots,
-                           out=self.out, lse=self.lse, stream=stream)
+                           out=self.out, lse=self.lse, stream=stream, k_scale=self.k_scale,
+                           v_scale=self.v_scale)
             return
         self._backend.attend(self, stream)
 
@@ -506,22 +670,50 @@ class DecodeState:
         self.synchronize()
         self.d_lengths.copy_to_device(lens.astype(np.int32))
 
-    def load(self, k_cache, v_cache, lengths):
+    def load(self, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None):
         """Replace the caches' contents and set the lengths (all sequences live).
 
         k_cache, v_cache: [KV_SLOTS, H_kv, max_seq, D] of the state's dtype
-        (numpy or device); lengths: [M] ints in [0, max_seq].
+        (numpy or device; fp8: uint8 e4m3 codes); lengths: [M] ints in [0, max_seq].
+        k_scale, v_scale: fp8 states only, float32 of ``scale_shape``: the
+        codes' scales, copied into the state's ``k_scale`` / ``v_scale``;
+        required with "token_head" scales ([KV_SLOTS, H_kv, max_seq]),
+        optional with "tensor" ([1]: None keeps the state's). Everything is
+        checked before anything is written.
         """
         dims = tuple(zip(("KV_SLOTS", "H_kv", "max_seq", "D"), self.cache_shape))
         checks.check_array("k_cache", k_cache, dims, dtypes=(self.dtype,))
         checks.check_array("v_cache", v_cache, dims, dtypes=(self.dtype,))
         lens = checks.check_lengths("lengths", host_ints(lengths), self.max_seq, count=self.m)
+        scales = self._loaded_scales(k_scale, v_scale)
         self.synchronize()
         _upload(self.k_cache, k_cache)
         _upload(self.v_cache, v_cache)
+        for dst, src in scales:
+            _upload(dst, src)
         self.d_lengths.copy_to_device(lens.astype(np.int32))
         self._set_done(np.zeros(self.m, bool))
         return self
+
+    def _loaded_scales(self, k_scale, v_scale):
+        """``load``'s scale arguments checked: [(state buffer, given), ...]."""
+        if not self.fp8:
+            if k_scale is not None or v_scale is not None:
+                raise checks.AttentionInputError(
+                    "k_scale, v_scale: only fp8 states (dtype uint8 / 'float8_e4m3fn') take "
+                    "scales")
+            return []
+        if self.fp8_scales == "token_head" and (k_scale is None or v_scale is None):
+            raise checks.AttentionInputError(
+                f"k_scale, v_scale: loading an fp8 cache with per-(token, head) scales needs "
+                f"both (float32 [KV_SLOTS, H_kv, max_seq] = {list(self.scale_shape)})")
+        pairs = []
+        for name, given, buf in (("k_scale", k_scale, self.k_scale),
+                                 ("v_scale", v_scale, self.v_scale)):
+            if given is not None:
+                self._check_scale_array(name, given)
+                pairs.append((buf, given))
+        return pairs
 
     def prefill(self, k, v, lengths):
         """Write positions ``0..lengths[m]-1`` of each sequence's slot and set
@@ -529,14 +721,16 @@ class DecodeState:
 
         k, v: host [M, H_kv, L, D] arrays of the state's dtype with
         L >= max(lengths); lengths: [M] ints in [0, max_seq]. Other positions
-        and slots are left as they are.
+        and slots are left as they are. fp8 states: rows of ``new_dtype``,
+        quantized by the same append as a step's (``fp8_cache.fp8_append``,
+        one launch a sequence), their per-(token, head) scales written too.
         """
         lens = checks.check_lengths("lengths", host_ints(lengths), self.max_seq, count=self.m)
         longest = int(lens.max()) if lens.size else 0
         for name, x in (("k", k), ("v", v)):
             shape = checks.check_array(
                 name, x, (("M", self.m), ("H_kv", self.n_kv_heads), ("L", None),
-                          ("D", self.head_dim)), dtypes=(self.dtype,))
+                          ("D", self.head_dim)), dtypes=(self.new_dtype,))
             if shape[2] < longest:
                 raise checks.ShapeError(
                     f"{name}: expected at least L={longest} positions (the longest length), "
@@ -546,6 +740,16 @@ class DecodeState:
         for m in range(self.m):
             slot, length = int(self.slot_table[m]), int(lens[m])
             if length == 0:
+                continue
+            if self.fp8:
+                rows = [np.ascontiguousarray(x[m:m + 1, :, :length].transpose(0, 2, 1, 3))
+                        for x in (k, v)]  # [1, T, H_kv, D]
+                kw = ({"k_scale": self.k_scale, "v_scale": self.v_scale}
+                      if self.fp8_scales == "tensor" else
+                      {"k_scales": self.k_scale, "v_scales": self.v_scale})
+                fp8_cache.fp8_append(*rows, self.k_cache, self.v_cache,
+                                     np.array([[slot]], np.int32), np.zeros(1, np.int32),
+                                     defect=self._append_defect, **kw)
                 continue
             for g in range(self.n_kv_heads):
                 _upload(self.k_cache[slot, g, :length], k[m, g, :length])

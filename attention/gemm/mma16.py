@@ -50,7 +50,7 @@ import numpy as np
 from numba import cuda, types, uint32
 
 from attention.core import checks
-from attention.core.device import BFLOAT16, SIMULATOR, as_device_view, device_fn
+from attention.core.device import BFLOAT16, SIMULATOR, as_device_view, device_fn, ptx_statement
 
 WARP = 32
 KINDS = ("f16", "bf16")
@@ -344,6 +344,129 @@ def ldmatrix_x2_trans(tile, cols, row0, col0, lane):
 
 
 ldmatrix_x2_trans = device_fn(ldmatrix_x2_trans)
+
+
+# ---------------------------------------------------------------------------
+# shared-space byte addresses: the kernels' forms
+# ---------------------------------------------------------------------------
+
+def _sim_x4_trans(tile, word):
+    # ldmatrix x4.trans on the simulator: lane (g, t) gets elements (2t, g) and
+    # (2t + 1, g) of each of the 4 matrices whose rows lanes 8j .. 8j+7 address
+    lane = cuda.threadIdx.x % WARP
+    g, t = lane // 4, lane % 4
+    out = []
+    for j in range(4):
+        a0 = int(cuda.shfl_sync(0xFFFFFFFF, word, 8 * j + 2 * t))
+        a1 = int(cuda.shfl_sync(0xFFFFFFFF, word, 8 * j + 2 * t + 1))
+        w0 = int(tile[a0 + g // 2])
+        w1 = int(tile[a1 + g // 2])
+        shift = 16 * (g % 2)
+        out.append(np.uint32(((w0 >> shift) & 0xFFFF) | (((w1 >> shift) & 0xFFFF) << 16)))
+    return out[0], out[1], out[2], out[3]
+
+
+@functools.lru_cache(maxsize=None)
+def smem_ops():
+    """Shared-memory operations on 32-bit shared-space byte addresses:
+    ``(shared_base, ld_x4, ld_x4_trans, copy, commit, wait_one, wait_all)``.
+
+    ``shared_base(smem)``: the address of shared array ``smem``'s first byte;
+    ``ld_x4(smem, addr)`` / ``ld_x4_trans(smem, addr)``: ``ldmatrix`` x4 (plain
+    / transposed) of the four 8 x 8 matrices whose rows lanes ``8 j .. 8 j + 7``
+    address (``ldmatrix_x4`` and the other forms above take a word index into a tile
+    and compute 64-bit generic addresses; these take the shared address, so a
+    fragment's address is one 32-bit add); ``copy(smem, addr, src, flat)``:
+    ``cp.async.cg`` of the 16 bytes at uint32 word ``flat`` of global ``src``
+    to ``addr``; ``commit()`` closes the thread's group of copies;
+    ``wait_one()`` / ``wait_all()`` return once at most one / no group is in
+    flight. ``smem`` is the array an address points into (the simulator
+    indexes it; on a GPU it only types the call). On the simulator the base
+    is 0, the loads are ``mma16``'s emulation (and the x4 form of its
+    x2.trans), the copies happen at once."""
+    if SIMULATOR:
+        def shared_base(smem):
+            return 0
+
+        def ld_x4(smem, addr):
+            return _ld4(smem, addr // 4)
+
+        def ld_x4_trans(smem, addr):
+            return x4t(smem, addr // 4)
+
+        def copy(smem, addr, src, flat):
+            for x in range(4):
+                smem[addr // 4 + x] = src[flat + x]
+
+        def nothing():
+            return None
+
+        x4t = device_fn(_sim_x4_trans)
+        return (device_fn(shared_base), device_fn(ld_x4), device_fn(ld_x4_trans),
+                device_fn(copy), device_fn(nothing), device_fn(nothing), device_fn(nothing))
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i8p = ir.IntType(8).as_pointer()
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+
+    def u32(builder, value):
+        return builder.trunc(value, i32) if value.type.width > 32 else value
+
+    @intrinsic
+    def shared_base(typingctx, smem):
+        sig = types.uint32(smem)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            fnty = ir.FunctionType(i32, [i8p])
+            text = "{ .reg .u64 sa64; cvta.to.shared.u64 sa64, $1; cvt.u32.u64 $0, sa64; }"
+            return builder.call(ir.InlineAsm(fnty, text, "=r,l"),
+                                [builder.bitcast(ary.data, i8p)])
+
+        return sig, codegen
+
+    def make_ld(trans):
+        op = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16"
+
+        @intrinsic
+        def ld(typingctx, smem, addr):
+            sig = types.UniTuple(types.uint32, 4)(smem, addr)
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+                asm = ir.InlineAsm(fnty, f"{op} {{$0, $1, $2, $3}}, [$4];",
+                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                r = builder.call(asm, [u32(builder, args[1])])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(r, i) for i in range(4)])
+
+            return sig, codegen
+
+        return ld
+
+    @intrinsic
+    def copy(typingctx, smem, addr, src, flat):
+        sig = types.void(smem, addr, src, flat)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[2])(context, builder, args[2])
+            idx = args[3] if args[3].type.width == 64 else builder.sext(args[3], i64)
+            gp = builder.gep(builder.bitcast(ary.data, i8p),
+                             [builder.mul(idx, ir.Constant(i64, 4))])
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i8p])
+            asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16;",
+                               "r,l,~{memory}", side_effect=True)
+            builder.call(asm, [u32(builder, args[1]), gp])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return (shared_base, make_ld(False), make_ld(True), copy,
+            ptx_statement("cp.async.commit_group;"), ptx_statement("cp.async.wait_group 1;"),
+            ptx_statement("cp.async.wait_group 0;"))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,603 @@
+"""MLA decode attention on 16-bit tensor cores (``mma.m16n8k16``, fp32 accumulation).
+
+The absorbed MLA attention of ``mla.pipeline`` (method "mma"): every query row
+``qc = [q_lat | q_pe]`` (``W = r + d_rope`` wide, fp32, from the absorb GEMM)
+attends its sequence's latent rows ``[c_kv | k_pe]`` of a 16-bit cache, and the
+output is ``o_lat = softmax(scale qc . row) c_kv`` ([r] a row), decompressed
+afterwards through W_UV. As FlashMLA does, q is rounded to the cache's 16-bit
+type, the scores and P.V run on 16-bit mma, softmax and accumulation are fp32
+and P is rounded to the 16-bit type before P.V.
+
+* **One block per (split, row block, sequence).** A row block holds ``16 RG``
+  of a sequence's ``R = s_q nh`` query rows (row ``i nh + h``: query ``i``,
+  head ``h``; padded with zero rows that are computed and never written).
+  Its ``4 RG`` warps are ``RG`` row groups of 16 rows times 4 column
+  quarters (``cq``).
+* **Q in shared memory.** The block rounds its rows to 16 bits (``mma16.pack``,
+  to nearest even) into a swizzled tile ``[16 RG, W]``, stored as ``W / 64``
+  column blocks of ``[16 RG, 64]`` (``mma16``'s swizzle of 8 chunks a row).
+* **Latent tiles of ``KT`` positions, double buffered.** The whole block copies
+  tile ``t + 1`` (``cp.async``, the same column-block layout) while it computes
+  tile ``t``. A tile is both K (all ``W`` columns) and V (the first ``r``).
+  Rows past the split's end and rows of a bad page entry are zero-filled.
+* **S = Q K^T:** warp ``(rg, cq)`` scores its 16 rows against the tile's
+  positions ``cq KT / 4 ..`` (16 or 8 of them), ``W / 16`` k steps.
+* **Online softmax in fp32** (natural ``exp``, fast math). A row's tile max is
+  taken over its lane quad (``attention.core.warp.group_max``) and over the 4
+  warps of its row group through shared memory, so the 4 warps hold the same
+  running max; each lane keeps its part of the row sum ``l`` (of the
+  unrounded P). P is rounded to 16 bits into a shared tile ``[16 RG, KT]``.
+* **O += P V:** warp ``(rg, cq)`` owns columns ``cq r / 4 ..`` of its 16 rows'
+  ``O`` (``r / 4 / 8`` mma n tiles, ``r / 4 / 8 * 4`` fp32 registers a lane):
+  P from the shared tile (``ldmatrix`` x4), V from the latent tile
+  (``ldmatrix`` x2 ``.trans``).
+* **End.** The row sums are added over the quad and the 4 warps (in that fixed
+  order); one split writes ``o_lat = O / l`` and ``lse = m + log l``; more
+  splits write the unnormalised partial (acc, m, l) in
+  ``attention.decode.fast``'s layout, merged by its combine kernel.
+
+Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
+words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
+``8 RG KT`` and ``64 RG`` floats of row maxima: 230,400 bytes at RG 4, KT 64, W
+576 (the H200 allows 232,448 a block).
+
+Layouts (C-contiguous device arrays):
+    qc        [B, R, W] float32 (R = s_q nh rows of a sequence)
+    latent    contiguous [S, max_seq, W] with slots [B] (``table`` [B, 1]), or
+              paged [num_pages, P, W] with ``table`` [B, max_pages] int32
+              (position p of sequence b: row p % P of page table[b, p // P])
+    lens      [B] int32: the rows sequence b sees (its last query's end)
+    o_lat     [B, R, r] float32; lse [B, R] float32 (one split)
+    part_acc  [B, R, n_split, r] float32, part_ml [B, R, n_split, 2] (more splits)
+
+Multi-token decode: query ``i`` of ``s_q`` (row ``i nh + h``) sees positions
+below ``lens[b] - s_q + 1 + i``.
+
+Device guard (the launchers check on the host first): a length outside ``[0,
+capacity]`` or in ``1 .. s_q - 1``, or a slot outside the cache, makes its
+sequence empty (zeros, lse -inf); a page entry outside ``[0, num_pages)``
+reads as zero rows. Nothing is read out of bounds.
+
+Planted defects (``defect=``, compile-time switches for the tests and the
+defect catalogue; without one the kernel is unchanged, its name has no suffix):
+    "ldmatrix_no_trans"   V's B fragments loaded by ``ldmatrix`` without
+                          ``.trans`` (the same row addresses)
+    "swizzle_off_by_one"  latent tiles stored with the swizzle of the next row
+                          (``ldmatrix`` reads them with the right one)
+    "causal_tile_edge"    a query whose causal end falls on a tile edge (a
+                          multiple of 16) sees one more position
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from attention.core.device import (
+    SIMULATOR,
+    device_empty,
+    device_fn,
+    ensure_dynamic_shared,
+    jit,
+    to_device,
+)
+from attention.core.warp import fragment_softmax_step, group_max, group_sum, softmax_finish
+from attention.decode import fast
+from attention.gemm import mma16
+
+from . import attn_gemm as G
+
+WARP = 32
+CB = 64  # columns of a shared column block (8 chunks of 16 bytes: the swizzle's row)
+CQ = 4  # column quarters: warps a row group
+TILES = (64,)  # positions a latent tile (KT)
+ROW_GROUPS = (1, 2, 4)  # row groups of 16 a block (RG)
+SMEM_BLOCK_MAX = 232448  # the H100 / H200 opt-in limit of a block's shared memory
+SMEM_PER_SM = 233472
+DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+
+
+def check_defect(defect):
+    if defect is not None and defect not in DEFECTS:
+        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+
+
+def supported(rank, d_rope):
+    """None when the kernel takes latent width ``r + d_rope`` and rank ``r``, else why not."""
+    width = rank + d_rope
+    if width % CB:
+        return f"r + d_rope = {width}: expected a multiple of {CB}"
+    if rank % (CQ * 16):
+        return f"r = {rank}: expected a multiple of {CQ * 16}"
+    return None
+
+
+def smem_words(width, row_groups, tile):
+    """uint32 words of a block's dynamic shared memory (module docstring)."""
+    rows = 16 * row_groups
+    return rows * width // 2 + 2 * tile * width // 2 + rows * tile // 2 + CQ * rows
+
+
+def sub_word(rows, row, col):
+    # word of elements (row, col), (row, col + 1) (col even) of a [rows, W] 16-bit
+    # tile stored as column blocks of [rows, CB]
+    return (col // CB) * (rows * CB // 2) + mma16.tile_index(row, col % CB, CB)
+
+
+sub_word = device_fn(sub_word)
+
+
+@functools.lru_cache(maxsize=None)
+def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None):
+    """The tensor-core MLA attention kernel (module docstring).
+
+    kind: "f16" / "bf16" (the cache's type); rank: r; d_rope; row_groups: RG
+    (1, 2, 4); tile: KT (64); paged: the cache is ``[num_pages, P, W]`` read
+    through the page table; defect: None or one of ``DEFECTS``.
+
+    Grid ``(n_split, ceil(R / 16 RG), B)``, block ``128 RG``, dynamic shared
+    memory ``4 smem_words(W, RG, KT)`` bytes. Arguments:
+        qc        [B, R, W] float32
+        lat       [N * W / 2] uint32, the cache's words, flat
+        lens      [B] int32
+        table     [B, max_pages] int32 (contiguous: [B, 1], the slots)
+        page      int32 P (contiguous: max_seq); n_pages: int32 num_pages
+                  (contiguous: S); shift: int32 log2(P) or -1
+        nh        int32 heads (row i nh + h is query i); s_q: int32
+        scale     float32; chunk: int32 positions a split (a multiple of KT)
+        o_lat     [B, R, r] f32, lse [B, R] f32 (one split)
+        part_acc  [B, R, n_split, r] f32, part_ml [B, R, n_split, 2] f32
+
+    Shared addresses are 32-bit byte offsets from ``mma16.smem_ops``'s base.
+    Every ldmatrix of the kernel reads 16-row blocks of 128-byte rows (a
+    64-column block of Q, K or V, or the P tile) at chunk ``2 k + lane // 16``,
+    so one lane offset serves them all: row ``(lane & 7) | (lane & 8)``, chunk
+    ``(lane >> 4) ^ (lane & 7)`` (the swizzle key of a row is ``row & 7``), and
+    the k step (or V's chunk pair) is an XOR of a constant.
+    """
+    why = supported(int(rank), int(d_rope))
+    if why is not None:
+        raise ValueError(why)
+    if row_groups not in ROW_GROUPS or tile not in TILES:
+        raise ValueError(f"row_groups, tile: expected {ROW_GROUPS} and {TILES}, "
+                         f"got {row_groups}, {tile}")
+    check_defect(defect)
+    RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
+    PAGED = bool(paged)
+    NO_TRANS = defect == "ldmatrix_no_trans"
+    SWIZZLE_OFF = defect == "swizzle_off_by_one"
+    CAUSAL_EDGE = defect == "causal_tile_edge"
+
+    ROWS = 16 * RG
+    NTH = CQ * RG * WARP
+    WR = W // 2  # words a latent row
+    CPR = W // 8  # 16-byte chunks a latent row
+    NCB = W // CB  # 64-column blocks of a row
+    NCOL = RANK // CQ  # output columns a warp (a multiple of 16)
+    NT = NCOL // 8  # mma n tiles of a warp's O
+    N_O = 4 * NT
+    COPIES = -(-KT * CPR // NTH)  # chunks of a tile a thread copies (at most)
+    ROW_STEP, CHUNK_STEP = NTH // CPR, NTH % CPR  # a thread's next chunk: + NTH
+    # byte offsets in shared memory
+    QB = ROWS * W * 2  # the Q tile
+    LATB = KT * W * 2  # a latent tile
+    Q0B = 0
+    LAT0B = QB
+    P0B = LAT0B + 2 * LATB  # the P tile [ROWS, KT] 16-bit
+    RED = (P0B + ROWS * KT * 2) // 4  # float32 words: [CQ, ROWS]
+    QBLK = ROWS * 128  # bytes a 64-column block of Q
+    KBLK = KT * 128  # ... of a latent tile
+
+    mma, pack = mma16.ops(kind)
+    shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
+
+    def row_word(table, seq, pos, page, shift, n_pages, row0):
+        # first word of position pos's row in the flat cache; -1: a bad page entry
+        if PAGED:
+            if shift >= 0:
+                j = pos >> shift
+                off = pos & (page - 1)
+            else:
+                j = pos // page
+                off = pos - j * page
+            pg = int64(table[seq, j])
+            if pg < 0 or pg >= n_pages:
+                return int64(-1)
+            return (pg * page + off) * WR
+        return row0 + int64(pos) * WR
+
+    row_word = device_fn(row_word)
+
+    def issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, tile0, end, kb,
+              row, c):
+        # start copying the latent rows of positions tile0 .. tile0 + KT - 1 into the
+        # tile at byte kb (rows at or past end: zeros); this thread's chunks are
+        # (row, c), then NTH chunks on each time
+        for a in range(COPIES):
+            if KT * CPR % NTH == 0 or row < KT:
+                key = row & 7
+                if SWIZZLE_OFF:
+                    key = (row + 1) & 7
+                dst = kb + (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
+                pos = tile0 + row
+                src = int64(-1)
+                if pos < end:
+                    src = row_word(table, seq, pos, page, shift, n_pages, row0)
+                if src >= 0:
+                    copy(smem, sbase + dst, lat, src + 4 * c)
+                else:
+                    for x in range(4):
+                        smem[(dst >> 2) + x] = uint32(0)
+            row += ROW_STEP
+            c += CHUNK_STEP
+            if c >= CPR:
+                c -= CPR
+                row += 1
+
+    issue = device_fn(issue)
+
+    def row_limit(row, n_rows, nh, s_q, length, end):
+        # positions below this are seen by query row `row` (0 for a padded row)
+        if row >= n_rows:
+            return 0
+        lim = length - s_q + 1 + row // nh
+        if CAUSAL_EDGE and lim % 16 == 0:
+            lim += 1
+        return min(lim, end)
+
+    row_limit = device_fn(row_limit)
+
+    def kernel(qc, lat, lens, table, page, n_pages, shift, nh, s_q, scale, chunk,
+               o_lat, lse, part_acc, part_ml):
+        split = cuda.blockIdx.x
+        rb = cuda.blockIdx.y
+        seq = cuda.blockIdx.z
+        n_split = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        tq = lane % 4
+        rg = warp // CQ
+        cq = warp % CQ
+        n_rows = qc.shape[1]
+        smem = cuda.shared.array(0, uint32)
+        smf = cuda.shared.array(0, float32)
+        sbase = shared_base(smem)
+
+        # -- the sequence's length and rows (the device guard) --
+        length = lens[seq]
+        row0 = int64(0)
+        cap = page
+        if PAGED:
+            cap = table.shape[1] * page
+        else:
+            slot = table[seq, 0]
+            if slot < 0 or slot >= n_pages:
+                length = 0
+                slot = 0
+            row0 = int64(slot) * page * WR
+        if length < 0 or length > cap or (s_q > 1 and 0 < length < s_q):
+            length = 0
+        start = split * chunk
+        end = min(length, start + chunk)
+        n_tiles = (end - start + KT - 1) // KT if end > start else 0
+        crow = tid // CPR  # this thread's first chunk of a tile
+        cc = tid % CPR
+        if n_tiles > 0:  # the first tile's copies go out before Q is staged
+            issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, start, end,
+                  LAT0B, crow, cc)
+        commit()
+
+        # -- Q [16 RG, W] rounded to 16 bits into its tile (rows past R: zeros) --
+        first = rb * ROWS
+        for w in range(tid, ROWS * WR, NTH):
+            r = w // WR
+            col = 2 * (w % WR)
+            word = uint32(0)
+            if first + r < n_rows:
+                word = pack(qc[seq, first + r, col], qc[seq, first + r, col + 1])
+            smem[Q0B // 4 + sub_word(ROWS, r, col)] = word
+
+        # -- the lane's ldmatrix offset (docstring) and its P tile words --
+        a_lane = ((lane & 7) | (lane & 8)) * 128 + (((lane >> 4) ^ (lane & 7)) << 4)
+        # (offsets from the base: the XORs act on the offset's chunk bits, then the
+        # base is added)
+        q_lane = Q0B + rg * 16 * 128 + a_lane
+        k_lane = cq * 16 * 128 + a_lane  # + the tile's byte offset
+        p_lane = P0B + rg * 16 * 128 + a_lane
+        lrow = rg * 16 + g  # the lane's first row of the block
+        p_word = P0B // 4 + lrow * 32 + tq  # P tile words of (lrow, chunk), + 256: lrow + 8
+        p_key = lrow & 7
+
+        # -- the lane's rows (g, g + 8 of its row group): limits, running state --
+        lim0 = row_limit(first + lrow, n_rows, nh, s_q, length, end)
+        lim1 = row_limit(first + lrow + 8, n_rows, nh, s_q, length, end)
+        active = first + rg * 16 < n_rows  # the warp's row group holds a query row
+        m0 = float32(-math.inf)
+        m1 = float32(-math.inf)
+        l0 = float32(0.0)
+        l1 = float32(0.0)
+        o = cuda.local.array(N_O, float32)
+        for x in range(N_O):
+            o[x] = float32(0.0)
+        s = cuda.local.array(8, float32)
+        for x in range(8):
+            s[x] = float32(-math.inf)
+
+        for it in range(n_tiles):
+            wait_all()  # this thread's copies of tile it have landed
+            cuda.syncthreads()  # ... every thread's; tile it - 1's buffer and P are free
+            if it + 1 < n_tiles:
+                issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0,
+                      start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB, crow, cc)
+            commit()
+            kb = LAT0B + (it % 2) * LATB
+            tile0 = start + it * KT
+
+            # -- S = Q K^T over the warp's 16 positions tile0 + 16 cq .. --
+            if active:
+                c0 = c1 = c2 = c3 = float32(0.0)
+                d0 = d1 = d2 = d3 = float32(0.0)
+                for cb in range(NCB):
+                    qa = q_lane + cb * QBLK
+                    ka = k_lane + kb + cb * KBLK
+                    for ks in range(4):
+                        a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (32 * ks)))
+                        k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (32 * ks)))
+                        c0, c1, c2, c3 = mma(a0, a1, a2, a3, k0, k2, c0, c1, c2, c3)
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, k1, k3, d0, d1, d2, d3)
+                s[0], s[1], s[2], s[3] = c0, c1, c2, c3
+                s[4], s[5], s[6], s[7] = d0, d1, d2, d3
+                # scale and mask: s[4 h + e] row g, s[4 h + 2 + e] row g + 8,
+                # position tile0 + 16 cq + 8 h + 2 tq + e
+                for h in range(2):
+                    for e in range(2):
+                        pos = tile0 + cq * 16 + 8 * h + 2 * tq + e
+                        x = float32(s[4 * h + e] * scale)
+                        if pos >= lim0:
+                            x = float32(-math.inf)
+                        s[4 * h + e] = x
+                        y = float32(s[4 * h + 2 + e] * scale)
+                        if pos >= lim1:
+                            y = float32(-math.inf)
+                        s[4 * h + 2 + e] = y
+                # the rows' maxima over the warp's positions (the quad), to shared memory
+                t0 = group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4)
+                t1 = group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4)
+                if tq == 0:
+                    smf[RED + cq * ROWS + lrow] = t0
+                    smf[RED + cq * ROWS + lrow + 8] = t1
+            cuda.syncthreads()  # the row maxima of the tile are complete
+
+            if active:
+                # -- online softmax: the row group's 4 warps take the same max --
+                new0 = m0
+                new1 = m1
+                for c in range(CQ):
+                    new0 = max(new0, smf[RED + c * ROWS + lrow])
+                    new1 = max(new1, smf[RED + c * ROWS + lrow + 8])
+                l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
+                m0 = new0
+                m1 = new1
+                # -- P rounded to 16 bits into the P tile [ROWS, KT]: chunk 2 cq + h --
+                for h in range(2):
+                    pw = p_word + ((((2 * cq + h) ^ p_key)) << 2)
+                    smem[pw] = pack(s[4 * h], s[4 * h + 1])
+                    smem[pw + 256] = pack(s[4 * h + 2], s[4 * h + 3])
+            cuda.syncthreads()  # the P tile is complete
+
+            # -- O += P V over the warp's columns NCOL cq .. (two n tiles a load) --
+            if active:
+                for kk in range(KT // 16):
+                    p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ (32 * kk)))
+                    for nd2 in range(NT // 2):
+                        col = cq * NCOL + 16 * nd2
+                        va = sbase + ((a_lane + kb + (col >> 6) * KBLK + kk * 16 * 128)
+                                      ^ (((col >> 3) & 7) << 4))
+                        if NO_TRANS:
+                            b0, b1, b2, b3 = ld_x4(smem, va)
+                        else:
+                            b0, b1, b2, b3 = ld_x4_trans(smem, va)
+                        n = 8 * nd2
+                        o[n], o[n + 1], o[n + 2], o[n + 3] = mma(
+                            p0, p1, p2, p3, b0, b1, o[n], o[n + 1], o[n + 2], o[n + 3])
+                        o[n + 4], o[n + 5], o[n + 6], o[n + 7] = mma(
+                            p0, p1, p2, p3, b2, b3, o[n + 4], o[n + 5], o[n + 6], o[n + 7])
+
+        # -- the row sums over the quad and the row group's warps --
+        l0 = group_sum(l0, 4)
+        l1 = group_sum(l1, 4)
+        cuda.syncthreads()  # every warp has read the last tile's maxima
+        if tq == 0:
+            smf[RED + cq * ROWS + lrow] = l0
+            smf[RED + cq * ROWS + lrow + 8] = l1
+        cuda.syncthreads()
+        tot0 = float32(0.0)
+        tot1 = float32(0.0)
+        for c in range(CQ):
+            tot0 = float32(tot0 + smf[RED + c * ROWS + lrow])
+            tot1 = float32(tot1 + smf[RED + c * ROWS + lrow + 8])
+
+        # -- out: one split normalises, more write the partial --
+        single = n_split == 1
+        for half in range(2):
+            row = first + lrow + 8 * half
+            if row < n_rows:
+                m = m0 if half == 0 else m1
+                tot = tot0 if half == 0 else tot1
+                inv, lse_r = softmax_finish(m, tot)  # (0, -inf) for an empty row
+                if cq == 0 and tq == 0:
+                    if single:
+                        lse[seq, row] = lse_r
+                    else:
+                        part_ml[seq, row, split, 0] = m
+                        part_ml[seq, row, split, 1] = tot
+                for nd in range(NT):
+                    col = cq * NCOL + nd * 8 + 2 * tq
+                    x0 = o[4 * nd + 2 * half]
+                    x1 = o[4 * nd + 2 * half + 1]
+                    if single:
+                        o_lat[seq, row, col] = x0 * inv
+                        o_lat[seq, row, col + 1] = x1 * inv
+                    else:
+                        part_acc[seq, row, split, col] = x0
+                        part_acc[seq, row, split, col + 1] = x1
+
+    name = f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
+    kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
+    # 512 threads at RG 4: at most 128 registers a thread for one block an SM
+    return jit(kernel, fastmath=True, launch_bounds=(NTH,))
+
+
+# ---------------------------------------------------------------------------
+# plan and launch
+# ---------------------------------------------------------------------------
+
+def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
+         row_groups=None, tile=None, defect=None):
+    """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
+
+    ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
+    4 past 32 rows, else 2: at 16 rows the idle row group's warps still copy
+    tiles, which the memory-bound case needs), ``tile`` (64),
+    ``n_split`` (default: ``fast.split_count`` over
+    the ``B ceil(R / 16 RG)`` blocks a split, one block an SM at RG 4) trimmed
+    to the chunks that hold a position (a chunk is a multiple of KT).
+    """
+    n_rows = int(n_rows)
+    if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
+        row_groups = 4 if n_rows > 32 else 2
+    if tile is None:
+        tile = 64
+    row_groups, tile = int(row_groups), int(tile)
+    width = int(rank) + int(d_rope)
+    dyn = 4 * smem_words(width, row_groups, tile)
+    if dyn > SMEM_BLOCK_MAX:
+        raise ValueError(f"row_groups {row_groups}, tile {tile}, W {width}: {dyn} bytes of "
+                         f"shared memory, more than a block's {SMEM_BLOCK_MAX}")
+    blocks = int(n_seq) * -(-n_rows // (16 * row_groups))
+    if n_split is None:
+        resident = max(1, SMEM_PER_SM // (dyn + 1024))
+        n_split = fast.split_count(blocks, max_len, resident)
+    n_split = max(1, int(n_split))
+    chunk = -(-max(int(max_len), 1) // n_split)
+    chunk = -(-chunk // tile) * tile
+    n_split = -(-max(int(max_len), 1) // chunk)
+    return {
+        "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
+                                 defect),
+        "kind": kind,
+        "rank": int(rank),
+        "d_rope": int(d_rope),
+        "grid": (n_split, -(-n_rows // (16 * row_groups)), int(n_seq)),
+        "block": CQ * row_groups * WARP,
+        "dyn_smem": dyn,
+        "chunk": chunk,
+        "n_split": n_split,
+        "row_groups": row_groups,
+        "tile": tile,
+        "paged": bool(paged),
+        "defect": defect,
+    }
+
+
+def scratch(pl, n_seq, n_rows, stream=None):
+    """The plan's split-KV partials ``fast.scratch`` (a placeholder at one split)."""
+    return fast.scratch(n_seq, n_rows, pl["rank"], pl["n_split"], stream)
+
+
+def launch(pl, d_qc, d_latent, d_lens, d_table, nh, scale, d_o_lat, d_lse, d_part_acc,
+           d_part_ml, stream=0):
+    """Enqueue a planned attention (one launch, or two with the combine).
+
+    d_qc [B, R, W] f32; d_latent [S, max_seq, W] (contiguous, ``d_table`` the
+    slots [B] or [B, 1]) or [num_pages, P, W] (paged, ``d_table`` [B,
+    max_pages]) 16-bit; d_lens [B] int32; nh: heads (R = s_q nh); d_o_lat [B,
+    R, r] f32; d_lse [B, R] f32; d_part_acc / d_part_ml ``scratch(pl, B, R)``.
+    """
+    n_seq, n_rows = int(d_qc.shape[0]), int(d_qc.shape[1])
+    n_pages, page = int(d_latent.shape[0]), int(d_latent.shape[1])
+    if len(d_table.shape) == 1:
+        d_table = d_table.reshape(n_seq, 1)
+    shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
+    args = (d_qc, mma16.as_words(d_latent, True), d_lens, d_table, np.int32(page),
+            np.int32(n_pages), np.int32(shift), np.int32(nh), np.int32(n_rows // nh),
+            np.float32(scale), np.int32(pl["chunk"]), d_o_lat, d_lse, d_part_acc, d_part_ml)
+    ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
+                          pl.setdefault("smem_ready", set()))
+    pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
+    if pl["n_split"] > 1:
+        comb = fast.combine_kernel(-(-pl["rank"] // WARP))
+        comb[(n_rows, n_seq), fast.combine_warps(pl["n_split"]) * WARP, stream](
+            d_part_acc, d_part_ml, d_o_lat, d_lse)
+
+
+def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
+            w_uk_layout, stream, d_vis=None, page_table=None, s_q=1, n_split=None,
+            defect=None):
+    """Allocate and fill everything the MLA decode on tensor cores reads: a
+    dict for ``launch_prepared`` (absorb, attention, decompress).
+
+    d_q_nope [Q, nh, d_nope], d_q_pe [Q, nh, d_rope] float32 (Q = B s_q: s_q
+    consecutive queries a sequence), d_w_uk [nh, d_nope, r] ("mla") or [nh, r,
+    d_nope] ("checkpoint"), d_w_uv [nh, d_v, r], d_latent [S, max_seq, W]
+    float16 / bfloat16 (``slots`` [B] its rows of each sequence), or paged
+    [num_pages, P, W] with ``page_table`` (device int32 [B, max_pages]);
+    ``vis`` host int32 [B]: the rows each sequence sees (its length);
+    ``d_vis`` (device int32 [B], optional): read in place of ``vis``, which
+    then sizes the plan only. Returns the dict; its ``out`` [Q, nh, d_v],
+    ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] are written by each launch.
+    """
+    n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
+    n_seq = n_q // s_q
+    width = int(d_latent.shape[2])
+    rank = width - d_rope
+    d_v = int(d_w_uv.shape[1])
+    kind = mma16.kind_of(d_latent.dtype, "latent_cache")
+    p = {"n_q": n_q, "n_seq": n_seq, "s_q": s_q, "nh": nh, "rank": rank, "d_rope": d_rope,
+         "d_v": d_v, "scale": float(scale),
+         "out": device_empty((n_q, nh, d_v), np.float32, stream),
+         "o_lat": device_empty((n_q, nh, rank), np.float32, stream),
+         "lse": device_empty((n_q, nh), np.float32, stream)}
+    if n_q == 0:
+        return p
+    max_len = int(np.max(vis)) if len(vis) else 0
+    pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
+              n_split=n_split, defect=defect)
+    heads = np.arange(nh)
+    table = to_device(np.concatenate((heads, np.full(nh, rank), np.full(nh, d_nope),
+                                      np.full(nh, d_v))).astype(np.int32), stream)
+    p["heads"], p["h_rank"], p["h_nope"], p["h_dv"] = (table[i * nh:(i + 1) * nh]
+                                                       for i in range(4))
+    p["index"] = table  # keeps the slices' memory alive with the dict
+    p["smem_ready"] = set()
+    p["qc"] = device_empty((n_q, nh, width), np.float32, stream)
+    p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uv=d_w_uv, plan=pl, latent=d_latent,
+             w_uk=d_w_uk, uk_order="zkn" if w_uk_layout == "mla" else "znk")
+    p["lens"] = d_vis if d_vis is not None else to_device(np.asarray(vis, np.int32), stream)
+    p["table"] = (page_table if page_table is not None
+                  else to_device(np.asarray(slots, np.int32).reshape(n_seq, 1), stream))
+    p["part_acc"], p["part_ml"] = scratch(pl, n_seq, s_q * nh, stream)
+    return p
+
+
+def launch_prepared(p, stream):
+    """Enqueue a ``prepare`` dict's launches on ``stream`` (a numba stream or 0):
+    the absorb GEMM (``mla.attn_gemm.launch_absorb``), the attention (one
+    launch, two with the split-KV combine) and the decompress GEMM."""
+    if p["n_q"] == 0:
+        return
+    n_seq, rows = p["n_seq"], p["s_q"] * p["nh"]
+    G.launch_absorb(p, stream)
+    launch(p["plan"], p["qc"].reshape(n_seq, rows, p["rank"] + p["d_rope"]), p["latent"],
+           p["lens"], p["table"], p["nh"], p["scale"], p["o_lat"].reshape(n_seq, rows, p["rank"]),
+           p["lse"].reshape(n_seq, rows), p["part_acc"], p["part_ml"], stream)
+    G.launch_decompress(p, stream)
+
+
+__all__ = ["DEFECTS", "SIMULATOR", "launch", "launch_prepared", "mla_mma_kernel", "plan",
+           "prepare", "scratch", "smem_words", "supported"]
