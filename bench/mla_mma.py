@@ -27,8 +27,8 @@ fp16 as FlashMLA does, so its error sits with the 16-bit einsum's, not with
 float32's.
 
 ``bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None)`` returns
-the rows; ``python -m bench.mla_mma [--out DIR]`` prints them (and writes
-``DIR/mla_mma.csv``).
+the rows; ``python -m bench.mla_mma [--out DIR] [--no-gemm]`` prints them (and
+writes ``DIR/mla_mma.csv`` and ``DIR/summary.md`` with provenance).
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def _prepared(inputs, stream):
 
 
 def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=4,
-                  verbose=False):
+                  verbose=False, gemm=True, ceilings=None):
     """The rows (module docstring); ``copy_gbps`` / ``bf16_peak``: the ceilings
     measured earlier in the run (measured here when None; the bf16 peak needs
-    torch)."""
+    torch); ``gemm=False`` leaves out the GEMM path's row (its kernels' compile
+    time); ``ceilings``: a dict that receives the two ceilings."""
     from numba import cuda
 
     from mla import mma as MM
@@ -104,6 +105,8 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
         copy_gbps = copy_bandwidth(timer)[0]
     if bf16_peak is None and torch is not None:
         bf16_peak = torch_matmul_peak(torch, "bf16")[0]
+    if ceilings is not None:
+        ceilings.update(copy_GBps=copy_gbps, bf16_TFLOPs=bf16_peak)
     log(f"  ceilings: copy {copy_gbps:.0f} GB/s, bf16 GEMM peak "
         f"{'n/a' if bf16_peak is None else f'{bf16_peak:.0f} TFLOP/s'}")
     rows = []
@@ -151,17 +154,18 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
 
         record("mma_public", c, timer.time(run_public, reps=5, warmup=1, host=True), check,
                out=run_public(), note="(mla_decode method mma: host work included)")
-        from mla.attn_gemm import Workspace
+        if gemm:
+            from mla.attn_gemm import Workspace
 
-        ws = Workspace()
+            ws = Workspace()
 
-        def run_gemm():
-            return mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
-                              method="gemm", workspace=ws)
+            def run_gemm():
+                return mla_decode(q_nope, q_pe, cache, lengths, w_uk, w_uv, stream=st,
+                                  method="gemm", workspace=ws)
 
-        record("gemm", c, timer.time(run_gemm, reps=5, warmup=1, host=True), check,
-               out=run_gemm(), note="(mla_decode method gemm: split-tf32 GEMMs, host work "
-                                    "included)")
+            record("gemm", c, timer.time(run_gemm, reps=5, warmup=1, host=True), check,
+                   out=run_gemm(), note="(mla_decode method gemm: split-tf32 GEMMs, host "
+                                        "work included)")
         if torch is None:
             continue
         from .gpu import TorchTimer
@@ -201,8 +205,17 @@ def summary_lines(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="write DIR/mla_mma.csv")
+    ap.add_argument("--out", default=None,
+                    help="write DIR/mla_mma.csv and DIR/summary.md (with provenance)")
+    ap.add_argument("--no-gemm", action="store_true", help="leave out the GEMM path's row")
+    ap.add_argument("--check-seqs", type=int, default=4,
+                    help="sequences checked against the float64 oracle (default 4)")
     args = ap.parse_args(argv)
+    import json
+    import time
+
+    from validation.provenance import provenance
+
     from .gpu import Timer
 
     try:
@@ -211,14 +224,24 @@ def main(argv=None):
             torch = None
     except ImportError:
         torch = None
-    rows = bench_mla_mma(Timer(), torch, verbose=True)
-    print("\n".join(summary_lines(rows)))
+    t0 = time.time()
+    ceilings = {}
+    rows = bench_mla_mma(Timer(), torch, verbose=True, gemm=not args.no_gemm,
+                         check_seqs=args.check_seqs, ceilings=ceilings)
+    lines = summary_lines(rows)
+    print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mla_mma.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             w.writerows(rows)
+        prov = provenance(bench_seconds=round(time.time() - t0, 1), ceilings=ceilings,
+                          torch=None if torch is None else torch.__version__)
+        with open(os.path.join(args.out, "summary.md"), "w") as f:
+            f.write("# MLA decode on 16-bit tensor cores (`python -m bench.mla_mma`)\n\n"
+                    "```\n" + json.dumps(prov, indent=1) + "\n```\n\n"
+                    + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

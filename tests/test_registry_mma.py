@@ -5,13 +5,12 @@
 (``attention.prefill.mma.prefill_attention_mma``) are judged by the sweep's
 rule against the rounded-P baseline (``validation.baselines``: "mma16_p16", S
 summed as the mma model sums it, P rounded to the case's 16-bit type before
-P.V). Checked here:
+P.V; the prefill's weights in FlashAttention-2's form, "ex2fma"). Checked here:
 
 * plain process: the entries resolve, their baseline labels resolve per dtype
   and give exactly ``decode_rounded_p`` / ``prefill_rounded_p`` on a sweep
-  case; FlashAttention-2's weights (EXP "ex2fma", the prefill kernel's form
-  before it took the difference first) carry the argument rounding at large
-  scores; cases the kernels cannot take (float32,
+  case; the prefill's FlashAttention-2 weights (EXP "ex2fma") carry the
+  argument rounding at large scores; cases the kernels cannot take (float32,
   head dim 40, GQA group x T_q over 16 rows) are "unsupported" with the
   reason, raised before any launch, and the prefill's head dim is q's row over
   H; the tensor-core shapes are run by the "mma" family only; the "mma" suite
@@ -59,7 +58,8 @@ def test_entries_resolve_with_rounded_p_baselines():
         status, fn = registry.resolve(spec)
         assert status == "ok", (name, fn)
         assert spec.family == "mma"
-        assert spec.baseline == "mma16_p16/after"
+        want = "mma16_p16/after" + ("/divide/ex2fma" if spec.kind == "prefill" else "")
+        assert spec.baseline == want
         assert registry.mutants_of(name) == ()
 
 

@@ -98,9 +98,8 @@ EXP (the exponential of the softmax)
                      rounding costs up to |x| units of float32 in a weight, which
                      numpy's exp does not. ``ex2.approx``'s own error (~2 ulps)
                      is left to the factor 2.
-    ``ex2fma``       FlashAttention-2's weights, the tensor-core prefill's form
-                     until it took the difference first (``mma16_pT`` only; no
-                     registry kernel uses it: the model of a finding): ``2 ** fl32(fma(r, c, -fl(m c)))``
+    ``ex2fma``       FlashAttention-2's weights, the tensor-core prefill's
+                     (``mma16_pT`` only): ``2 ** fl32(fma(r, c, -fl(m c)))``
                      with r the raw scores, m their max and c = fl(scale log2 e):
                      the argument rounded at the size of the scaled scores (at
                      |score| 1e4, ~1e-3 of relative error in every weight but

@@ -571,7 +571,9 @@ KERNELS = (
     # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
     # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and
     # ``prefill_rounded_p``, S summed as the mma model sums it; p16 becomes pf16 /
-    # pbf16 with the case's dtype). float32 cases, head dims without a tile and GQA
+    # pbf16 with the case's dtype; the prefill's weights in FlashAttention-2's form,
+    # EXP "ex2fma": a changed criterion, notes/validation.md lists the cases). float32
+    # cases, head dims without a tile and GQA
     # groups over one 16-row tile are reported unsupported, with the reason
     # (``_mma_inputs``). Storage: the caches only, so the
     # kernel's DTypeError on a float32 q makes the sweep cast every input (cast
@@ -599,7 +601,7 @@ KERNELS = (
                "prefill_attention_mma", _run_mma_prefill, ("k", "v"),
                "tensor-core prefill (fp16/bf16 q, k, v; P rounded to 16 bits), causal or "
                "not, GQA; head dims multiples of 16 up to 128, and 256",
-               "mma16_p16/after"),
+               "mma16_p16/after/divide/ex2fma"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),

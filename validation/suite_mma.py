@@ -22,7 +22,8 @@ The rule is the sweep's (``validation.tolerance.verdict``: NaN / inf where the
 oracle has them, max error <= 2x the baseline's + floor, mean error <= 1.5x +
 floor / n), judged against the float64 oracle with the registry's rounded-P
 baselines (``validation.baselines``: P rounded to the 16-bit type before P.V,
-as the kernels do by design; S summed as the mma model sums it). Checks (each named
+as the kernels do by design; S summed as the mma model sums it; the prefill's
+weights in FlashAttention-2's form, ``exp="ex2fma"``). Checks (each named
 ``<output>[<case>]``):
 
 * decode ``t4_g4_pooled``: 4 queries a sequence x GQA group 4 (the 16 rows of
@@ -132,7 +133,8 @@ def check_prefill(case, t_len, n_heads, n_kv, head_dim, causal, plan, defect):
     scale = 1.0 / np.sqrt(head_dim)
     ref_out, ref_lse = prefill_attention_ref(q, k, v, n_heads, n_kv, causal=causal,
                                              scale=scale)
-    base_out, base_lse = prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, F16)
+    base_out, base_lse = prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, F16,
+                                           exp="ex2fma")
     return [judge("out" + tag, out, ref_out, base_out),
             judge("lse" + tag, lse, ref_lse, base_lse)]
 

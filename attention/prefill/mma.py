@@ -50,9 +50,10 @@ The kernel (``prefill_mma_kernel``):
   sums and the quad adds them at the end
   (``attention.core.warp.group_sum``). The running max ``m`` is of the raw
   scores (``scale > 0`` keeps their order) and ``P = exp(scale (S - m)) =
-  2^((S - m) scale log2(e))``, a subtraction, a multiply and one ``ex2.approx``
-  a score (not FA2's one fma, ``2^(S c - m c)``, whose argument rounds at the
-  size of the scaled scores). P is rounded to the 16-bit type (``mma16`` ``pack``, to
+  2^(S scale log2(e) - m scale log2(e))``, one fma and one ``ex2.approx`` a
+  score (FA2's form; at scores of 1e4 its weights carry the rounding of ``m
+  scale log2(e)``: notes/validation.md). P is rounded to the 16-bit type
+  (``mma16`` ``pack``, to
   nearest even) and the score fragments serve as the A fragments of
   ``O += P V`` (V's B fragments from ``ldmatrix`` x4.trans, two 8-column
   slices a load); ``l`` sums the unrounded fp32 ``P``.
@@ -99,6 +100,7 @@ from attention.core.device import (
     device_fn,
     ensure_dynamic_shared,
     finish,
+    fma,
     is_host_array,
     jit,
     launch_stream,
@@ -357,6 +359,8 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
         lim1 = row_limit(wrow0 + g + 8, t_len)
         m0 = NEG_INF  # running max of the raw (unscaled) scores
         m1 = NEG_INF
+        mr0 = NEG_INF  # fl(m scale2) as the last tile's weights took it (-inf: none yet)
+        mr1 = NEG_INF
         scale2 = float32(scale * LOG2E)
         l0 = float32(0.0)  # this lane's part of the row sums
         l1 = float32(0.0)
@@ -417,32 +421,38 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
                     top1 = max(top1, max(s[4 * nt + 2], s[4 * nt + 3]))
                 new0 = max(m0, group_max(top0, 4))
                 new1 = max(m1, group_max(top1, 4))
-                # exp(scale (x - m)) = 2^((x - m) scale2): the difference first (exact
-                # while x is within a factor 2 of m), then one rounding of a number of
-                # the size of the difference. FlashAttention-2's one fma a score,
-                # 2^fl(fma(x, scale2, -fl(m scale2))), rounds the argument at the size
-                # of the scaled scores instead: at scores of 1e4 (the `large` fixture)
-                # the outputs were 250x the baseline's error (notes/validation.md). A
-                # row with nothing seen so far takes reference 0 (weights 0, never NaN);
-                # while the max stays, the rescale is 2^0 = 1 exactly.
-                ref0 = new0 if new0 > NEG else float32(0.0)
-                ref1 = new1 if new1 > NEG else float32(0.0)
-                alpha0 = float32(math.exp2(float32(m0 - ref0) * scale2))
-                alpha1 = float32(math.exp2(float32(m1 - ref1) * scale2))
+                # exp(scale (x - m)) = 2^(x scale2 - m scale2): one fma a score; a row
+                # with nothing seen so far takes reference 0 (weights 0, never NaN)
+                nr0 = float32(new0 * scale2)
+                nr1 = float32(new1 * scale2)
+                ref0 = nr0 if new0 > NEG else float32(0.0)
+                ref1 = nr1 if new1 > NEG else float32(0.0)
+                # the rescale is 2^(old reference - new reference), both rounded as
+                # the weights took them: exactly 1 while the max stays (a factor
+                # 2^(m scale2 - fl(m scale2)) a tile would compound into l over a
+                # long row; o would divide it away, the LSE would keep it). The old
+                # reference is the one kept from the last tile, not fl(m0 scale2)
+                # again: ptxas contracts that mul.f32 with the subtraction into
+                # fma(m0, scale2, -ref0), which is that factor (T 4096: LSE errors
+                # of 6.6e-6, validation/prefill_lse_model.py)
+                alpha0 = float32(math.exp2(mr0 - ref0))
+                alpha1 = float32(math.exp2(mr1 - ref1))
                 sum0 = float32(0.0)
                 sum1 = float32(0.0)
                 for nt in range(NTS):
                     for e in range(2):
-                        p = float32(math.exp2(float32(s[4 * nt + e] - ref0) * scale2))
+                        p = float32(math.exp2(fma(s[4 * nt + e], scale2, -ref0)))
                         s[4 * nt + e] = p
                         sum0 += p
-                        p = float32(math.exp2(float32(s[4 * nt + 2 + e] - ref1) * scale2))
+                        p = float32(math.exp2(fma(s[4 * nt + 2 + e], scale2, -ref1)))
                         s[4 * nt + 2 + e] = p
                         sum1 += p
                 l0 = float32(l0 * alpha0 + sum0)
                 l1 = float32(l1 * alpha1 + sum1)
                 m0 = new0
                 m1 = new1
+                mr0 = nr0
+                mr1 = nr1
                 for nd in range(NTO):
                     o[4 * nd] *= alpha0
                     o[4 * nd + 1] *= alpha0
