@@ -82,6 +82,7 @@ from attention.core.device import (
     device_fn,
     ensure_dynamic_shared,
     jit,
+    page_split,
     to_device,
 )
 from attention.core.warp import fragment_softmax_step, group_max, group_sum, softmax_finish
@@ -197,12 +198,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     def row_word(table, seq, pos, page, shift, n_pages, row0):
         # first word of position pos's row in the flat cache; -1: a bad page entry
         if PAGED:
-            if shift >= 0:
-                j = pos >> shift
-                off = pos & (page - 1)
-            else:
-                j = pos // page
-                off = pos - j * page
+            j, off = page_split(pos, page, shift)
             pg = int64(table[seq, j])
             if pg < 0 or pg >= n_pages:
                 return int64(-1)

@@ -66,7 +66,13 @@ SUM (how the products of a dot product are added, ``dot``)
                      the rule is unchanged, only its baseline rounds P too. q
                      and K are 16-bit, so every product of S is exact in
                      float32; the baseline sees the case's 16-bit values
-                     exactly, as every baseline does.
+                     exactly, as every baseline does. For kind ``mla``
+                     (``mla.mma``, ``mla_decode(method="mma")``) the query
+                     is formed first: ``q_lat = q_nope W_UK`` in float32,
+                     ``[q_lat | q_pe]`` rounded to ``T`` (the kernel's
+                     rounding of q), then the rounded-P attention over the
+                     latent rows and ``o_lat W_UV^T`` in float32
+                     (``mla_rounded_p``, below).
     ``matmul_pT``    the same with S as numpy's float32 ``@``
                      (``decode_rounded_p``'s default; decode only). Not the
                      registry's: at the 'large' fixture (|score| 1e4) the
@@ -602,15 +608,17 @@ def _rounded_dtype(kind):
 
 
 def rounded_p_baseline(kind, inputs, label):
-    """{"out", "lse"}: the rounded-P baseline of a sweep case's inputs, in the
-    registry's layouts (``label`` resolved: ``mma16_pT/after``, or
-    ``matmul_pT/after`` for decode).
+    """{"out", "lse"} ({"out"} for mla): the rounded-P baseline of a sweep
+    case's inputs, in the registry's layouts (``label`` resolved:
+    ``mma16_pT/after``, or ``matmul_pT/after`` for decode and mla).
 
     decode: q [M, H, D], caches [KV_SLOTS, H_kv, max_seq, D], seq_lens [M],
     slot_table [M] -> out [M, H, D], lse [M, H], through ``decode_rounded_p``
     (its [M, T, H, D] with T = 1, the rows of each sequence gathered by its
     slot). prefill: q [T, H*D], k / v [T, H_kv*D] -> out [T, H*D], lse [H, T],
-    through ``prefill_rounded_p``. Scale 1 / sqrt(D), as the kernels' default."""
+    through ``prefill_rounded_p``. Scale 1 / sqrt(D), as the kernels' default.
+    mla: the ``mla.oracle`` layouts (``registry.MLA_ARGS``) -> out [t_q, nh,
+    d_v], through ``mla_rounded_p``, scale 1 / sqrt(d_nope + d_rope)."""
     how, _, _, exp = parse(label)
     rounded = _ROUNDED_P.match(how)
     if rounded is None or rounded.group(2) == "16":
@@ -636,8 +644,14 @@ def rounded_p_baseline(kind, inputs, label):
                                      int(inputs["n_kv_heads"]), bool(inputs["causal"]), scale,
                                      dtype, exp=exp)
         return {"out": out, "lse": lse}
-    raise ValueError(f"rounded_p_baseline: {label!r} has no {kind} form (decode: mma16_pT "
-                     f"or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
+    if kind == "mla" and exp == "exp":
+        from validation.registry import MLA_ARGS
+
+        args = [np.asarray(inputs[n], F32) for n in MLA_ARGS]
+        scale = 1.0 / np.sqrt(args[0].shape[2] + args[1].shape[2])
+        return {"out": mla_rounded_p(*args, scale, dtype, sums)}
+    raise ValueError(f"rounded_p_baseline: {label!r} has no {kind} form (decode and mla: "
+                     f"mma16_pT or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
 
 
 def baseline(kind, inputs, label, plain=None):
@@ -777,3 +791,59 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul"):
                 out[m, i, h] = (p16 @ vals) / total
                 lse[m, i, h] = top + np.log(total)
     return out, lse
+
+
+def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma16"):
+    """float32 MLA attention of one sequence with the tensor-core kernel's roundings
+    (``mla.mma``, ``mla_decode(method="mma")``).
+
+    q_nope [t_q, nh, d_nope], q_pe [t_q, nh, d_rope], c_kv [t_kv, r], k_pe
+    [t_kv, d_rope] (16-bit values), w_uk [nh, d_nope, r], w_uv [nh, d_v, r];
+    query i attends positions 0 .. t_kv - t_q + i (the queries are the last
+    t_q positions). Per query row:
+
+    * q_lat = q_nope W_UK in float32, summed as the pipeline's absorb GEMM
+      sums it (``attention.gemm.sgemm``: running FMA sums of ``PART_K``
+      products, ``blocked_matmul``); the row [q_lat | q_pe] rounded to
+      ``dtype`` (the kernel rounds q to the cache's type);
+    * s = (row . [c_kv | k_pe]) * scale in float32, summed as ``sums`` says:
+      "mma16" (``mma16_scores``: 16-wide k steps added to the fp32 sum with
+      truncation, the registry's) or "matmul" (numpy's float32 ``@``);
+    * p = exp(s - max s), l = sum p (unrounded), o_lat = (p rounded to
+      ``dtype``) c_kv / l;
+    * out = o_lat W_UV^T in float32, summed as the decompress GEMM (sgemm,
+      ``blocked_matmul``) sums it.
+
+    The absorb and decompress sums are the pipeline's whatever ``sums`` says:
+    numpy's einsum there instead put the tensor-core entry's out mean error at
+    1.6x the baseline's at the 'large' fixture (one-hot weights: o_lat exact,
+    only the decompress's sum order left; notes/validation.md).
+
+    Returns out [t_q, nh, d_v] float32 (zeros for a query that sees nothing)."""
+    if sums not in ("matmul", "mma16"):
+        raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (np.asarray(a, F32) for a in
+                                            (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
+    t_q, n_heads, _ = q_nope.shape
+    t_kv = c_kv.shape[0]
+    from attention.gemm.sgemm import PART_K
+
+    q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], PART_K)[:, :, 0]  # [t_q, nh, r]
+    rows_q = np.concatenate([q_lat, q_pe], axis=-1).astype(dtype).astype(F32)  # [t_q, nh, W]
+    keys = np.concatenate([c_kv, k_pe], axis=-1)  # [t_kv, W]
+    out = np.zeros((t_q, n_heads, w_uv.shape[1]), F32)
+    for i in range(t_q):
+        seen = t_kv - t_q + 1 + i
+        if seen <= 0:
+            continue
+        if sums == "mma16":
+            s = mma16_scores(rows_q[i], keys[:seen]) * F32(scale)  # [nh, seen]
+        else:
+            s = (rows_q[i] @ keys[:seen].T) * F32(scale)  # [nh, seen]
+        top = s.max(axis=1, keepdims=True)  # [nh, 1]
+        p = np.exp(s - top)  # [nh, seen] float32
+        total = p.sum(axis=1, dtype=F32)  # [nh]
+        p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
+        o_lat = ((p16 @ c_kv[:seen]) / total[:, None]).astype(F32)  # [nh, r]
+        out[i] = blocked_matmul(w_uv, o_lat[:, :, None], PART_K)[:, :, 0]  # [nh, d_v]
+    return out

@@ -26,7 +26,9 @@ reason, by raising ``unsupported_case()`` (a ``DTypeError``) from its run
 wrapper before anything is launched: the 16-bit tensor-core kernels
 (``attention.decode.mma``, ``attention.prefill.mma``) do so for float32
 cases, head dims they have no tile for and GQA groups that do not fit one
-16-row mma tile. Such a case is never counted as a pass nor as a failure.
+16-row mma tile; the MLA one (``mla.mma``, entry ``mla_mma``) for caches
+other than float16, latent widths it has no tiles for and more than 16
+queries. Such a case is never counted as a pass nor as a failure.
 """
 
 from __future__ import annotations
@@ -122,6 +124,31 @@ FAMILY_SMALL = (
 )
 FAMILY_FULL = ()
 
+# MLA shapes of one family (built on first use, as ``mla_shapes``): (label, family,
+# MlaDims fields, t_q, t_kv, quick). The MLA tensor-core kernel takes latent widths
+# r + d_rope that are multiples of 64 (r a multiple of 64) and a float16 cache: of
+# the shared small MLA shapes only s2nope (W 64, not quick), and DeepSeek's W 576 is
+# slow on the simulator. Two 64-column blocks, 2 queries, one 64-position tile.
+MLA_FAMILY_SMALL = (
+    ("mma_nh2_r64_rope64", "mma", dict(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64),
+     2, 40, True),
+)
+MLA_FAMILY_FULL = ()
+
+
+def mla_family_shapes(small):
+    """The MLA shapes of ``MLA_FAMILY_SMALL`` / ``MLA_FAMILY_FULL`` (run by the
+    kernels of the family each names only)."""
+    from mla.dims import MlaDims
+
+    out = []
+    for label, family, dims, t_q, t_kv, quick in (MLA_FAMILY_SMALL if small
+                                                  else MLA_FAMILY_FULL):
+        out.append(Shape(f"{label}_q{t_q}_kv{t_kv}", "mla",
+                         {"dims": MlaDims(**dims), "t_q": t_q, "t_kv": t_kv}, quick,
+                         fixtures.SCORE_FIXTURES, (family,)))
+    return tuple(out)
+
 PREFILL_FULL = (
     _prefill("t1_gqa9x3_d80", True, t=1, h=9, h_kv=3, d=80, causal=True),
     _prefill("t97_gqa9x3_d40_causal", True, t=97, h=9, h_kv=3, d=40, causal=True),
@@ -170,9 +197,12 @@ def shapes(kind, small):
 
 
 def all_shapes(kind, small):
-    """``shapes`` and the kind's family shapes (``FAMILY_SMALL`` / ``FAMILY_FULL``:
-    run only by the kernels of the families each names)."""
+    """``shapes`` and the kind's family shapes (``FAMILY_SMALL`` / ``FAMILY_FULL``,
+    and for MLA ``mla_family_shapes``: run only by the kernels of the families
+    each names)."""
     own = FAMILY_SMALL if small else FAMILY_FULL
+    if kind == "mla":
+        own = tuple(own) + mla_family_shapes(small)
     return tuple(shapes(kind, small)) + tuple(s for s in own if s.kind == kind)
 
 
@@ -498,6 +528,45 @@ def _run_mma_prefill(fn, x, **kw):
     return {"out": np.asarray(out), "lse": np.asarray(lse)}
 
 
+def _run_mla_mma(fn, x, **kw):
+    """Run wrapper of the MLA tensor-core decode (``mla.pipeline.mla_decode``,
+    ``fn``, with ``method="mma"``): the case's t_q queries over its t_kv latent
+    rows are one sequence of a multi-token decode, q_nope / q_pe [1, t_q, nh,
+    .] (float32), the cache [c_kv | k_pe] as [1, t_kv, r + d_rope] float16,
+    lengths [t_kv] (query i sees positions 0 .. t_kv - t_q + i, the registry's
+    causal rule). Returns {"out" [t_q, nh, d_v]}. ``kw`` goes to ``mla_decode``
+    (``defect=``). Cases the kernel cannot take raise ``unsupported_case()``
+    before any launch: a cache other than float16, a latent width ``mla.mma``
+    has no tiles for, t_q outside 1 .. 16, or a query [q_lat | q_pe] that
+    overflows float16 (the kernel rounds it to the cache's type)."""
+    from mla import mma as module
+    from mla.pipeline import MAX_S_Q
+
+    unsupported = unsupported_case()
+    c_kv, k_pe = x["c_kv"], x["k_pe"]
+    if np.dtype(c_kv.dtype) != np.float16:
+        raise unsupported(f"{np.dtype(c_kv.dtype)}: mla_decode(method='mma') takes a float16 "
+                          f"latent cache only")
+    t_q = int(x["q_nope"].shape[0])
+    t_kv, rank = c_kv.shape
+    why = module.supported(int(rank), int(k_pe.shape[1]))
+    if why is not None:
+        raise unsupported(f"latent width: mla.mma cannot take {why}")
+    if not 1 <= t_q <= MAX_S_Q:
+        raise unsupported(f"t_q = {t_q}: mla_decode takes 1 to {MAX_S_Q} new queries a "
+                          f"sequence (s_q)")
+    q_lat = np.einsum("thp,hpl->thl", x["q_nope"], x["w_uk"])  # [t_q, nh, r] float32
+    with np.errstate(over="ignore"):
+        rows = np.concatenate([q_lat, x["q_pe"]], axis=-1).astype(np.float16)
+    if not np.isfinite(rows).all():
+        raise unsupported("q: the case's [q_lat | q_pe] does not fit in float16 (inf after "
+                          "the rounding mla.mma applies)")
+    cache = np.concatenate([c_kv, k_pe], axis=1)[None]  # [1, t_kv, r + d_rope]
+    out = fn(x["q_nope"][None], x["q_pe"][None], cache, np.array([t_kv], np.int32),
+             x["w_uk"], x["w_uv"], method="mma", **kw)
+    return {"out": np.asarray(out)[0]}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -602,6 +671,16 @@ KERNELS = (
                "tensor-core prefill (fp16/bf16 q, k, v; P rounded to 16 bits), causal or "
                "not, GQA; head dims multiples of 16 up to 128, and 256",
                "mma16_p16/after/divide/ex2fma"),
+    # the MLA tensor-core decode: [q_lat | q_pe] and P rounded to fp16, S and P.V on
+    # mma (``baselines.mla_rounded_p`` through the same label, kind mla); a case is
+    # one sequence of a multi-token decode (t_q <= 16); caches other than fp16, latent
+    # widths that are not multiples of 64 and t_q > 16 are unsupported (``_run_mla_mma``)
+    KernelSpec("mla_mma", "mma", "mla", "mla.pipeline", "mla_decode", _run_mla_mma,
+               ("c_kv", "k_pe"),
+               "MLA decode on 16-bit tensor cores (mla_decode(method='mma'): fp16 latent "
+               "cache, q and P rounded to fp16); one sequence, t_q queries, causal; "
+               "r + d_rope and r multiples of 64",
+               "mma16_p16/after"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),

@@ -1,11 +1,12 @@
 """Falsification suite of the 16-bit tensor-core kernels (family "mma"): the
-decode (``attention.decode.mma.mma_decode``) and the prefill
-(``attention.prefill.mma.prefill_attention_mma``).
+decode (``attention.decode.mma.mma_decode``), the prefill
+(``attention.prefill.mma.prefill_attention_mma``) and the MLA decode
+(``mla.mma``, through ``mla.pipeline.mla_decode(method="mma")``).
 
 Contract: ``validation/suite.py``. ``run_suite(None)`` passes; ``run_suite(d)``
 fails for every planted defect ``d`` in ``DEFECTS``. The two kernels carry
-switches of the same names (their module's ``DEFECTS``), so the suite's names
-say which kernel a defect is planted in:
+switches of the same names (their module's ``DEFECTS``), and so does the MLA
+kernel, so the suite's names say which kernel a defect is planted in:
 
 * ``decode_ldmatrix_no_trans``, ``prefill_ldmatrix_no_trans``: V's B fragments
   loaded by ``ldmatrix`` without ``.trans``;
@@ -14,9 +15,14 @@ say which kernel a defect is planted in:
 * ``decode_causal_tile_edge``: a multi-token row whose causal limit falls on a
   16-position tile edge sees one position more (a NaN row past the length);
 * ``prefill_causal_tile_edge``: a causal row whose diagonal is a K tile's first
-  position does not see it.
+  position does not see it;
+* ``mla_ldmatrix_no_trans``, ``mla_swizzle_off_by_one``: the same in the MLA
+  kernel (V = the latent tile's first r columns; latent tiles swizzled with the
+  next row's key);
+* ``mla_causal_tile_edge``: a query whose causal end is a multiple of 16 sees
+  one position more.
 
-A defect of one kernel runs that kernel's checks; the clean run runs both.
+A defect of one kernel runs that kernel's checks; the clean run runs all three.
 
 The rule is the sweep's (``validation.tolerance.verdict``: NaN / inf where the
 oracle has them, max error <= 2x the baseline's + floor, mean error <= 1.5x +
@@ -36,7 +42,13 @@ weights in FlashAttention-2's form, ``exp="ex2fma"``). Checks (each named
 * prefill ``t33_d16_causal``: T 33, one head, D 16, causal, K / V tiles of 16
   (rows 0, 16 and 32 have their diagonal on a tile's first position);
 * prefill ``t20_gqa2_d32_full``: T 20, two query heads over one kv head, D 32,
-  not causal (the last K / V tile part filled).
+  not causal (the last K / V tile part filled);
+* MLA ``s2_kv49``: ``mla_decode(method="mma")`` of one sequence of 49 latent
+  rows with s_q 2 new queries (query 0 ends at 48, a 16-position edge inside
+  the sequence), 2 heads, d_nope 16, r 64, d_rope 64 (two 64-column blocks),
+  an fp16 cache with NaN past the length; out judged against
+  ``mla.oracle.mla_decode_ref`` and ``baselines.mla_rounded_p`` (the registry's
+  ``mla_mma`` baseline). The pipeline's own plan (it takes no plan keywords).
 
 On the simulator the kernels run with one warp a block (the tests' plans);
 on a GPU each case also runs with the kernel's default plan.
@@ -50,14 +62,16 @@ from attention.core.device import SIMULATOR, can_execute
 from attention.decode import mma as decode_mma
 from attention.oracle import decode_attention_multi_ref, prefill_attention_ref
 from attention.prefill import mma as prefill_mma
+from mla import mma as mla_mma
 from validation import fixtures, tolerance
-from validation.baselines import decode_rounded_p, prefill_rounded_p
+from validation.baselines import decode_rounded_p, mla_rounded_p, prefill_rounded_p
 from validation.suite import Check
 
 FAMILY = "mma"
 DECODE_DEFECTS = tuple(f"decode_{d}" for d in decode_mma.DEFECTS)
 PREFILL_DEFECTS = tuple(f"prefill_{d}" for d in prefill_mma.DEFECTS)
-DEFECTS = DECODE_DEFECTS + PREFILL_DEFECTS
+MLA_DEFECTS = tuple(f"mla_{d}" for d in mla_mma.DEFECTS)
+DEFECTS = DECODE_DEFECTS + PREFILL_DEFECTS + MLA_DEFECTS
 F16 = np.dtype(np.float16)
 
 # (name, kernel keywords): the small plans on the simulator; on a GPU the default too
@@ -139,6 +153,38 @@ def check_prefill(case, t_len, n_heads, n_kv, head_dim, causal, plan, defect):
             judge("lse" + tag, lse, ref_lse, base_lse)]
 
 
+def check_mla(case, lens, s_q, n_heads, d_nope, rank, d_rope, d_v, defect):
+    """One MLA case: ``mla_decode(method="mma")`` of q_nope [B, s_q, nh, d_nope],
+    q_pe [B, s_q, nh, d_rope] (float32) over an fp16 cache [B, max(lens), r +
+    d_rope] with NaN past each length, against the float64 oracle and
+    ``mla_rounded_p`` of each sequence. Returns the out Check."""
+    from mla.oracle import mla_decode_ref
+    from mla.pipeline import mla_decode
+
+    tag = f"[{case}]"
+    rng = np.random.default_rng(sum(lens) + 10 * s_q + rank + d_rope)
+    n_b, cap, width = len(lens), max(list(lens) + [1]), rank + d_rope
+    q_nope = rng.standard_normal((n_b, s_q, n_heads, d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((n_b, s_q, n_heads, d_rope)).astype(np.float32)
+    w_uk = (rng.standard_normal((n_heads, d_nope, rank)) / np.sqrt(rank)).astype(np.float32)
+    w_uv = (rng.standard_normal((n_heads, d_v, rank)) / np.sqrt(rank)).astype(np.float32)
+    cache = np.full((n_b, cap, width), np.nan, np.float32)
+    for b, n in enumerate(lens):
+        cache[b, :n] = rng.standard_normal((n, width))
+    cache = cache.astype(F16)
+    lens = np.asarray(lens, np.int32)
+    out = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="mma",
+                     defect=_kernel_defect(defect, "mla_"))
+    ref = mla_decode_ref(q_nope, q_pe, cache.astype(np.float64), lens, w_uk, w_uv)
+    scale = 1.0 / np.sqrt(d_nope + d_rope)
+    base = np.zeros(ref.shape, np.float32)
+    for b, n in enumerate(lens):
+        if n:
+            base[b] = mla_rounded_p(q_nope[b], q_pe[b], cache[b, :n, :rank], cache[b, :n, rank:],
+                                    w_uk, w_uv, scale, F16)
+    return [judge("out" + tag, out, ref, base)]
+
+
 def run_suite(defect=None, *, small=True):
     if defect not in (None,) + DEFECTS:
         raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
@@ -159,4 +205,6 @@ def run_suite(defect=None, *, small=True):
         for plan in prefill_plans:
             results += check_prefill("t33_d16_causal", 33, 1, 1, 16, True, plan, defect)
             results += check_prefill("t20_gqa2_d32_full", 20, 2, 1, 32, False, plan, defect)
+    if defect is None or defect in MLA_DEFECTS:
+        results += check_mla("s2_kv49", [49], 2, 2, 16, 64, 64, 16, defect)
     return results

@@ -40,8 +40,8 @@ entries (one entry off by the floor). Nothing scales it up for small outputs
 A kernel whose arithmetic is not float32 (16-bit operands on tensor cores)
 needs a baseline with the same roundings: ``validation.baselines``'
 ``decode_rounded_p`` and ``prefill_rounded_p`` (P rounded to the 16-bit type
-before P.V, S accumulated as the mma does) judge the tensor-core kernels in
-their tests; they are not in the registry yet.
+before P.V, S accumulated as the mma does) judge the tensor-core kernels, in
+their tests and in the registry (family "mma", label "mma16_p16").
 
 Growth runs (``validation.growth``) judge an output at every step; where a
 step has fewer than ``MEAN_MIN_ENTRIES = 96`` entries (the LSE of 3 sequences

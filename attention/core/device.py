@@ -42,6 +42,20 @@ def device_fn(fn):
     return cuda.jit(device=True, inline="always")(fn)
 
 
+def _page_split(pos, page, shift):
+    if shift >= 0:
+        return pos >> shift, pos & (page - 1)
+    j = pos // page
+    return j, pos - j * page
+
+
+# page_split(pos, page, shift): (page-table column, row in the page) of position
+# pos of a paged cache with pages of ``page`` rows; ``shift`` = log2(page) when page
+# is a power of two (a shift and a mask), else -1 (a division). Shared by the
+# paged decode kernels and the MLA tensor-core kernel.
+page_split = device_fn(_page_split)
+
+
 def _fma_gpu(a, b, c):
     return cuda.fma(a, b, c)
 

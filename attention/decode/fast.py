@@ -137,6 +137,7 @@ from attention.core.device import (
     jit,
     launch_stream,
     output_array,
+    page_split,
     ptx_statement,
     to_device,
     to_host,
@@ -824,16 +825,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
     N_ALPHA = GB + 2 * U if TOK else (GB + 1 if F8_TENSOR else GB)
     K_SCALED = F8_TENSOR and not NO_K_SCALE  # tensor: each score times the K scale
     N_RSC = 2 * U if TOK else 1  # the one-buffer loop's row scales
-
-    def page_split(pos, page, shift):
-        # (table column, row in the page) of position pos; P = page, shift =
-        # log2(P) or -1
-        if shift >= 0:
-            return pos >> shift, pos & (page - 1)
-        j = pos // page
-        return j, pos - j * page
-
-    page_split = device_fn(page_split)
 
     def page_entry(entry, n_pages):
         # the page a table entry names (the planted switch: the next one)

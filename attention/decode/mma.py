@@ -103,6 +103,7 @@ from attention.core.device import (
     jit,
     launch_stream,
     output_array,
+    page_split,
     ptx_statement,
     to_device,
     to_host,
@@ -281,12 +282,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     def row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages, row0):
         # first word of position pos's row in the flat cache; -1: a bad page entry
         if PAGED:
-            if shift >= 0:
-                j = pos >> shift
-                off = pos & (page - 1)
-            else:
-                j = pos // page
-                off = pos - j * page
+            j, off = page_split(pos, page, shift)
             pg = int64(table[seq, j])
             if pg < 0 or pg >= n_pages:
                 return int64(-1)
