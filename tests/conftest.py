@@ -91,7 +91,10 @@ SLOW_SIM = {
     "tests/test_decode_multi.py::test_paged_multi_token_matches_the_oracle[NHD-4]": 9,
     "tests/test_decode_paged.py::test_paged_matches_the_oracle_and_the_pooled_plan[float32-16-NHD]":
         8,
-    "tests/test_registry_mma.py::test_suite_clean_run_passes": 12,
+    "tests/test_registry_mma.py::test_suite_clean_run_passes": 46,
+    "tests/test_registry_mma.py::test_mla_small_case_passes": 22,
+    "tests/test_registry_mma.py::test_mla_planted_defect_fails_the_same_case": 21,
+    "tests/test_registry_mma.py::test_suite_catches_each_mla_switch[*": 20,
 }
 SLOW_COMPILE = {
     "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[gqa_mod]": 22,

@@ -20,6 +20,15 @@ P.V; the prefill's weights in FlashAttention-2's form, "ex2fma"). Checked here:
   ``sweep.run_case`` (one warp a block, the tests' plans, to stay fast on the
   simulator); a planted defect of each kernel fails the same case (positive
   controls); the suite's clean run passes and a planted defect is caught.
+
+The MLA tensor-core entry ``mla_mma`` (``mla_decode(method="mma")``, kind
+"mla", the same label "mma16_p16/after" resolved to ``baselines.mla_rounded_p``):
+plain process: it resolves with its label and its baseline is
+``mla_rounded_p`` on a sweep case; float32 caches, latent widths that are not
+multiples of 64 and t_q > 16 are unsupported with the reason; its quick shape
+is the "mma" family's only. Simulator: the quick case passes through
+``sweep.run_case``, ``ldmatrix_no_trans`` fails it, and the suite catches each
+of the three ``mla_*`` switches.
 """
 
 from __future__ import annotations
@@ -182,8 +191,11 @@ def test_mma_suite_is_discovered_and_plants_both_kernels_switches():
 
     assert "validation.suite_mma" in defects.discover()
     assert suite_mma.FAMILY == "mma"
+    from mla import mma as mla_mma
+
     assert set(suite_mma.DEFECTS) == ({f"decode_{d}" for d in decode_mma.DEFECTS}
-                                      | {f"prefill_{d}" for d in prefill_mma.DEFECTS})
+                                      | {f"prefill_{d}" for d in prefill_mma.DEFECTS}
+                                      | {f"mla_{d}" for d in mla_mma.DEFECTS})
     units, broken = defects.units(["validation.suite_mma"], small=True)
     assert not broken and len(units) == 1 + len(suite_mma.DEFECTS)
 
@@ -278,3 +290,118 @@ def test_prefill_head_dim_is_the_query_row_over_the_heads():
     registry._mma_inputs(mma, x["q"], x["k"], x["q"].shape[1] // x["n_heads"], None)
     with pytest.raises(registry.unsupported_case(), match="head dim 240"):
         registry._mma_inputs(mma, x["q"], x["k"], x["k"].shape[1], None)
+
+
+# ---------------------------------------------------------------------------
+# the MLA tensor-core entry (mla_mma)
+# ---------------------------------------------------------------------------
+
+MLA_SHAPE = "mma_nh2_r64_rope64_q2_kv40"
+
+
+def _mla_case_fp16(shape=MLA_SHAPE, fixture="normal"):
+    """A small MLA sweep case's inputs with the latent rows in float16 (the sweep's
+    storage cast)."""
+    x = registry.make_inputs("mla", registry.find_shape("mla", shape, True), fixture, 0)
+    return dict(x, c_kv=fixtures.cast(x["c_kv"], "float16"),
+                k_pe=fixtures.cast(x["k_pe"], "float16"))
+
+
+def test_mla_entry_resolves_with_its_label():
+    spec = registry.KERNELS_BY_NAME["mla_mma"]
+    status, fn = registry.resolve(spec)
+    assert status == "ok", fn
+    assert (spec.family, spec.kind, spec.attr) == ("mma", "mla", "mla_decode")
+    assert spec.baseline == "mma16_p16/after" and registry.mutants_of("mla_mma") == ()
+    x = _mla_case_fp16()
+    label = baselines.resolve(spec.baseline, x, x["c_kv"].dtype)
+    assert label == "mma16_pf16/after"
+    got = baselines.baseline("mla", x, label)
+    want = baselines.mla_rounded_p(*(x[n] for n in registry.MLA_ARGS), x["scale"], np.float16)
+    np.testing.assert_array_equal(got["out"], want)
+    assert set(got) == {"out"} and want.shape == x["q_nope"].shape[:2] + (x["w_uv"].shape[1],)
+
+
+def test_mla_rounded_p_rounds_the_query_and_p():
+    """Against the float64 oracle, the fp16 roundings cost far more than float32
+    arithmetic; kept in float32 (``pf32``) the baseline is the float32 code's size."""
+    from validation import tolerance
+
+    x = _mla_case_fp16()
+    ref, plain = registry.references("mla", x, "float16")
+    e16 = tolerance.max_abs_error(baselines.baseline("mla", x, "mma16_pf16/after")["out"],
+                                  ref["out"])
+    e32 = tolerance.max_abs_error(baselines.baseline("mla", x, "mma16_pf32/after")["out"],
+                                  ref["out"])
+    e_plain = tolerance.max_abs_error(plain["out"], ref["out"])
+    assert e16 > 30 * e32 and e32 <= 4 * e_plain + 1e-6
+
+
+@pytest.mark.parametrize("shape,dtype,small,reason", [
+    (MLA_SHAPE, "float32", True, "float16 latent cache only"),
+    ("s1_q3_kv9", "float16", True, "r + d_rope = 52: expected a multiple of 64"),
+    ("s0_q1_kv9", "float16", True, "r + d_rope = 72"),
+    ("dsv3_q17_kv17", "float16", False, "t_q = 17"),
+])
+def test_mla_cases_the_kernel_cannot_take_are_unsupported(shape, dtype, small, reason):
+    from validation import sweep
+
+    rec = sweep.run_case(_case("mla_mma", shape, dtype, small))
+    assert rec["status"] == "unsupported", rec
+    assert reason in rec["detail"] and not rec["passed"]
+
+
+def test_mla_tensor_core_shape_is_run_by_the_mma_family_only():
+    cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
+                           dtypes=["float16"])
+    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma"}
+    mla_shapes = {c.shape for c in cases if c.kernel == "mla_mma"}
+    assert mla_shapes == {MLA_SHAPE} | {s.name for s in registry.shapes("mla", True) if s.quick}
+    assert MLA_SHAPE not in {s.name for s in registry.shapes("mla", True)}
+    assert registry.find_shape("mla", MLA_SHAPE, True).families == ("mma",)
+    dims = registry.find_shape("mla", MLA_SHAPE, True).dims["dims"]
+    from mla import mma
+
+    assert mma.supported(dims.kv_rank, dims.d_rope) is None
+
+
+def _mla_entry(defect, monkeypatch):
+    """``mla_mma`` with ``defect=``, registered under a new name for ``sweep.run_case``."""
+    base = registry.KERNELS_BY_NAME["mla_mma"]
+
+    def run(fn, x):
+        return base.run(fn, x, defect=defect)
+
+    spec = replace(base, name=f"mla_mma+{defect}", run=run)
+    monkeypatch.setitem(registry.KERNELS_BY_NAME, spec.name, spec)
+    return spec.name
+
+
+@pytest.mark.device
+def test_mla_small_case_passes():
+    from validation import sweep
+
+    rec = sweep.run_case(_case("mla_mma", MLA_SHAPE))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["cast"] == "storage" and rec["baseline"] == "mma16_pf16/after"
+    assert set(rec["outputs"]) == {"out"}
+
+
+@pytest.mark.device
+def test_mla_planted_defect_fails_the_same_case(monkeypatch):
+    from validation import sweep
+
+    rec = sweep.run_case(_case(_mla_entry("ldmatrix_no_trans", monkeypatch), MLA_SHAPE))
+    assert rec["status"] == "fail" and "max abs err" in rec["detail"], rec["detail"]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("defect", ["mla_ldmatrix_no_trans", "mla_swizzle_off_by_one",
+                                    "mla_causal_tile_edge"])
+def test_suite_catches_each_mla_switch(defect):
+    from validation import suite_mma
+    from validation.suite import caught
+
+    assert defect in suite_mma.MLA_DEFECTS
+    checks = suite_mma.run_suite(defect)
+    assert [c.name for c in checks] == ["out[s2_kv49]"] and caught(checks)

@@ -814,20 +814,21 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     * out = o_lat W_UV^T in float32, summed as the decompress GEMM (sgemm,
       ``blocked_matmul``) sums it.
 
-    The absorb and decompress sums are the pipeline's whatever ``sums`` says:
-    numpy's einsum there instead put the tensor-core entry's out mean error at
-    1.6x the baseline's at the 'large' fixture (one-hot weights: o_lat exact,
-    only the decompress's sum order left; notes/validation.md).
+    The absorb and the decompress are summed in sgemm's order for either
+    ``sums``: with numpy's einsum there instead, the tensor-core entry's out
+    mean error was 1.6x the baseline's at the 'large' fixture (one-hot
+    weights: o_lat exact, only the decompress's sum order left;
+    notes/validation.md).
 
     Returns out [t_q, nh, d_v] float32 (zeros for a query that sees nothing)."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (np.asarray(a, F32) for a in
                                             (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
-    t_q, n_heads, _ = q_nope.shape
-    t_kv = c_kv.shape[0]
     from attention.gemm.sgemm import PART_K
 
+    t_q, n_heads, _ = q_nope.shape
+    t_kv = c_kv.shape[0]
     q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], PART_K)[:, :, 0]  # [t_q, nh, r]
     rows_q = np.concatenate([q_lat, q_pe], axis=-1).astype(dtype).astype(F32)  # [t_q, nh, W]
     keys = np.concatenate([c_kv, k_pe], axis=-1)  # [t_kv, W]

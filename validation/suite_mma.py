@@ -46,7 +46,7 @@ weights in FlashAttention-2's form, ``exp="ex2fma"``). Checks (each named
 * MLA ``s2_kv49``: ``mla_decode(method="mma")`` of one sequence of 49 latent
   rows with s_q 2 new queries (query 0 ends at 48, a 16-position edge inside
   the sequence), 2 heads, d_nope 16, r 64, d_rope 64 (two 64-column blocks),
-  an fp16 cache with NaN past the length; out judged against
+  an fp16 cache; out judged against
   ``mla.oracle.mla_decode_ref`` and ``baselines.mla_rounded_p`` (the registry's
   ``mla_mma`` baseline). The pipeline's own plan (it takes no plan keywords).
 
