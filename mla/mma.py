@@ -20,8 +20,9 @@ and P is rounded to the 16-bit type before P.V.
   tile ``t + 1`` (``cp.async``, the same column-block layout) while it computes
   tile ``t``. A tile is both K (all ``W`` columns) and V (the first ``r``).
   Rows past the split's end and rows of a bad page entry are zero-filled.
-* **S = Q K^T:** warp ``(rg, cq)`` scores its 16 rows against the tile's
-  positions ``cq KT / 4 ..`` (16 or 8 of them), ``W / 16`` k steps.
+* **S = Q K^T:** warp ``(rg, cq)`` scores its 16 rows against the tile's 16
+  positions ``16 cq ..`` (KT = 64), ``W / 16`` k steps, Q and K fragments from
+  ``ldmatrix`` x4.
 * **Online softmax in fp32** (natural ``exp``, fast math). A row's tile max is
   taken over its lane quad (``attention.core.warp.group_max``) and over the 4
   warps of its row group through shared memory, so the 4 warps hold the same
@@ -30,7 +31,11 @@ and P is rounded to the 16-bit type before P.V.
 * **O += P V:** warp ``(rg, cq)`` owns columns ``cq r / 4 ..`` of its 16 rows'
   ``O`` (``r / 4 / 8`` mma n tiles, ``r / 4 / 8 * 4`` fp32 registers a lane):
   P from the shared tile (``ldmatrix`` x4), V from the latent tile
-  (``ldmatrix`` x2 ``.trans``).
+  (``ldmatrix`` x4 ``.trans``: two n tiles a load). Shared addresses are
+  32-bit offsets (``mma16.smem_ops``): one lane offset serves every ldmatrix,
+  the k step an XOR of a constant (``mla_mma_kernel``); integer address
+  arithmetic in the loops made the first version issue-bound (notes/bench.md
+  run 22).
 * **End.** The row sums are added over the quad and the 4 warps (in that fixed
   order); one split writes ``o_lat = O / l`` and ``lse = m + log l``; more
   splits write the unnormalised partial (acc, m, l) in
