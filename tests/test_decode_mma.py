@@ -47,6 +47,7 @@ from attention.core.device import BFLOAT16
 from attention.decode import mma
 from tests.test_decode_paged import paged_case
 from validation.baselines import decode_rounded_p as baseline
+from validation.suite_mma import pooled_cache
 
 F16 = np.dtype(np.float16)
 
@@ -92,15 +93,7 @@ def pooled_case(rng, lens, n_kv, head_dim, dtype, cap=None, spare=1):
     """A pooled cache [M + spare, H_kv, cap, D] in a permuted slot order (the
     spare slots and every row past a length: NaN), and (slots [M], k_rows,
     v_rows [M, H_kv, cap, D]: the rows in sequence order)."""
-    m_count = len(lens)
-    cap = max(list(lens) + [1]) if cap is None else cap
-    k = np.full((m_count + spare, n_kv, cap, head_dim), np.nan, np.float32)
-    v = np.full_like(k, np.nan)
-    slots = rng.permutation(m_count + spare)[:m_count].astype(np.int32)
-    for m, n in enumerate(lens):
-        k[slots[m], :, :n] = rng.standard_normal((n_kv, n, head_dim))
-        v[slots[m], :, :n] = rng.standard_normal((n_kv, n, head_dim))
-    k, v = k.astype(dtype), v.astype(dtype)
+    k, v, slots = pooled_cache(rng, lens, n_kv, head_dim, dtype, spare, cap)
     return k, v, slots, k[slots], v[slots]
 
 

@@ -92,11 +92,12 @@ def _kernel_defect(defect, prefix):
     return None
 
 
-def pooled_cache(rng, lens, n_kv, head_dim, dtype, spare=1):
-    """A pooled cache [M + spare, H_kv, max len, D] in ``dtype`` with NaN in every
-    row past a length and in the spare slots, and a permuted slot table.
-    Returns (k, v, slots [M] int32)."""
-    m_count, cap = len(lens), max(list(lens) + [1])
+def pooled_cache(rng, lens, n_kv, head_dim, dtype, spare=1, cap=None):
+    """A pooled cache [M + spare, H_kv, cap, D] (cap: default the longest length)
+    in ``dtype`` with NaN in every row past a length and in the spare slots, and
+    a permuted slot table. Returns (k, v, slots [M] int32)."""
+    m_count = len(lens)
+    cap = max(list(lens) + [1]) if cap is None else cap
     k = np.full((m_count + spare, n_kv, cap, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)
     slots = rng.permutation(m_count + spare)[:m_count].astype(np.int32)

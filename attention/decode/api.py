@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 
 from attention.core import checks
-from attention.core.device import host_ints, is_host_array, to_device, to_host
+from attention.core.device import is_host_array, to_device, to_host
 from attention.decode import fast
 from attention.decode.plan import DecodePlan, _array_dtype
 
@@ -170,12 +170,10 @@ def decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, scale=None, out=No
     if host or is_host_array(k_cache) or is_host_array(seq_lens) or seq_lens is None or \
             isinstance(seq_lens, (list, tuple)):
         # full host-side validation (lengths and slots included) before staging
+        _, _, _, _, head_dim, _, lens, slots = fast.check_fast(
+            q, k_cache, v_cache, seq_lens, slot_table, fp8=is_fp8)
         if is_fp8:
-            head_dim, lens, slots = _check_fp8_call(q, k_cache, v_cache, seq_lens, slot_table)
             _check_scales(k_scale, v_scale, k_cache, fp8_scales, lens, slots)
-        else:
-            _, _, _, _, head_dim, _, lens, slots = fast.check_fast(
-                q, k_cache, v_cache, seq_lens, slot_table)
         scale = checks.check_scale(scale, head_dim)
         if m_count == 0:
             return _empty(q, return_lse)
@@ -219,32 +217,6 @@ def decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, scale=None, out=No
         return (h_out, h_lse) if return_lse else h_out
     return (res_out, res_lse) if return_lse else res_out
 
-
-def _check_fp8_call(q, k_cache, v_cache, seq_lens, slot_table):
-    """``fast.check_fast`` for an fp8 cache (uint8 codes; q float32, float16 or
-    bfloat16): returns (D, lens, slots), host checked."""
-    dims = (("KV_SLOTS", None), ("H_kv", None), ("max_seq", None), ("D", None))
-    n_slots, n_kv, max_seq, head_dim = checks.check_array("k_cache", k_cache, dims,
-                                                          dtypes=(fast.FP8_DTYPE,))
-    checks.check_head_dim("k_cache", head_dim)
-    checks.check_array("v_cache", v_cache, (("KV_SLOTS", n_slots), ("H_kv", n_kv),
-                                            ("max_seq", max_seq), ("D", head_dim)),
-                       dtypes=(fast.FP8_DTYPE,))
-    m_count, n_heads, q_dim = checks.check_array(
-        "q", q, (("M", None), ("H", None), ("D", None)), dtypes=fast.CACHE_DTYPES)
-    if q_dim != head_dim:
-        raise checks.ShapeError(f"q: expected head_dim D={head_dim} (k_cache's), got D={q_dim}")
-    checks.check_heads(n_heads, n_kv)
-    if n_slots < m_count:
-        raise checks.ShapeError(f"k_cache: expected KV_SLOTS >= M={m_count} slots, got {n_slots}")
-    if fast.row_layout(head_dim, "f8", fast.LANES["f8"])[0] > 1:  # vector rows
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            checks.check_aligned(name, x, 16)
-    lens = checks.check_lengths("seq_lens", None if seq_lens is None else host_ints(seq_lens),
-                                max_seq, count=m_count)
-    slots = checks.check_slot_table(
-        None if slot_table is None else host_ints(slot_table), m_count, n_slots)
-    return head_dim, lens, slots
 
 
 def _stage(x, stream):

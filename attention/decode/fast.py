@@ -2063,20 +2063,23 @@ def invariant_chunk(n_heads, n_kv, head_dim, max_len, kind):
     return plan(1, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
 
 
-def check_fast(q, k_cache, v_cache, seq_lens, slot_table):
-    """Validate a call; returns (M, H, H_kv, max_seq, D, kind, lens, slots)."""
+def check_fast(q, k_cache, v_cache, seq_lens, slot_table, fp8=False):
+    """Validate a call; returns (M, H, H_kv, max_seq, D, kind, lens, slots).
+    ``fp8``: the caches are fp8 e4m3 codes (uint8), q float32, float16 or
+    bfloat16 (the caller checks the scales)."""
+    cache_dtypes = (FP8_DTYPE,) if fp8 else CACHE_DTYPES
     n_slots, n_kv, max_seq, head_dim = checks.check_array(
         "k_cache", k_cache,
         (("KV_SLOTS", None), ("H_kv", None), ("max_seq", None), ("D", None)),
-        dtypes=CACHE_DTYPES)
-    kind = dtype_kind(checks._dtype(k_cache))
+        dtypes=cache_dtypes)
+    kind = dtype_kind(checks._dtype(k_cache), fp8)
     checks.check_head_dim("k_cache", head_dim)
     checks.check_array(
         "v_cache", v_cache,
         (("KV_SLOTS", n_slots), ("H_kv", n_kv), ("max_seq", max_seq), ("D", head_dim)),
-        dtypes=CACHE_DTYPES)
+        dtypes=cache_dtypes)
     checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache)])
-    q_dtypes = (np.dtype(np.float32),) + (
+    q_dtypes = CACHE_DTYPES if fp8 else (np.dtype(np.float32),) + (
         () if kind == "f32" else (checks._dtype(k_cache),))
     m_count, n_heads, q_dim = checks.check_array(
         "q", q, (("M", None), ("H", None), ("D", None)), dtypes=q_dtypes)
