@@ -98,8 +98,7 @@ from . import attn_gemm as G
 
 WARP = 32
 CB = 64  # columns of a shared column block (8 chunks of 16 bytes: the swizzle's row)
-CQ = 4  # column parts of a row group (warps), the default
-COL_WARPS = (4, 8)  # CQ: 4 (quarters) or 8 (eighths: 16 rows or fewer, notes/bench.md run 23)
+CQ = 4  # column quarters: warps a row group
 TILES = (64,)  # positions a latent tile (KT)
 ROW_GROUPS = (1, 2, 4)  # row groups of 16 a block (RG)
 SMEM_BLOCK_MAX = 232448  # the H100 / H200 opt-in limit of a block's shared memory
@@ -112,21 +111,20 @@ def check_defect(defect):
         raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
 
 
-def supported(rank, d_rope, col_warps=CQ):
-    """None when the kernel takes latent width ``r + d_rope`` and rank ``r`` with
-    ``col_warps`` warps a row group, else why not."""
+def supported(rank, d_rope):
+    """None when the kernel takes latent width ``r + d_rope`` and rank ``r``, else why not."""
     width = rank + d_rope
     if width % CB:
         return f"r + d_rope = {width}: expected a multiple of {CB}"
-    if rank % (col_warps * 16):
-        return f"r = {rank}: expected a multiple of {col_warps * 16}"
+    if rank % (CQ * 16):
+        return f"r = {rank}: expected a multiple of {CQ * 16}"
     return None
 
 
-def smem_words(width, row_groups, tile, col_warps=CQ):
+def smem_words(width, row_groups, tile):
     """uint32 words of a block's dynamic shared memory (module docstring)."""
     rows = 16 * row_groups
-    return rows * width // 2 + 2 * tile * width // 2 + rows * tile // 2 + col_warps * rows
+    return rows * width // 2 + 2 * tile * width // 2 + rows * tile // 2 + CQ * rows
 
 
 def sub_word(rows, row, col):
@@ -139,20 +137,15 @@ sub_word = device_fn(sub_word)
 
 
 @functools.lru_cache(maxsize=None)
-def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None,
-                   col_warps=CQ):
+def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None):
     """The tensor-core MLA attention kernel (module docstring).
 
     kind: "f16" / "bf16" (the cache's type); rank: r; d_rope; row_groups: RG
     (1, 2, 4); tile: KT (64); paged: the cache is ``[num_pages, P, W]`` read
-    through the page table; defect: None or one of ``DEFECTS``; col_warps: CQ,
-    the warps of a row group (``COL_WARPS``): 4 score 16 positions of a tile
-    and own r / 4 output columns each, 8 score 8 positions (one n tile) and own
-    r / 8 columns (twice the warps on the same 16 rows: for few rows, where a
-    block's 4 warps leave the SM idle between instructions).
+    through the page table; defect: None or one of ``DEFECTS``.
 
-    Grid ``(n_split, ceil(R / 16 RG), B)``, block ``32 CQ RG``, dynamic shared
-    memory ``4 smem_words(W, RG, KT, CQ)`` bytes. Arguments:
+    Grid ``(n_split, ceil(R / 16 RG), B)``, block ``128 RG``, dynamic shared
+    memory ``4 smem_words(W, RG, KT)`` bytes. Arguments:
         qc        [B, R, W] float32
         lat       [N * W / 2] uint32, the cache's words, flat
         lens      [B] int32
@@ -171,9 +164,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     ``(lane >> 4) ^ (lane & 7)`` (the swizzle key of a row is ``row & 7``), and
     the k step (or V's chunk pair) is an XOR of a constant.
     """
-    if col_warps not in COL_WARPS:
-        raise ValueError(f"col_warps: expected one of {COL_WARPS}, got {col_warps!r}")
-    why = supported(int(rank), int(d_rope), int(col_warps))
+    why = supported(int(rank), int(d_rope))
     if why is not None:
         raise ValueError(why)
     if row_groups not in ROW_GROUPS or tile not in TILES:
@@ -186,8 +177,6 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
     CAUSAL_EDGE = defect == "causal_tile_edge"
 
-    CQ = int(col_warps)
-    NH = 2 if CQ == 4 else 1  # 8-position n tiles a warp scores in a tile
     ROWS = 16 * RG
     NTH = CQ * RG * WARP
     WR = W // 2  # words a latent row
@@ -319,12 +308,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # (offsets from the base: the XORs act on the offset's chunk bits, then the
         # base is added)
         q_lane = Q0B + rg * 16 * 128 + a_lane
-        # K's lane offset (+ the tile's byte offset): CQ 4, positions 16 cq + the
-        # a_lane rows, k steps XOR 32; CQ 8, positions 8 cq + (lane & 7), chunks
-        # lane >> 3 (four 8 x 8 matrices: two k steps of one n tile), pairs XOR 64
-        k_lane = cq * 16 * 128 + a_lane
-        if NH == 1:
-            k_lane = (cq * 8 + (lane & 7)) * 128 + (((lane >> 3) ^ (lane & 7)) << 4)
+        k_lane = cq * 16 * 128 + a_lane  # + the tile's byte offset
         p_lane = P0B + rg * 16 * 128 + a_lane
         lrow = rg * 16 + g  # the lane's first row of the block
         p_word = P0B // 4 + lrow * 32 + tq  # P tile words of (lrow, chunk), + 256: lrow + 8
@@ -355,40 +339,31 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             kb = LAT0B + (it % 2) * LATB
             tile0 = start + it * KT
 
-            # -- S = Q K^T over the warp's 8 NH positions tile0 + 8 NH cq .. --
+            # -- S = Q K^T over the warp's 16 positions tile0 + 16 cq .. --
             if active:
                 c0 = c1 = c2 = c3 = float32(0.0)
                 d0 = d1 = d2 = d3 = float32(0.0)
                 for cb in range(NCB):
                     qa = q_lane + cb * QBLK
                     ka = k_lane + kb + cb * KBLK
-                    if NH == 2:
-                        for ks in range(4):
-                            a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (32 * ks)))
-                            k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (32 * ks)))
-                            c0, c1, c2, c3 = mma(a0, a1, a2, a3, k0, k2, c0, c1, c2, c3)
-                            d0, d1, d2, d3 = mma(a0, a1, a2, a3, k1, k3, d0, d1, d2, d3)
-                    else:
-                        for kp in range(2):
-                            k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (64 * kp)))
-                            a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (64 * kp)))
-                            c0, c1, c2, c3 = mma(a0, a1, a2, a3, k0, k1, c0, c1, c2, c3)
-                            a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (64 * kp + 32)))
-                            c0, c1, c2, c3 = mma(a0, a1, a2, a3, k2, k3, c0, c1, c2, c3)
+                    for ks in range(4):
+                        a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (32 * ks)))
+                        k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (32 * ks)))
+                        c0, c1, c2, c3 = mma(a0, a1, a2, a3, k0, k2, c0, c1, c2, c3)
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, k1, k3, d0, d1, d2, d3)
                 s[0], s[1], s[2], s[3] = c0, c1, c2, c3
                 s[4], s[5], s[6], s[7] = d0, d1, d2, d3
                 # scale and mask: s[4 h + e] row g, s[4 h + 2 + e] row g + 8,
-                # position tile0 + 8 NH cq + 8 h + 2 tq + e (CQ 8: the second n tile
-                # is masked, so the softmax step adds exact zeros for it)
+                # position tile0 + 16 cq + 8 h + 2 tq + e
                 for h in range(2):
                     for e in range(2):
-                        pos = tile0 + cq * 8 * NH + 8 * h + 2 * tq + e
+                        pos = tile0 + cq * 16 + 8 * h + 2 * tq + e
                         x = float32(s[4 * h + e] * scale)
-                        if h >= NH or pos >= lim0:
+                        if pos >= lim0:
                             x = float32(-math.inf)
                         s[4 * h + e] = x
                         y = float32(s[4 * h + 2 + e] * scale)
-                        if h >= NH or pos >= lim1:
+                        if pos >= lim1:
                             y = float32(-math.inf)
                         s[4 * h + 2 + e] = y
                 # the rows' maxima over the warp's positions (the quad), to shared memory
@@ -409,9 +384,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
                 m0 = new0
                 m1 = new1
-                # -- P rounded to 16 bits into the P tile [ROWS, KT]: chunk NH cq + h --
-                for h in range(NH):
-                    pw = p_word + ((((NH * cq + h) ^ p_key)) << 2)
+                # -- P rounded to 16 bits into the P tile [ROWS, KT]: chunk 2 cq + h --
+                for h in range(2):
+                    pw = p_word + ((((2 * cq + h) ^ p_key)) << 2)
                     smem[pw] = pack(s[4 * h], s[4 * h + 1])
                     smem[pw + 256] = pack(s[4 * h + 2], s[4 * h + 3])
             cuda.syncthreads()  # the P tile is complete
@@ -473,8 +448,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         part_acc[seq, row, split, col] = x0
                         part_acc[seq, row, split, col + 1] = x1
 
-    name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}{'' if CQ == 4 else f'_cw{CQ}'}_kt{KT}_"
-            f"{'paged' if PAGED else 'contiguous'}")
+    name = f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
     # 512 threads at RG 4: at most 128 registers a thread for one block an SM
     return jit(kernel, fastmath=True, launch_bounds=(NTH,))
@@ -485,28 +459,24 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 # ---------------------------------------------------------------------------
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
-         row_groups=None, tile=None, defect=None, col_warps=None):
+         row_groups=None, tile=None, defect=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
-    ``n_rows``: R, a sequence's query rows (s_q nh). ``col_warps``: CQ
-    (default 8 at 16 rows or fewer where r allows it, else 4). ``row_groups``
-    (default 1 at CQ 8; else 4 past 32 rows, else 2: at 16 rows the idle row
-    group's warps still copy tiles, which the memory-bound case needs), ``tile`` (64),
+    ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
+    4 past 32 rows, else 2: at 16 rows the idle row group's warps still copy
+    tiles, which the memory-bound case needs), ``tile`` (64),
     ``n_split`` (default: ``fast.split_count`` over
     the ``B ceil(R / 16 RG)`` blocks a split, one block an SM at RG 4) trimmed
     to the chunks that hold a position (a chunk is a multiple of KT).
     """
     n_rows = int(n_rows)
-    if col_warps is None:
-        col_warps = 8 if n_rows <= 16 and supported(int(rank), int(d_rope), 8) is None else CQ
-    col_warps = int(col_warps)
-    if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows (CQ 4)
-        row_groups = 1 if col_warps == 8 and n_rows <= 16 else 4 if n_rows > 32 else 2
+    if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
+        row_groups = 4 if n_rows > 32 else 2
     if tile is None:
         tile = 64
     row_groups, tile = int(row_groups), int(tile)
     width = int(rank) + int(d_rope)
-    dyn = 4 * smem_words(width, row_groups, tile, col_warps)
+    dyn = 4 * smem_words(width, row_groups, tile)
     if dyn > SMEM_BLOCK_MAX:
         raise ValueError(f"row_groups {row_groups}, tile {tile}, W {width}: {dyn} bytes of "
                          f"shared memory, more than a block's {SMEM_BLOCK_MAX}")
@@ -520,17 +490,16 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
-                                 defect, col_warps),
+                                 defect),
         "kind": kind,
         "rank": int(rank),
         "d_rope": int(d_rope),
         "grid": (n_split, -(-n_rows // (16 * row_groups)), int(n_seq)),
-        "block": col_warps * row_groups * WARP,
+        "block": CQ * row_groups * WARP,
         "dyn_smem": dyn,
         "chunk": chunk,
         "n_split": n_split,
         "row_groups": row_groups,
-        "col_warps": col_warps,
         "tile": tile,
         "paged": bool(paged),
         "defect": defect,

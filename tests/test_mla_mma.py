@@ -15,11 +15,9 @@ scores and P.V on ``mma.m16n8k16`` and rounds P to 16 bits before P.V
   (shuffled pages, a shared first page, NaN tails, huge unused entries), page
   16 and 5 (not a power of two); s_q 1, 2 and 3 (causal among the new
   queries); lengths 0, shorter than a tile, on a tile edge and across splits;
-  one split and several (``attention.decode.fast``'s combine); tiles of 64
-  positions; one and two row groups with padding rows; one and two
-  64-column blocks of W; row groups of 4 warps (16 positions and r / 4
-  columns a warp) and of 8 (8 positions and r / 8 columns: the plan's choice
-  at 16 rows or fewer). Rows that attend nothing give zeros and LSE -inf.
+  one split and several (``attention.decode.fast``'s combine); tiles of 32
+  and 64 positions; one and two row groups with padding rows; one and two
+  64-column blocks of W. Rows that attend nothing give zeros and LSE -inf.
 * **The pipeline** (``mla_decode(method="mma")``: absorb, this kernel,
   decompress): against the float64 MLA oracle on the unrounded queries, with
   a float32 baseline that applies the same roundings (q_lat and q_pe rounded
@@ -52,8 +50,6 @@ from validation.tolerance import budget, max_abs_error, same_nonfinite
 F16 = np.dtype(np.float16)
 DIMS = MlaDims(n_head=3, d_nope=16, d_rope=0, d_v=16, kv_rank=64)  # W 64: one column block
 WIDE = MlaDims(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64)  # W 128: two blocks
-# r 128: the smallest rank the 8-warp row group (CQ 8, r / 8 = 16 columns a warp) takes
-EIGHTHS = MlaDims(n_head=2, d_nope=16, d_rope=0, d_v=16, kv_rank=128)  # W 128
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +158,7 @@ def rejected(got, ref, base):
 
 @functools.lru_cache(maxsize=None)
 def contiguous(dims_name, s_q, lens, seed=0):
-    dims = {"DIMS": DIMS, "WIDE": WIDE, "EIGHTHS": EIGHTHS}[dims_name]
+    dims = {"DIMS": DIMS, "WIDE": WIDE}[dims_name]
     qc, cache, slots, rows, scale = case(dims, list(lens), s_q, seed=seed,
                                          slots=np.arange(len(lens))[::-1])
     ref = oracle(qc, rows, lens, dims.n_head, s_q, scale, dims.kv_rank)
@@ -196,35 +192,6 @@ def test_two_column_blocks_and_two_row_groups():
                      row_groups=None)
     assert pl["row_groups"] == 2 and pl["block"] == 256
     judge(got, ref, base, "W 128, 20 rows")
-
-
-@pytest.mark.device
-@pytest.mark.parametrize("s_q,lens,n_split", [(2, (3, 49), 1), (1, (0, 70, 33), 2)])
-def test_eight_warp_row_group_matches_the_oracle(s_q, lens, n_split):
-    """CQ 8 (the plan's default at 16 rows or fewer where r / 8 is a multiple of
-    16): each warp scores 8 positions of a tile (K fragments of two k steps a
-    load) and owns r / 8 output columns; W 128; one split and two."""
-    dims, qc, cache, slots, scale, ref, base = contiguous("EIGHTHS", s_q, lens)
-    got, pl = attend(qc, cache, lens, dims.n_head, scale, dims.kv_rank, table=slots,
-                     n_split=n_split)
-    assert pl["col_warps"] == 8 and pl["block"] == 256 and pl["n_split"] == n_split
-    judge(got, ref, base, f"CQ 8, s_q {s_q}")
-    empty = np.asarray(lens) == 0
-    assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == -np.inf)
-
-
-@pytest.mark.device
-@pytest.mark.parametrize("defect", MM.DEFECTS)
-def test_planted_defect_is_caught_with_eight_warps(defect):
-    """The planted defects in the CQ 8 kernel, on the first CQ 8 case (which the
-    clean kernel passes there; its second sequence's first query ends at 48, a
-    tile edge inside the sequence)."""
-    s_q, lens = 2, (3, 49)
-    dims, qc, cache, slots, scale, ref, base = contiguous("EIGHTHS", s_q, lens)
-    bad, pl = attend(qc, cache, lens, dims.n_head, scale, dims.kv_rank, table=slots,
-                     n_split=1, defect=defect)
-    assert pl["col_warps"] == 8
-    assert rejected(bad, ref, base), f"{defect} (CQ 8): not caught"
 
 
 @pytest.mark.device
@@ -359,20 +326,10 @@ def test_plan_sizes_blocks_and_splits():
     pl = MM.plan(64, 128, 512, 64, 4096, "f16", n_split=1)
     assert pl["grid"] == (1, 2, 64) and pl["block"] == 512 and pl["row_groups"] == 4
     assert pl["dyn_smem"] == 230400 <= MM.SMEM_BLOCK_MAX
-    assert pl["col_warps"] == 4
-    pl = MM.plan(1, 16, 512, 64, 32768, "f16")  # 16 rows: one row group of 8 warps
-    assert (pl["row_groups"], pl["col_warps"], pl["block"]) == (1, 8, 256)
-    assert pl["n_split"] > 1 and pl["chunk"] % 64 == 0
+    pl = MM.plan(1, 16, 512, 64, 32768, "f16")
+    assert pl["row_groups"] == 2 and pl["n_split"] > 1 and pl["chunk"] % 64 == 0
     assert pl["chunk"] * pl["n_split"] >= 32768
-    assert pl["dyn_smem"] == 4 * MM.smem_words(576, 1, 64, 8)
-    pl = MM.plan(1, 16, 512, 64, 32768, "f16", col_warps=4)  # the 4-warp row groups
-    assert (pl["row_groups"], pl["col_warps"], pl["block"]) == (2, 4, 256)
-    assert MM.plan(1, 17, 512, 64, 4096, "f16")["col_warps"] == 4  # two row groups
-    assert MM.plan(1, 16, 64, 64, 4096, "f16")["col_warps"] == 4  # r / 8 = 8 columns
     assert MM.supported(512, 64) is None and "multiple of 64" in MM.supported(12, 4)
-    assert "multiple of 128" in MM.supported(64, 64, 8)
-    with pytest.raises(ValueError, match="col_warps"):
-        MM.plan(1, 16, 512, 64, 4096, "f16", col_warps=2)
 
 
 # ---------------------------------------------------------------------------
@@ -390,22 +347,16 @@ def _signature():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("row_groups,tile,paged,col_warps", [(4, 64, False, 4),
-                                                             (1, 64, True, 4),
-                                                             (1, 64, False, 8)])
-def test_compiles_to_mma_ldmatrix_and_cp_async_without_local_memory(row_groups, tile, paged,
-                                                                     col_warps):
+@pytest.mark.parametrize("row_groups,tile,paged", [(4, 64, False), (1, 64, True)])
+def test_compiles_to_mma_ldmatrix_and_cp_async_without_local_memory(row_groups, tile, paged):
     from numba import cuda
 
-    kern = MM.mla_mma_kernel("f16", 512, 64, row_groups, tile, paged, col_warps=col_warps)
+    kern = MM.mla_mma_kernel("f16", 512, 64, row_groups, tile, paged)
     ptx, _ = cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx  # Q, K and P fragments
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # V fragments
-    # S (n tiles of 8 positions a warp: 2 at CQ 4, 1 at CQ 8) and P.V (r / CQ columns)
-    n_tiles = 2 if col_warps == 4 else 1
-    assert ptx.count("mma.sync.aligned.m16n8k16") == (576 // 16 * n_tiles
-                                                      + 4 * 512 // col_warps // 8)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 576 // 16 * 2 + 4 * 16  # S and P.V
     assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group 0" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
 
@@ -418,8 +369,9 @@ def test_compiles_to_mma_ldmatrix_and_cp_async_without_local_memory(row_groups, 
 @pytest.mark.skipif(MODE != "gpu", reason="full shape: a GPU run (scripts/gpu_test)")
 @pytest.mark.parametrize("s_q,nh", [(1, 128), (2, 128), (1, 16)])
 def test_full_shape_matches_the_oracle(s_q, nh):
-    """8 sequences, 128 heads (16: the 8-warp row group), r 512, d_rope 64,
-    lengths up to 4096 (one 0), the kernel's default plan."""
+    """8 sequences, 128 heads (16: one row group of queries, the memory-bound
+    regime), r 512, d_rope 64, lengths up to 4096 (one 0), the kernel's default
+    plan."""
     rng = np.random.default_rng(60 + s_q + nh)
     rank, d_rope, cap = 512, 64, 4096
     lens = rng.integers(s_q, cap + 1, 8)
@@ -431,8 +383,7 @@ def test_full_shape_matches_the_oracle(s_q, nh):
     rows = rows_of(cache, lens)
     ref = oracle(qc, rows, lens, nh, s_q, scale, rank)
     base = baseline(qc, rows, lens, nh, s_q, scale, rank)
-    got, pl = attend(qc, cache, lens, nh, scale, rank, row_groups=None)
-    assert pl["col_warps"] == (8 if nh * s_q <= 16 else 4)
+    got, _ = attend(qc, cache, lens, nh, scale, rank, row_groups=None)
     judge(got, ref, base, f"full shape s_q {s_q} heads {nh}")
     # FlashMLA's checks: cosine distance to the oracle, NaN where the oracle has it
     rec = compare(got[0], ref[0])

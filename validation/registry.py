@@ -132,11 +132,9 @@ FAMILY_FULL = ()
 MLA_FAMILY_SMALL = (
     ("mma_nh2_r64_rope64", "mma", dict(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64),
      2, 40, True),
-    # r 128: the 8-warp row group (``mla.mma`` CQ 8, the plan's choice at 16 rows or fewer)
-    ("mma_nh2_r128", "mma", dict(n_head=2, d_nope=16, d_rope=0, d_v=16, kv_rank=128),
-     2, 40, False),
 )
-# DeepSeek's latent at 16 heads (128 after 8-way tensor parallelism): the CQ 8 kernel
+# DeepSeek's latent at 16 heads (128 after 8-way tensor parallelism): one row group of
+# query rows, the memory-bound regime
 MLA_FAMILY_FULL = (
     ("mma_dsv3_nh16", "mma", dict(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512),
      1, 1025, True),
