@@ -1,6 +1,7 @@
 """Tensor-core decode (``attention.decode.mma``) against the product decode plan.
 
     python3 -m bench.mma_decode [--reps 50] [--shape 32,32,8,128,4096] [--tune]
+                                [--dtypes float16,bfloat16]
 
 A GPU is needed. For each cache dtype (fp16, bf16; q in the cache's dtype),
 cache (``pooled`` [B, H_kv, L, D] with slot m = sequence m; ``paged_hnd_p16``:
@@ -10,8 +11,11 @@ shuffled order, page table [B, L / 16], ``bench.paged.page_layout``) and T_q
 
 * ``mma``: ``mma.launch`` of an ``mma.plan`` (device arrays, one launch, or
   two with the split-KV combine);
-* ``fast``: ``attention.decode.plan.DecodePlan.run`` (the product path: the
-  CUDA-core kernel, ``t_q`` blocks a kv group for T_q > 1),
+* ``fast``: ``attention.decode.plan.DecodePlan.run`` with ``method="fast"``
+  (the CUDA-core kernel, ``t_q`` blocks a kv group for T_q > 1);
+* ``plan``: ``DecodePlan.run`` with the default ``method="auto"`` (the product
+  path: the tensor-core kernel at T_q > 1, after its one-warp-a-sequence range
+  check launch; the CUDA-core one at T_q 1),
 
 with CUDA events, the median of ``--reps`` (>= 50) launches after 5 warm-up
 launches, the L2 flushed and the GPU held before each repeat so no host time
@@ -20,7 +24,8 @@ of the device-to-device copy ceiling measured in the same run
 (``bench.gpu.copy_bandwidth``), the ratio fast / mma (above 1: mma is
 faster), the largest |mma - fast| over the outputs (the two differ by P's
 16-bit rounding: ~1e-3 fp16, ~1e-2 bf16) and the split counts, then the
-T_q 4 / T_q 1 time ratio of each kernel (the target: <= 1.2).
+T_q 4 / T_q 1 time ratio of each kernel and of the default plan (the
+target: <= 1.2).
 
 Bytes counted a call: K and V of the attended positions read once
 (``2 * B * H_kv * L * D * 2``: the T_q queries and the GQA group's heads
@@ -118,12 +123,13 @@ def time_mma(timer, case, q, t_q, reps, warps=None, stages=None):
     return ms, out.copy_to_host(), pl
 
 
-def time_fast(timer, case, q, t_q, reps):
-    """(ms, out host copy [B, T, H, D], plan) of ``DecodePlan.run`` on ``case``."""
+def time_fast(timer, case, q, t_q, reps, method="fast"):
+    """(ms, out host copy [B, T, H, D], plan) of ``DecodePlan(method=method).run``
+    on ``case``."""
     from attention.decode.plan import DecodePlan
 
     b, h, kv, d, seq = case.shape
-    kw = dict(cache_dtype=case.dt, q_dtype=case.dt, t_q=t_q)
+    kw = dict(cache_dtype=case.dt, q_dtype=case.dt, t_q=t_q, method=method)
     if case.paging is None:
         plan = DecodePlan(b, h, kv, d, b, seq, **kw)
         table = {}
@@ -141,11 +147,11 @@ def time_fast(timer, case, q, t_q, reps):
     return ms, plan.out.copy_to_host().reshape(b, t_q, h, d), plan
 
 
-def compare(timer, shape, reps, copy_gbps, log):
+def compare(timer, shape, reps, copy_gbps, log, dtypes=DTYPES):
     rng = np.random.default_rng(5)
     times = {}
     b, h, kv, d, seq = shape
-    for dname in DTYPES:
+    for dname in dtypes:
         for cache in CACHES:
             case = Case(shape, dname, cache, rng)
             for t_q in T_QS:
@@ -153,7 +159,9 @@ def compare(timer, shape, reps, copy_gbps, log):
                 nbytes = moved_bytes(b, h, kv, d, seq, t_q, case.dt.itemsize)
                 ms_m, out_m, pl = time_mma(timer, case, q, t_q, reps)
                 ms_f, out_f, fp = time_fast(timer, case, q, t_q, reps)
-                times[(dname, cache, t_q)] = (ms_m, ms_f)
+                ms_p, out_p, pp = time_fast(timer, case, q, t_q, reps, method="auto")
+                same = out_p.tobytes() == (out_m if pp.method == "mma" else out_f).tobytes()
+                times[(dname, cache, t_q)] = (ms_m, ms_f, ms_p)
                 gb_m, gb_f = (nbytes / (ms * 1e-3) / 1e9 for ms in (ms_m, ms_f))
                 diff = float(np.abs(out_m - out_f).max())
                 log(f"{cache:<14} {dname:<9} T_q={t_q}  mma {ms_m * 1e3:7.1f} us "
@@ -161,14 +169,18 @@ def compare(timer, shape, reps, copy_gbps, log):
                     f"{ms_f * 1e3:7.1f} us {gb_f:7.1f} GB/s  fast/mma x{ms_f / ms_m:5.2f}  "
                     f"diff {diff:.1e}  splits mma {pl['n_split']} fast {fp.n_split}  "
                     f"regs mma {registers(pl['kernel'])} fast {fp.registers}")
+                log(f"{'':<14} {'':<9}        plan (auto: {pp.method}) {ms_p * 1e3:7.1f} us "
+                    f"({nbytes / (ms_p * 1e-3) / 1e9 / copy_gbps:5.3f} of copy), the "
+                    f"{pp.method} kernel's bits: {same}")
             del case
     log("")
     log("T_q 4 / T_q 1 time (target <= 1.2):")
-    for dname in DTYPES:
+    for dname in dtypes:
         for cache in CACHES:
-            m1, f1 = times[(dname, cache, 1)]
-            m4, f4 = times[(dname, cache, 4)]
-            log(f"  {cache:<14} {dname:<9} mma {m4 / m1:5.2f}   fast {f4 / f1:5.2f}")
+            m1, f1, p1 = times[(dname, cache, 1)]
+            m4, f4, p4 = times[(dname, cache, 4)]
+            log(f"  {cache:<14} {dname:<9} mma {m4 / m1:5.2f}   fast {f4 / f1:5.2f}   "
+                f"plan (auto) {p4 / p1:5.2f}")
 
 
 def tune(timer, shape, reps, log):
@@ -201,6 +213,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=50, help="timed launches (median; >= 50)")
     parser.add_argument("--shape", default="32,32,8,128,4096", help="B,H,H_kv,D,L")
     parser.add_argument("--tune", action="store_true", help="also sweep warps x stages")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="cache dtypes, comma list (default: float16,bfloat16)")
     args = parser.parse_args(argv)
     from attention.core.device import device_name, gpu_available
 
@@ -216,7 +230,13 @@ def main(argv=None):
     b, h, kv, d, seq = shape
     print(f"device {device_name()}; B {b} H {h} H_kv {kv} D {d} L {seq}; median of {reps} "
           f"launches; copy ceiling {copy_gbps:.0f} GB/s")
-    compare(timer, shape, reps, copy_gbps, print)
+    dtypes = tuple(x for x in args.dtypes.split(",") if x)
+    bad = [x for x in dtypes if x not in DTYPES]
+    if bad:
+        print(f"bench.mma_decode: --dtypes: expected some of {DTYPES}, got {bad}",
+              file=sys.stderr)
+        return 2
+    compare(timer, shape, reps, copy_gbps, print, dtypes)
     if args.tune:
         print("")
         print("mma warps x stages (fp16, pooled):")

@@ -22,7 +22,9 @@ device time: CUDA events with the L2 flushed and the host cover of
 * ``contiguous_t4``: a multi-token plan (``t_q=4``, q ``[B, 4, H, D]``), the
   same K/V bytes; its last query sees every position, so its diff is
   against the one-query output (the ratio to the T_q = 1 row is the cost of
-  the three more queries);
+  the three more queries). The plan's default kernel (``method="auto"``: the
+  tensor-core one at 16-bit T > 1; the note names it); ``contiguous_t4_fast``
+  the CUDA-core kernel's (``method="fast"``) for comparison;
 * ``paged_<layout>_p<P>_ordered`` / ``_split2`` (probes, ``PROBES``): the same
   pages in logical order (no shuffle: the access pattern's share of the
   paged rows' cost), and a plan of two splits a sequence;
@@ -139,7 +141,8 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                 if plan.t_q > 1:  # the last query sees every position: the T_q = 1 result
                     out = np.ascontiguousarray(out[:, -1])
                 diff = None if ref_out is None else float(np.abs(out - ref_out).max())
-                record(name, ms, plan, diff, ref=ref, note=f"({plan.registers} registers)")
+                record(name, ms, plan, diff, ref=ref,
+                       note=f"({plan.method} kernel, {plan.registers} registers)")
                 return ms, out
 
             mk = dict(cache_dtype=dt, q_dtype=dt)
@@ -191,9 +194,12 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                 # last one sees every position, so it is the T_q = 1 result
                 q_bits = np.repeat(q.view(np.uint16).copy_to_host()[:, None], t_q, axis=1)
                 q_multi = cuda.to_device(q_bits).view(dt)
-                plm = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, **mk)
+                plm = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, **mk)  # "auto": the mma kernel
                 plan_row(f"contiguous_t{t_q}", plm, (k, v), None, ref_out, qq=q_multi)
                 del plm
+                plf = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, method="fast", **mk)
+                plan_row(f"contiguous_t{t_q}_fast", plf, (k, v), None, ref_out, qq=q_multi)
+                del plf
             for c in CHUNKS:
                 if c >= seq:
                     continue

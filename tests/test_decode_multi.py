@@ -132,7 +132,7 @@ def test_each_query_is_the_one_query_plan_on_its_prefix():
     lens = np.array([cap, 9, 4], np.int32)
     k, v = _pooled(rng, lens, cap, n_kv, d, dt)
     q = rng.standard_normal((3, t_q, h, d)).astype(dt)
-    pl = DecodePlan(3, h, n_kv, d, 3, cap, cache_dtype=dt, t_q=t_q, n_split=2)
+    pl = DecodePlan(3, h, n_kv, d, 3, cap, cache_dtype=dt, t_q=t_q, n_split=2, method="fast")
     pl.run(to_device(q), to_device(k), to_device(v), to_device(lens), sync=True)
     out, lse = np.asarray(to_host(pl.out)), np.asarray(to_host(pl.lse))
     one = DecodePlan(3, h, n_kv, d, 3, cap, cache_dtype=dt, n_split=2)

@@ -358,7 +358,7 @@ def _run_multi(t_q, page, layout):
         kp, vp, table = fixtures.paged_from_pooled(k, x["v_cache"], lens, x["slot_table"],
                                                    page, layout, rng)
         plan = fn(m, h, k.shape[1], d, kp.shape[0], k.shape[2], cache_dtype=k.dtype,
-                  q_dtype=q.dtype, page_size=page, layout=layout, t_q=t_q)
+                  q_dtype=q.dtype, page_size=page, layout=layout, t_q=t_q, method="fast")
         out = plan.run(to_device(q_multi), to_device(kp), to_device(vp), to_device(lens),
                        page_table=to_device(table), sync=True)
         rows = np.arange(m)

@@ -128,6 +128,7 @@ SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an
 RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+KINDS = ("f16", "bf16")  # the cache kinds (``fast.dtype_kind``'s names) the kernel takes
 LAYOUTS = ("HND", "NHD")
 
 
@@ -602,6 +603,77 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
         comb[(rows, m_count), fast.combine_warps(pl["n_split"]) * WARP, stream](
             d_part_acc, d_part_ml, d_out.reshape(m_count, rows, head_dim),
             d_lse.reshape(m_count, rows))
+
+
+@functools.lru_cache(maxsize=None)
+def range_check_kernel(paged):
+    """The device range check of a planned run (``attention.decode.plan.DecodePlan``
+    with ``method="mma"``), in ``fast``'s flag format, launched before the
+    attention; this kernel has only its own guard, which attends a bad
+    sequence as empty without counting it.
+
+    Grid ``(M,)``, block 32 (one warp a sequence). Arguments: seq_lens [M]
+    int32, table [M, max_pages] int32 (pooled: the slots as [M, 1]), n_entries
+    int32 (pooled: KV_SLOTS; paged: num_pages), page int32 P, limit int32 (the
+    longest length the plan serves), t_q int32, lens_out [M] int32 (the
+    lengths the attention reads), err [fast.ERR_WORDS] int32.
+
+    Sequence m is flagged (``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] =
+    min(.., m)`` and ``ERR_SLOTS`` or ``ERR_LENGTHS`` += 1, as the fast kernel
+    counts) when its length is outside ``[0, limit]`` or in ``1 .. t_q - 1``
+    (``ERR_LENGTHS``), or its pooled slot is outside ``[0, KV_SLOTS)``, or one
+    of the page entries below its length is outside ``[0, num_pages)``
+    (``ERR_SLOTS``); a flagged sequence gets ``lens_out[m] = 0`` (attended as
+    empty: zeros and LSE -inf), any other its length.
+    """
+    PAGED = bool(paged)
+
+    def kernel(seq_lens, table, n_entries, page, limit, t_q, lens_out, err):
+        seq = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        length = seq_lens[seq]
+        bad_len = length < 0 or length > limit or (t_q > 1 and 0 < length < t_q)
+        bad_slot = 0
+        if not PAGED:
+            slot = table[seq, 0]
+            if slot < 0 or slot >= n_entries:
+                bad_slot = 1
+        elif not bad_len and length > 0:
+            j = lane
+            last = (length - 1) // page
+            while j <= last:
+                pg = table[seq, j]
+                if pg < 0 or pg >= n_entries:
+                    bad_slot = 1
+                j += WARP
+        bad_slot = cuda.syncthreads_or(bad_slot)
+        if lane == 0:
+            if bad_slot or bad_len:
+                cuda.atomic.add(err, fast.ERR_COUNT, 1)
+                cuda.atomic.min(err, fast.ERR_FIRST, seq)
+                if bad_slot:
+                    cuda.atomic.add(err, fast.ERR_SLOTS, 1)
+                else:
+                    cuda.atomic.add(err, fast.ERR_LENGTHS, 1)
+                lens_out[seq] = 0
+            else:
+                lens_out[seq] = length
+
+    kernel.__name__ = kernel.__qualname__ = f"mma_range_check_{'paged' if PAGED else 'pooled'}"
+    return jit(kernel)
+
+
+def launch_range_check(paged, d_lens, d_table, n_entries, page, limit, t_q, d_lens_out, d_err,
+                       stream=0):
+    """Enqueue ``range_check_kernel(paged)`` (numba launch): d_table [M] or [M,
+    1] (pooled slots) or [M, max_pages] (paged)."""
+    m_count = int(d_lens.shape[0])
+    if len(d_table.shape) == 1:
+        d_table = d_table.reshape(m_count, 1)
+    if m_count:
+        range_check_kernel(paged)[m_count, WARP, stream](
+            d_lens, d_table, np.int32(n_entries), np.int32(page), np.int32(limit),
+            np.int32(t_q), d_lens_out, d_err)
 
 
 def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None,

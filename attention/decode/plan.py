@@ -5,7 +5,9 @@ A decode step calls attention with the same geometry every time: the batch
 ``DecodePlan`` does everything that depends only on those once, when it is
 made:
 
-* chooses the kernel and the split count (``attention.decode.fast.plan``);
+* chooses the kernel and the split count (``method``: the CUDA-core kernel,
+  ``attention.decode.fast.plan``, or, for multi-token plans of 16-bit caches,
+  the tensor-core one, ``attention.decode.mma.plan``);
 * compiles the main kernel (and, with more than one split, the combine) for
   the plan's argument types and takes their ``cuda.core`` kernel handles;
 * sets the dynamic shared memory opt-in of the main kernel's function;
@@ -23,8 +25,9 @@ arrays' data pointers into the prebuilt lists and enqueues the launches
 through ``cuda.core.launch`` (the combine as a programmatic dependent where
 the plan has ``pdl``). It makes no host-device copy, no allocation and no
 synchronisation. Lengths and slots are checked on the device by the main
-kernel (``fast_decode_kernel``: a bad sequence is attended as empty, nothing
-is read out of bounds, and the plan's error flag counts it); ``check()``
+kernel (``fast_decode_kernel``; on the tensor-core path by a one-warp-a-sequence
+launch before it, ``mma.range_check_kernel``: a bad sequence is attended as
+empty, nothing is read out of bounds, and the plan's error flag counts it); ``check()``
 synchronises, reads and clears the flag and raises ``RangeError`` naming
 ``seq_lens`` or ``slot_table``.
 
@@ -66,7 +69,9 @@ from attention.core.device import (
 )
 from attention.core.launch import ArgTemplate, array_ptr, core_stream
 from attention.decode import fast
+from attention.decode import mma as MMA
 
+METHODS = ("auto", "fast", "mma")
 _INT32 = np.dtype(np.int32)
 PLAN_DEFECTS = ("chunk_follows_batch",)  # planted in the plan itself (``defect=``)
 _FLOAT32 = np.dtype(np.float32)
@@ -290,16 +295,35 @@ class DecodePlan:
                   T = 4 takes 3.1x the time of T = 1 at B 32 / L 4096 fp16 on the
                   H200 (``bench/paged.py``); the T queries of a kv group as one
                   16-row tensor-core tile is the way to the 1.2x of K/V reads
+    method:       "auto" (default), "fast" or "mma". "fast": the CUDA-core
+                  kernel (``attention.decode.fast``), every dtype and option.
+                  "mma": the tensor-core kernel (``attention.decode.mma``: the
+                  T queries x H / H_kv heads of a kv group as the rows of one
+                  16-row ``mma`` tile, so K/V are read once for all T queries
+                  and T adds no mma): 16-bit caches with q in the cache's dtype,
+                  D in 32, 64, 128, H / H_kv x T <= 16, not batch-invariant
+                  (its split count follows the batch); P is rounded to the
+                  cache's dtype before P.V, as FlashAttention and FlashInfer do
+                  (the validation judges it by the rounded-P baseline); a
+                  plan it cannot take raises naming the reason. "auto": "mma"
+                  where it can take the plan and T > 1, else "fast". On the
+                  H200 (notes/bench.md run 20, B 32 / H 32 / H_kv 8 / D 128 /
+                  L 4096 fp16) T = 4 took 154.5 us on the tensor-core kernel
+                  (1.03x its T = 1) and 406.2 us on the CUDA-core one, which
+                  stays the faster at T = 1 (129.5 against 149.5 us)
     defect:       a planted defect (falsification suite only): the fast
-                  kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``) or the
-                  plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
+                  kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``), the
+                  tensor-core kernel's (``mma.DEFECTS``, with ``method="mma"``)
+                  or the plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
                   batch-invariant plan whose split length is the default plan's
                   for its M (so the merge follows the batch)
 
-    Attributes: ``fast_plan`` (the ``attention.decode.fast.plan`` dict),
-    ``n_split``, ``limit``, ``out`` [M, H, D] / ``lse`` [M, H] (the default
-    output buffers, overwritten by every run that is given none), ``flag``
-    (int32 [fast.ERR_WORDS] device error flag), ``launch_path`` ("cuda.core",
+    Attributes: ``method`` ("fast" or "mma": the kernel chosen), ``fast_plan``
+    (the ``attention.decode.fast.plan`` dict; None on the tensor-core path),
+    ``kernel_plan`` (the chosen kernel's plan dict), ``n_split``, ``limit``,
+    ``out`` [M, H, D] / ``lse`` [M, H] (the default output buffers,
+    overwritten by every run that is given none), ``flag`` (int32
+    [fast.ERR_WORDS] device error flag), ``launch_path`` ("cuda.core",
     "numba" or "none"), ``launch_reason``, ``registers`` (the main kernel's
     registers a thread where the plan compiled it for a GPU, else None),
     ``fp8_scales`` and ``scale_shape`` (the shape ``k_scale`` / ``v_scale``
@@ -312,7 +336,7 @@ class DecodePlan:
     def __init__(self, m, n_heads, n_kv_heads, head_dim, kv_slots, max_seq, *,
                  cache_dtype=np.float16, q_dtype=None, max_len=None, scale=None,
                  n_split=None, page_size=None, layout="HND", batch_invariant=False,
-                 t_q=1, defect=None, fp8_scales="tensor"):
+                 t_q=1, defect=None, fp8_scales="tensor", method="auto"):
         m, n_heads, n_kv, head_dim = int(m), int(n_heads), int(n_kv_heads), int(head_dim)
         kv_slots, max_seq = int(kv_slots), int(max_seq)
         checks.check_range("m", m, 1, 1 << 30, what="sequence count")
@@ -370,6 +394,20 @@ class DecodePlan:
         if defect in fast.FP8_TOKEN_DEFECTS and fp8_scales != "token_head":
             raise checks.AttentionInputError(
                 f"defect: {defect!r} needs fp8_scales='token_head'")
+        if method not in METHODS:
+            raise checks.AttentionInputError(
+                f"method: expected one of {METHODS}, got {method!r}")
+        why = _mma_unsupported(kind, cdt, qdt, head_dim, n_heads // n_kv, t_q,
+                               batch_invariant, defect, method)
+        if method == "auto":
+            method = "mma" if t_q > 1 and why is None else "fast"
+        elif method == "mma" and why is not None:
+            raise checks.AttentionInputError(
+                f"method: 'mma' (the tensor-core decode) cannot take this plan: {why}")
+        if method == "fast" and defect in MMA.DEFECTS and defect not in fast.DEFECTS:
+            raise checks.AttentionInputError(
+                f"defect: {defect!r} is a switch of the tensor-core kernel: give method='mma'")
+        self.method = method
         self.fp8_scales = fp8_scales
         self.scale = checks.check_scale(scale, head_dim)
         self.m, self.n_heads, self.n_kv_heads, self.head_dim = m, n_heads, n_kv, head_dim
@@ -387,17 +425,24 @@ class DecodePlan:
         self.batch_invariant = bool(batch_invariant)
         paging = self.layout if self.paged else None
         if defect is not None and defect not in PLAN_DEFECTS:
-            fast.check_defect(defect)
+            (MMA if method == "mma" else fast).check_defect(defect)
         chunk = None
         if self.batch_invariant:
             chunk = fast.invariant_chunk(n_heads, n_kv, head_dim, max_len, kind)
             if defect == "chunk_follows_batch":
                 chunk = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
         kernel_defect = None if defect in PLAN_DEFECTS else defect
-        pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
-                       defect=kernel_defect, paging=paging, chunk=chunk, t_q=t_q,
-                       fp8_scales=fp8_scales)
-        self.fast_plan = pl
+        if method == "mma":
+            pl = MMA.plan(m, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q, n_split=n_split,
+                          paging=paging, defect=kernel_defect)
+            self.fast_plan = None
+        else:
+            pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
+                           defect=kernel_defect, paging=paging, chunk=chunk, t_q=t_q,
+                           fp8_scales=fp8_scales)
+            self.fast_plan = pl
+        self.kernel_plan = pl
+        self.mma_plan = pl if method == "mma" else None
         self.n_split = pl["n_split"]
         P = self.page_size
         if self.paged:
@@ -416,7 +461,8 @@ class DecodePlan:
             cache_shape = (kv_slots, n_kv, max_seq, head_dim)
             cache_dims = ("KV_SLOTS", "H_kv", "max_seq", "D")
             table = _Spec("slot_table", (m,), _INT32, 1, ("M",))
-        align = 16 if pl["vec"] > 1 else 1
+        # 16-byte row loads (the fast kernel's vector rows, the mma kernel's cp.async)
+        align = 16 if method == "mma" or pl["vec"] > 1 else 1
         lab = ("M", "T") if t_q > 1 else ("M",)
         if fp8_scales == "token_head":  # the cache's layout without D
             scale_shape, scale_dims = cache_shape[:3], cache_dims[:3]
@@ -465,10 +511,57 @@ class DecodePlan:
         self.part_acc, self.part_ml = fast.scratch(m, self.t_q * h, d, self.n_split)
         self.flag = cuda.to_device(fast.clear_flag())
         self.identity_slots = cuda.to_device(np.arange(m, dtype=np.int32))
+        # the tensor-core path: the lengths its range check passes on (bad ones as 0)
+        self.checked_lens = device_empty((m,), np.int32) if self.method == "mma" else None
         if not SIMULATOR:
             cuda.synchronize()  # the copies above are complete before any run
 
     def _build_launches(self):
+        from cuda.core import LaunchConfig
+        from numba import types
+
+        if self.method == "mma":
+            self._build_mma_launches()
+        else:
+            self._build_fast_launch()
+        pl = self.kernel_plan
+        f32 = types.float32
+        self._combine_kernel = None
+        if self.n_split > 1:
+            ck = fast.combine_kernel(-(-self.head_dim // fast.WARP), pl.get("pdl", False),
+                                     pl["defect"] if self.method == "fast" else None)
+            ctypes_ = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"),
+                       types.Array(f32, 3, "C"), types.Array(f32, 2, "C"))
+            cfn = ck.compile(ctypes_)._codelibrary.get_cufunc()
+            self._combine_kernel = cfn.kernel
+            grid = (self.t_q * self.n_heads, self.m)
+            block = fast.combine_warps(self.n_split) * fast.WARP
+            self._combine_config = LaunchConfig(grid=grid, block=block)
+            if pl.get("pdl", False):
+                self._combine_pdl_config = LaunchConfig(
+                    grid=grid, block=block, programmatic_stream_serialization=True)
+            else:
+                self._combine_pdl_config = self._combine_config
+            c = ArgTemplate()
+            c.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
+            c.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
+            cat = (c.add_array(self._kernel_q, 4, array_ptr(self.out)),
+                   c.add_array(self._kernel_lse, 4, array_ptr(self.lse)))
+            self._combine_args = c.words
+            self._combine_at = cat
+        from cuda.core import launch as core_launch
+
+        try:
+            from cuda.core.graph import GraphBuilder
+        except ImportError:  # pragma: no cover - an older cuda.core
+            GraphBuilder = ()
+        self._core_launch = core_launch
+        self._builder_type = GraphBuilder
+        self._own_out, self._own_lse = array_ptr(self.out), array_ptr(self.lse)
+        self._stream0 = core_stream(0, self._streams)
+
+    def _build_fast_launch(self):
+        """The fast kernel's compiled handle, launch config and argument list."""
         from cuda.core import LaunchConfig
         from numba import types
 
@@ -515,38 +608,71 @@ class DecodePlan:
             at.append(t.add_array(self.scale_shape, 4))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
-        self._combine_kernel = None
-        if self.n_split > 1:
-            ck = fast.combine_kernel(-(-self.head_dim // fast.WARP), pl["pdl"], pl["defect"])
-            ctypes_ = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"),
-                       types.Array(f32, 3, "C"), types.Array(f32, 2, "C"))
-            cfn = ck.compile(ctypes_)._codelibrary.get_cufunc()
-            self._combine_kernel = cfn.kernel
-            grid = (self.t_q * self.n_heads, self.m)
-            block = fast.combine_warps(self.n_split) * fast.WARP
-            self._combine_config = LaunchConfig(grid=grid, block=block)
-            if pl["pdl"]:
-                self._combine_pdl_config = LaunchConfig(
-                    grid=grid, block=block, programmatic_stream_serialization=True)
-            else:
-                self._combine_pdl_config = self._combine_config
-            c = ArgTemplate()
-            c.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
-            c.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
-            cat = (c.add_array(self._kernel_q, 4, array_ptr(self.out)),
-                   c.add_array(self._kernel_lse, 4, array_ptr(self.lse)))
-            self._combine_args = c.words
-            self._combine_at = cat
-        from cuda.core import launch as core_launch
 
-        try:
-            from cuda.core.graph import GraphBuilder
-        except ImportError:  # pragma: no cover - an older cuda.core
-            GraphBuilder = ()
-        self._core_launch = core_launch
-        self._builder_type = GraphBuilder
-        self._own_out, self._own_lse = array_ptr(self.out), array_ptr(self.lse)
-        self._stream0 = core_stream(0, self._streams)
+    def _build_mma_launches(self):
+        """The tensor-core path's range check and kernel: handles, configs and
+        argument lists (``mma.range_check_kernel``, ``mma.mma_decode_kernel``)."""
+        from cuda.core import LaunchConfig
+        from numba import types
+
+        pl = self.mma_plan
+        u32, i32, f32 = types.uint32, types.int32, types.float32
+        A = types.Array
+        m, t_q, h, d = self.m, self.t_q, self.n_heads, self.head_dim
+        s = self._specs
+        cache_shape = s[1].shape
+        table_shape = s[4].shape if self.paged else (m, 1)
+        n_entries = self.kv_slots
+        page = self.page_size
+        # the range check: one warp a sequence
+        rc = MMA.range_check_kernel(self.paged).compile(
+            (A(i32, 1, "C"), A(i32, 2, "C"), i32, i32, i32, i32, A(i32, 1, "C"),
+             A(i32, 1, "C")))
+        self._check_kernel = rc._codelibrary.get_cufunc().kernel
+        self._check_config = LaunchConfig(grid=(m,), block=MMA.WARP)
+        t = ArgTemplate()
+        cat = (t.add_array((m,), 4), t.add_array(table_shape, 4))
+        for v in (n_entries, page, self.limit, t_q):
+            t.add(ctypes.c_int32(v))
+        t.add_array((m,), 4, array_ptr(self.checked_lens))
+        t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
+        self._check_args, self._check_at = t.words, cat
+        # the attention
+        argtypes = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"),
+                    A(i32, 2, "C"), i32, i32, i32, i32, f32, i32, A(f32, 4, "C"),
+                    A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"))
+        compiled = pl["kernel"].compile(argtypes)
+        fn = compiled._codelibrary.get_cufunc()
+        self.registers = int(compiled.regs_per_thread)
+        if pl["dyn_smem"] > SMEM_STATIC_LIMIT:
+            from cuda.bindings import driver as binding
+            from numba.cuda.cudadrv import driver
+
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
+                                               fn.device.id)
+        self._main_kernel = fn.kernel
+        self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
+                                         shmem_size=int(pl["dyn_smem"]))
+        n_kv = self.n_kv_heads
+        words = int(np.prod(cache_shape)) // 2
+        shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
+        t = ArgTemplate()
+        at = [t.add_array((m, t_q, h, d // 2), 4), t.add_array((words,), 4),
+              t.add_array((words,), 4)]
+        t.add_array((m,), 4, array_ptr(self.checked_lens))
+        at.append(t.add_array(table_shape, 4))
+        for v in (n_kv, page, n_entries, shift):
+            t.add(ctypes.c_int32(v))
+        t.add(ctypes.c_float(self.scale))
+        t.add(ctypes.c_int32(pl["chunk"]))
+        at.append(t.add_array((m, t_q, h, d), 4, array_ptr(self.out)))
+        at.append(t.add_array((m, t_q, h), 4, array_ptr(self.lse)))
+        t.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
+        t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
+        self._main_args = t.words
+        # q, k, v, -, table, out, lse: the fast path's pointer order (lens: the check's)
+        self._main_at = (at[0], at[1], at[2], None, at[3], at[4], at[5])
 
     # -- a call -------------------------------------------------------------
 
@@ -607,10 +733,11 @@ class DecodePlan:
         a[at[0]] = pointer(specs[0], q)
         a[at[1]] = pointer(specs[1], k_cache)
         a[at[2]] = pointer(specs[2], v_cache)
-        a[at[3]] = pointer(specs[3], seq_lens)
+        lens_ptr = pointer(specs[3], seq_lens)
         if slot_table is None:
             slot_table = self.identity_slots
-        a[at[4]] = pointer(specs[4], slot_table)
+        table_ptr = pointer(specs[4], slot_table)
+        a[at[4]] = table_ptr
         out_ptr = self._own_out if out is None else pointer(specs[5], out)
         lse_ptr = self._own_lse if lse is None else pointer(specs[6], lse)
         a[at[5]] = out_ptr
@@ -620,6 +747,13 @@ class DecodePlan:
             a[at[8]] = pointer(specs[8], v_scale)
         st = self._stream0 if stream is None else core_stream(stream, self._streams)
         launch = self._core_launch
+        if self.method == "mma":  # the range check writes the lengths the kernel reads
+            c = self._check_args
+            c[self._check_at[0]] = lens_ptr
+            c[self._check_at[1]] = table_ptr
+            launch(st, self._check_config, self._check_kernel, *c)
+        else:
+            a[at[3]] = lens_ptr
         launch(st, self._main_config, self._main_kernel, *a)
         if self._combine_kernel is not None:
             c = self._combine_args
@@ -662,6 +796,20 @@ class DecodePlan:
         scales = None
         if self.fp8:
             scales = (check_sim_array(s[7], k_scale), check_sim_array(s[8], v_scale))
+        st = 0 if stream is None else stream
+        if self.method == "mma":
+            d_q, d_k, d_v, d_lens, d_table = args
+            MMA.launch_range_check(self.paged, d_lens, d_table, self.kv_slots, self.page_size,
+                                   self.limit, self.t_q, self.checked_lens, self.flag, st)
+            lead = (self.m, self.t_q, self.n_heads)
+            MMA.launch(self.mma_plan, d_q.reshape(lead + (self.head_dim,)), d_k, d_v,
+                       self.checked_lens, d_table, self.scale,
+                       d_out.reshape(lead + (self.head_dim,)), d_lse.reshape(lead),
+                       self.part_acc, self.part_ml, st)
+            self._last = (seq_lens, slot_table)
+            if sync:
+                self.check()
+            return d_out
         fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
                     self.part_ml, 0 if stream is None else stream, err=self.flag, scales=scales)
         self._last = (seq_lens, slot_table)
@@ -680,6 +828,26 @@ class DecodePlan:
         lens, slots = self._last
         fast.read_flag(self.flag, lens, slots, self.limit, self.kv_slots, paged=self.paged,
                        t_q=self.t_q)
+
+
+def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defect, method):
+    """None when the tensor-core decode can take the plan, else why not (for
+    ``method="auto"`` a planted defect keeps the fast kernel)."""
+    if kind not in MMA.KINDS:
+        return f"cache_dtype {cdt}: it takes float16 or bfloat16 caches"
+    if qdt != cdt:
+        return f"q_dtype {qdt}: it takes q in the cache's dtype ({cdt})"
+    if head_dim not in MMA.HEAD_DIMS:
+        return f"head_dim {head_dim}: it takes {MMA.HEAD_DIMS}"
+    if group * t_q > MMA.TILE_ROWS:
+        return (f"n_heads / n_kv_heads x t_q = {group} x {t_q}: it takes at most "
+                f"{MMA.TILE_ROWS} query rows a kv head")
+    if batch_invariant:
+        return "batch_invariant: its split count follows the batch"
+    if defect is not None and (method == "auto" or defect not in MMA.DEFECTS):
+        return f"defect {defect!r}: not one of its switches {MMA.DEFECTS}" if (
+            method != "auto") else "a planted defect (give method= to choose its kernel)"
+    return None
 
 
 def _fp8_name(dt):

@@ -1,0 +1,158 @@
+"""``DecodePlan(method=...)``: the tensor-core decode behind the plan/run API.
+
+* **Routing** (host only): ``method="auto"`` (the default) takes the
+  tensor-core kernel (``attention.decode.mma``) for multi-token plans it can
+  take (16-bit cache, q in its dtype, D 32 / 64 / 128, H / H_kv x T <= 16, not
+  batch-invariant, no planted defect) and the CUDA-core one otherwise;
+  ``method="mma"`` on a plan it cannot take raises naming the reason.
+* **Bits** (simulator and GPU): a tensor-core plan's run gives
+  ``mma.mma_decode``'s bits for the same split plan (the same kernel and
+  chunks), on a pooled cache with a permuted slot table and NaN past every
+  length and on a paged HND cache with shuffled and shared pages; so the
+  oracle tests of that kernel (``tests/test_decode_mma.py``) cover the plan,
+  and the outputs are also judged here against the oracle with the rounded-P
+  baseline.
+* **The device range check** (``mma.range_check_kernel``, launched before the
+  attention): a length outside ``[0, limit]`` or in ``1 .. T - 1``, a slot
+  outside the pool and a page entry outside the pages below a length are each
+  attended as empty (zeros, LSE -inf) while the other sequences keep their
+  bits, and ``check()`` raises ``RangeError`` naming ``seq_lens``,
+  ``slot_table`` or ``page_table``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention.core import checks
+from attention.decode import mma
+from attention.decode.plan import DecodePlan
+from tests.test_decode_mma import check_case, gathered, pooled_case, queries
+from tests.test_decode_paged import HUGE, paged_case
+
+F16 = np.dtype(np.float16)
+
+
+def test_auto_takes_the_tensor_core_kernel_where_it_can():
+    def method(**kw):
+        args = dict(m=2, n_heads=8, n_kv_heads=2, head_dim=64, kv_slots=2, max_seq=64,
+                    cache_dtype=np.float16, t_q=4)
+        args.update(kw)
+        return DecodePlan(**args).method
+
+    assert method() == "mma"
+    assert method(cache_dtype="bfloat16") == "mma"
+    assert method(t_q=1) == "fast"  # one query: the CUDA-core kernel is the faster
+    assert method(cache_dtype=np.float32) == "fast"
+    assert method(q_dtype=np.float32) == "fast"
+    assert method(head_dim=40) == "fast"
+    assert method(n_heads=16, n_kv_heads=2) == "fast"  # 8 heads x 4 queries > 16 rows
+    assert method(batch_invariant=True) == "fast"
+    assert method(defect="one_short") == "fast"
+    assert method(page_size=16, layout="NHD", kv_slots=9) == "mma"
+    assert method(method="fast") == "fast"
+    assert method(t_q=1, method="mma") == "mma"
+
+
+def test_mma_method_names_what_it_cannot_take():
+    base = dict(m=2, n_heads=8, n_kv_heads=2, head_dim=64, kv_slots=2, max_seq=64, t_q=4,
+                method="mma")
+    for kw, why in (({"cache_dtype": np.float32}, "float16 or bfloat16"),
+                    ({"cache_dtype": np.float16, "q_dtype": np.float32}, "q_dtype"),
+                    ({"cache_dtype": np.float16, "head_dim": 96}, "head_dim 96"),
+                    ({"cache_dtype": np.float16, "n_heads": 32}, "16 query rows"),
+                    ({"cache_dtype": np.float16, "batch_invariant": True}, "batch_invariant"),
+                    ({"cache_dtype": np.float16, "defect": "one_short"}, "one_short")):
+        with pytest.raises(checks.AttentionInputError, match=f"method.*{why}"):
+            DecodePlan(**dict(base, **kw))
+    with pytest.raises(checks.AttentionInputError, match="method: expected one of"):
+        DecodePlan(**dict(base, method="tensor"))
+    with pytest.raises(checks.AttentionInputError, match="give method='mma'"):
+        DecodePlan(**dict(base, cache_dtype=np.float16, method="fast",
+                          defect="causal_tile_edge"))
+
+
+def _device(*xs):
+    from numba import cuda
+
+    return [cuda.to_device(np.ascontiguousarray(x)) for x in xs]
+
+
+def _run(pl, q, k, v, lens, table=None, **kw):
+    d_q, d_k, d_v, d_lens = _device(q, k, v, np.asarray(lens, np.int32))
+    d_table = None if table is None else _device(np.asarray(table, np.int32))[0]
+    key = "page_table" if pl.paged else "slot_table"
+    out = pl.run(d_q, d_k, d_v, d_lens, **{key: d_table}, **kw)
+    return np.asarray(out.copy_to_host()), pl.lse.copy_to_host()
+
+
+POOLED_LENS = [0, 19, 77]  # T 4: empty, query 0 ending on the tile edge at 16, two splits
+
+
+def _pooled():
+    rng = np.random.default_rng(5)
+    k, v, slots, k_rows, v_rows = pooled_case(rng, POOLED_LENS, 1, 32, F16, cap=80)
+    q = queries(rng, 3, 4, 4, 32, F16)  # GQA 4 x T 4: one 16-row tile
+    pl = DecodePlan(3, 4, 1, 32, k.shape[0], 80, cache_dtype=np.float16, t_q=4, n_split=2)
+    return pl, q, k, v, slots, k_rows, v_rows
+
+
+@pytest.mark.device
+def test_pooled_run_gives_mma_decode_bits():
+    pl, q, k, v, slots, k_rows, v_rows = _pooled()
+    assert pl.method == "mma" and pl.n_split == 2 and pl.fast_plan is None
+    got = _run(pl, q, k, v, POOLED_LENS, slots, sync=True)
+    want = mma.mma_decode(q, k, v, np.asarray(POOLED_LENS, np.int32), slot_table=slots,
+                          n_split=2)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    check_case(q, k_rows, v_rows, POOLED_LENS, got, F16, "DecodePlan(method='mma') pooled")
+
+
+@pytest.mark.device
+def test_paged_run_gives_mma_decode_bits():
+    rng = np.random.default_rng(6)
+    lens = [21, 0, 40]
+    k, v, table = paged_case(rng, lens, 16, 1, 32, F16, "HND")
+    q = queries(rng, 3, 2, 4, 32, F16)
+    pl = DecodePlan(3, 4, 1, 32, k.shape[0], table.shape[1] * 16, cache_dtype=np.float16,
+                    t_q=2, page_size=16)
+    assert pl.method == "mma"
+    got = _run(pl, q, k, v, lens, table, sync=True)
+    want = mma.mma_decode(q, k, v, np.asarray(lens, np.int32), page_table=table,
+                          n_split=pl.n_split)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    k_rows, v_rows = gathered(k, table, lens, "HND"), gathered(v, table, lens, "HND")
+    check_case(q, k_rows, v_rows, lens, got, F16, "DecodePlan(method='mma') paged")
+
+
+@pytest.mark.device
+def test_bad_lengths_slots_and_pages_are_flagged_and_attended_as_empty():
+    pl, q, k, v, slots, _, _ = _pooled()
+    good = _run(pl, q, k, v, POOLED_LENS, slots)
+    pl.check()
+    for lens, table, name in (([2, 19, 77], slots, "seq_lens"),  # 1 .. T - 1
+                              ([0, 19, 81], slots, "seq_lens"),  # past the plan's limit
+                              (POOLED_LENS, [slots[0], slots[1], k.shape[0]], "slot_table")):
+        bad = next(i for i in range(3) if lens[i] != POOLED_LENS[i] or table[i] != slots[i])
+        got = _run(pl, q, k, v, lens, table)
+        with pytest.raises(checks.RangeError, match=name):
+            pl.check()
+        assert np.all(got[0][bad] == 0) and np.all(got[1][bad] == -np.inf), name
+        keep = [i for i in range(3) if i != bad]
+        np.testing.assert_array_equal(got[0][keep], good[0][keep])
+        pl.check()  # the flag was cleared
+    rng = np.random.default_rng(7)
+    lens = [21, 40]
+    kp, vp, table = paged_case(rng, lens, 16, 1, 32, F16, "HND")
+    qp = queries(rng, 2, 2, 4, 32, F16)
+    pp = DecodePlan(2, 4, 1, 32, kp.shape[0], table.shape[1] * 16, cache_dtype=np.float16,
+                    t_q=2, page_size=16)
+    table = table.copy()
+    table[1, 2] = HUGE  # the last page below sequence 1's length
+    got = _run(pp, qp, kp, vp, lens, table)
+    with pytest.raises(checks.RangeError, match="page_table"):
+        pp.check()
+    assert np.all(got[0][1] == 0) and np.all(got[1][1] == -np.inf)
