@@ -560,9 +560,27 @@ class DecodePlan:
         self._own_out, self._own_lse = array_ptr(self.out), array_ptr(self.lse)
         self._stream0 = core_stream(0, self._streams)
 
+    def _compile_main(self, pl, argtypes, static_smem):
+        """Compile plan ``pl``'s kernel for ``argtypes``: its ``cuda.core`` handle,
+        registers, launch config and (past 48 KB) the dynamic shared memory opt-in."""
+        from cuda.core import LaunchConfig
+
+        compiled = pl["kernel"].compile(argtypes)
+        fn = compiled._codelibrary.get_cufunc()
+        self.registers = int(compiled.regs_per_thread)
+        if static_smem + pl["dyn_smem"] > SMEM_STATIC_LIMIT:
+            from cuda.bindings import driver as binding
+            from numba.cuda.cudadrv import driver
+
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
+                                               fn.device.id)
+        self._main_kernel = fn.kernel
+        self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
+                                         shmem_size=int(pl["dyn_smem"]))
+
     def _build_fast_launch(self):
         """The fast kernel's compiled handle, launch config and argument list."""
-        from cuda.core import LaunchConfig
         from numba import types
 
         pl = self.fast_plan
@@ -579,19 +597,7 @@ class DecodePlan:
         if self.fp8:
             nd = len(self.scale_shape)
             argtypes += (types.Array(f32, nd, "C"), types.Array(f32, nd, "C"))
-        compiled = pl["kernel"].compile(argtypes)
-        fn = compiled._codelibrary.get_cufunc()
-        self.registers = int(compiled.regs_per_thread)
-        if pl["static_smem"] + pl["dyn_smem"] > SMEM_STATIC_LIMIT:
-            from cuda.bindings import driver as binding
-            from numba.cuda.cudadrv import driver
-
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
-                                               fn.device.id)
-        self._main_kernel = fn.kernel
-        self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
-                                         shmem_size=int(pl["dyn_smem"]))
+        self._compile_main(pl, argtypes, pl["static_smem"])
         s = self._specs
         t = ArgTemplate()
         at = [t.add_array(self._kernel_q, s[0].dtype.itemsize)]
@@ -641,19 +647,7 @@ class DecodePlan:
         argtypes = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"),
                     A(i32, 2, "C"), i32, i32, i32, i32, f32, i32, A(f32, 4, "C"),
                     A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"))
-        compiled = pl["kernel"].compile(argtypes)
-        fn = compiled._codelibrary.get_cufunc()
-        self.registers = int(compiled.regs_per_thread)
-        if pl["dyn_smem"] > SMEM_STATIC_LIMIT:
-            from cuda.bindings import driver as binding
-            from numba.cuda.cudadrv import driver
-
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.driver.cuKernelSetAttribute(attr, int(pl["dyn_smem"]), fn.handle,
-                                               fn.device.id)
-        self._main_kernel = fn.kernel
-        self._main_config = LaunchConfig(grid=pl["grid"], block=pl["block"],
-                                         shmem_size=int(pl["dyn_smem"]))
+        self._compile_main(pl, argtypes, 0)
         n_kv = self.n_kv_heads
         words = int(np.prod(cache_shape)) // 2
         shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
