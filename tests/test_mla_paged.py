@@ -38,9 +38,10 @@ from mla.dims import DEEPSEEK_V3, MlaDims
 from mla.oracle import mla_decode_paged_ref, paged_rows_ref
 from mla.paged import DEFAULT_PAGE_SIZE, pages_needed
 from tests.conftest import MODE, small
+from validation.fixtures import MLA_HUGE_ENTRY as HUGE
+from validation.fixtures import mla_append_case, mla_paged_case
+from validation.fixtures import mla_build_pages as build_pages
 from validation.suite_mla import parity
-
-HUGE = 2 ** 31 - 1  # what a table holds past a sequence's pages
 SIM_TILE = 8 if small() else None  # flash tiles of 8 rows: pages of 16 / 64 hold whole tiles
 DIMS = MlaDims(n_head=2, d_nope=8, d_rope=4, d_v=8, kv_rank=12)  # rows of 16 words
 
@@ -49,70 +50,9 @@ DIMS = MlaDims(n_head=2, d_nope=8, d_rope=4, d_v=8, kv_rank=12)  # rows of 16 wo
 # fixtures
 # ---------------------------------------------------------------------------
 
-def build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=True, spare=2):
-    """Scatter ``rows[b, :lengths[b]]`` of each sequence into shuffled pages.
-
-    rows [B, >= max length, W]. Every non-empty sequence other than the
-    longest (the donor) takes the donor's first page as its own first page
-    (its rows there must equal the donor's: ``paged_case`` makes them so).
-    Returns (pages [num_pages, P, W], table [B, max_pages] int32, used: the
-    page ids in the order they were handed out). Unused rows NaN, unused
-    entries ``HUGE``, ``spare`` pages nobody uses.
-    """
-    n_b, _, width = rows.shape
-    donor = int(np.argmax(lengths))
-    need = [(b, j) for b in range(n_b) for j in range(pages_needed(lengths[b], page_size))
-            if not (share_first and j == 0 and b != donor)]
-    n_pages = len(need) + spare
-    ids = rng.permutation(n_pages)
-    while len(need) > 1 and (ids[:len(need)] == np.arange(len(need))).all():
-        ids = rng.permutation(n_pages)
-    pages = np.full((n_pages, page_size, width), np.nan, rows.dtype)
-    table = np.full((n_b, max_pages), HUGE, np.int32)
-    for (b, j), page in zip(need, ids):
-        table[b, j] = page
-        n = min(page_size, lengths[b] - j * page_size)
-        pages[page, :n] = rows[b, j * page_size:j * page_size + n]
-    if share_first:
-        for b in range(n_b):
-            if b != donor and lengths[b] > 0:
-                table[b, 0] = table[donor, 0]
-    return pages, table, ids[:len(need)]
-
-
 def paged_case(page_size, dtype=np.float32, *, dims=DIMS, lengths=None, seed=0, s_q=None):
-    """Queries, weights, a contiguous cache and the same rows paged.
-
-    lengths default [0, 1, P, P + 1, 2P] (2P: the capacity of a 2-page table).
-    ``s_q``: None, queries [B, nh, .]; else multi-token queries [B, s_q, nh, .].
-    Returns a dict: q_nope, q_pe, w_uk, w_uv, lengths, cont [B, cap, W] (NaN
-    past each length), pages, table, used (page ids in hand-out order).
-    """
-    rng = np.random.default_rng(seed)
-    nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
-    width = r + p_
-    if lengths is None:
-        lengths = [0, 1, page_size, page_size + 1, 2 * page_size]
-    lengths = np.array(lengths, np.int64)
-    max_pages = max(2, pages_needed(lengths.max(), page_size))
-    cap = max_pages * page_size
-    n_b = len(lengths)
-    cont = rng.standard_normal((n_b, cap, width)).astype(dtype)
-    donor = int(np.argmax(lengths))
-    for b in range(n_b):  # the shared first page: the donor's rows
-        n = min(page_size, lengths[b])
-        cont[b, :n] = cont[donor, :n]
-        cont[b, lengths[b]:] = np.nan
-    pages, table, used = build_pages(cont, lengths, page_size, max_pages, rng)
-    ws = 1.0 / np.sqrt(r)
-    f32 = np.float32
-    rows = (n_b, nh) if s_q is None else (n_b, s_q, nh)
-    return {"q_nope": rng.standard_normal(rows + (dims.d_nope,)).astype(f32),
-            "q_pe": rng.standard_normal(rows + (p_,)).astype(f32),
-            "w_uk": (rng.standard_normal((nh, dims.d_nope, r)) * ws).astype(f32),
-            "w_uv": (rng.standard_normal((nh, dims.d_v, r)) * ws).astype(f32),
-            "lengths": lengths, "cont": cont, "pages": pages, "table": table, "used": used,
-            "dims": dims}
+    """``validation.fixtures.mla_paged_case`` at the tests' small dims by default."""
+    return mla_paged_case(page_size, dtype, dims=dims, lengths=lengths, seed=seed, s_q=s_q)
 
 
 def decode(c, paged, **kw):
@@ -523,29 +463,7 @@ def test_page_off_by_one_is_caught(method):
 
 
 def _append_case(dtype, seed=9):
-    """Four sequences, pages of 3: appends that start a page, fill one, cross
-    into the next, and 1..T rows a sequence; sequences 2 and 3 share their
-    first page (a full prefix nobody writes). The cache is random bytes (NaN
-    and inf patterns included): every byte outside the new rows must stay."""
-    rng = np.random.default_rng(seed)
-    page_size, width, t_new = 3, 16, 3
-    lengths = np.array([0, 2, 3, 5])
-    n_new = np.array([3, 1, 2, 3])
-    table = np.full((4, 3), HUGE, np.int32)
-    ids = iter(rng.permutation(9))
-    for b in range(4):
-        for j in range(pages_needed(lengths[b] + n_new[b], page_size)):
-            table[b, j] = next(ids)
-    table[3, 0] = table[2, 0]
-    cache = np.frombuffer(rng.bytes(10 * page_size * width * np.dtype(dtype).itemsize),
-                          dtype).reshape(10, page_size, width).copy()
-    new_rows = rng.standard_normal((4, t_new, width)).astype(dtype)
-    want = cache.copy()
-    for b in range(4):
-        for i in range(n_new[b]):
-            p = lengths[b] + i
-            want[table[b, p // page_size], p % page_size] = new_rows[b, i]
-    return cache, new_rows, table, lengths, n_new, want
+    return mla_append_case(dtype, seed)
 
 
 @pytest.mark.device
@@ -619,3 +537,16 @@ def test_full_size_every_method_bit_equal():
     g.run(sync=True)
     np.testing.assert_array_equal(g.out.copy_to_host(), decode(c, False, method="gemm"))
     assert_oracle(decode(c, True, method="gemm_fma"), c, "full size gemm_fma")
+
+
+@pytest.mark.device
+def test_validation_suite_passes_clean_and_catches_each_defect():
+    """``validation.suite_mla_paged`` (the defect catalogue's paged-latent and
+    multi-token MLA family): its clean run passes and each planted defect fails
+    at least one of its checks."""
+    from validation import suite_mla_paged as S
+
+    clean = S.run_suite(None)
+    assert clean and all(c.passed for c in clean), [c for c in clean if not c.passed]
+    for defect in S.DEFECTS:
+        assert any(not c.passed for c in S.run_suite(defect)), f"{defect}: not caught"

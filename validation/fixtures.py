@@ -300,3 +300,111 @@ def paged_scales(scales, seq_lens, slot_table, page, layout, rng):
     s = np.asarray(scales, np.float32)[..., None]
     pages, _, table = paged_from_pooled(s, s, seq_lens, slot_table, page, layout, rng)
     return np.ascontiguousarray(pages[..., 0]), table
+
+
+# ---------------------------------------------------------------------------
+# paged MLA latent caches (``mla.paged``): the tests' and suite_mla_paged's fixture
+# ---------------------------------------------------------------------------
+
+MLA_HUGE_ENTRY = 2 ** 31 - 1  # what an MLA page table holds past a sequence's pages
+
+
+def mla_build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=True, spare=2):
+    """Scatter ``rows[b, :lengths[b]]`` of each sequence into shuffled pages.
+
+    rows [B, >= max length, W]. Every non-empty sequence other than the
+    longest (the donor) takes the donor's first page as its own first page
+    (its rows there must equal the donor's: ``mla_paged_case`` makes them so).
+    Returns (pages [num_pages, P, W], table [B, max_pages] int32, used: the
+    page ids in the order they were handed out). Unused rows NaN, unused
+    entries ``MLA_HUGE_ENTRY``, ``spare`` pages nobody uses.
+    """
+    from mla.paged import pages_needed
+
+    n_b, _, width = rows.shape
+    donor = int(np.argmax(lengths))
+    need = [(b, j) for b in range(n_b) for j in range(pages_needed(lengths[b], page_size))
+            if not (share_first and j == 0 and b != donor)]
+    n_pages = len(need) + spare
+    ids = rng.permutation(n_pages)
+    while len(need) > 1 and (ids[:len(need)] == np.arange(len(need))).all():
+        ids = rng.permutation(n_pages)
+    pages = np.full((n_pages, page_size, width), np.nan, rows.dtype)
+    table = np.full((n_b, max_pages), MLA_HUGE_ENTRY, np.int32)
+    for (b, j), page in zip(need, ids):
+        table[b, j] = page
+        n = min(page_size, lengths[b] - j * page_size)
+        pages[page, :n] = rows[b, j * page_size:j * page_size + n]
+    if share_first:
+        for b in range(n_b):
+            if b != donor and lengths[b] > 0:
+                table[b, 0] = table[donor, 0]
+    return pages, table, ids[:len(need)]
+
+
+def mla_paged_case(page_size, dtype=np.float32, *, dims, lengths=None, seed=0, s_q=None):
+    """Queries, weights, a contiguous cache and the same rows paged.
+
+    lengths default [0, 1, P, P + 1, 2P] (2P: the capacity of a 2-page table).
+    ``s_q``: None, queries [B, nh, .]; else multi-token queries [B, s_q, nh, .].
+    Returns a dict: q_nope, q_pe, w_uk, w_uv, lengths, cont [B, cap, W] (NaN
+    past each length), pages, table, used (page ids in hand-out order), dims
+    (``dims``: an ``mla.dims.MlaDims``).
+    """
+    from mla.paged import pages_needed
+
+    rng = np.random.default_rng(seed)
+    nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
+    width = r + p_
+    if lengths is None:
+        lengths = [0, 1, page_size, page_size + 1, 2 * page_size]
+    lengths = np.array(lengths, np.int64)
+    max_pages = max(2, pages_needed(lengths.max(), page_size))
+    cap = max_pages * page_size
+    n_b = len(lengths)
+    cont = rng.standard_normal((n_b, cap, width)).astype(dtype)
+    donor = int(np.argmax(lengths))
+    for b in range(n_b):  # the shared first page: the donor's rows
+        n = min(page_size, lengths[b])
+        cont[b, :n] = cont[donor, :n]
+        cont[b, lengths[b]:] = np.nan
+    pages, table, used = mla_build_pages(cont, lengths, page_size, max_pages, rng)
+    ws = 1.0 / np.sqrt(r)
+    f32 = np.float32
+    rows = (n_b, nh) if s_q is None else (n_b, s_q, nh)
+    return {"q_nope": rng.standard_normal(rows + (dims.d_nope,)).astype(f32),
+            "q_pe": rng.standard_normal(rows + (p_,)).astype(f32),
+            "w_uk": (rng.standard_normal((nh, dims.d_nope, r)) * ws).astype(f32),
+            "w_uv": (rng.standard_normal((nh, dims.d_v, r)) * ws).astype(f32),
+            "lengths": lengths, "cont": cont, "pages": pages, "table": table, "used": used,
+            "dims": dims}
+
+
+def mla_append_case(dtype, seed=9):
+    """Four sequences, pages of 3: appends that start a page, fill one, cross
+    into the next, and 1..T rows a sequence; sequences 2 and 3 share their
+    first page (a full prefix nobody writes). The cache is random bytes (NaN
+    and inf patterns included): every byte outside the new rows must stay.
+    Returns (cache [10, 3, 16], new_rows [4, 3, 16], table [4, 3] int32,
+    lengths [4], n_new [4], want: the cache after a correct append)."""
+    from mla.paged import pages_needed
+
+    rng = np.random.default_rng(seed)
+    page_size, width, t_new = 3, 16, 3
+    lengths = np.array([0, 2, 3, 5])
+    n_new = np.array([3, 1, 2, 3])
+    table = np.full((4, 3), MLA_HUGE_ENTRY, np.int32)
+    ids = iter(rng.permutation(9))
+    for b in range(4):
+        for j in range(pages_needed(lengths[b] + n_new[b], page_size)):
+            table[b, j] = next(ids)
+    table[3, 0] = table[2, 0]
+    cache = np.frombuffer(rng.bytes(10 * page_size * width * np.dtype(dtype).itemsize),
+                          dtype).reshape(10, page_size, width).copy()
+    new_rows = rng.standard_normal((4, t_new, width)).astype(dtype)
+    want = cache.copy()
+    for b in range(4):
+        for i in range(n_new[b]):
+            p = lengths[b] + i
+            want[table[b, p // page_size], p % page_size] = new_rows[b, i]
+    return cache, new_rows, table, lengths, n_new, want
