@@ -86,6 +86,7 @@ SLOW_SIM = {
     "tests/test_mla_mma.py::test_planted_defect_is_caught[ldmatrix_no_trans]": 17,
     "tests/test_mla_mma.py::test_mla_decode_mma_matches_the_oracle[*": 42,
     "tests/test_mla_mma.py::test_decode_graph_gives_mla_decode_bits": 24,
+    "tests/test_decode_plan_mma.py::test_paged_run_gives_mma_decode_bits": 14,
     "tests/test_mla_decode_graph.py::test_runs_match_mla_decode_and_follow_buffers[float16]": 12,
     "tests/test_mla_kernels.py::test_decode_stepwise_through_cache[nh4_dn24_p8_v32_r64]": 9,
     "tests/test_decode_multi.py::test_paged_multi_token_matches_the_oracle[NHD-4]": 9,

@@ -133,15 +133,15 @@ def test_bad_lengths_slots_and_pages_are_flagged_and_attended_as_empty():
     pl, q, k, v, slots, _, _ = _pooled()
     good = _run(pl, q, k, v, POOLED_LENS, slots)
     pl.check()
-    for lens, table, name in (([2, 19, 77], slots, "seq_lens"),  # 1 .. T - 1
-                              ([0, 19, 81], slots, "seq_lens"),  # past the plan's limit
-                              (POOLED_LENS, [slots[0], slots[1], k.shape[0]], "slot_table")):
-        bad = next(i for i in range(3) if lens[i] != POOLED_LENS[i] or table[i] != slots[i])
+    # lengths 1 .. T - 1 and past the plan's limit (80); then a slot outside the pool
+    for lens, table, name, bad in (([2, 19, 81], slots, "seq_lens", [0, 2]),
+                                   (POOLED_LENS, [slots[0], slots[1], k.shape[0]],
+                                    "slot_table", [2])):
         got = _run(pl, q, k, v, lens, table)
         with pytest.raises(checks.RangeError, match=name):
             pl.check()
         assert np.all(got[0][bad] == 0) and np.all(got[1][bad] == -np.inf), name
-        keep = [i for i in range(3) if i != bad]
+        keep = [i for i in range(3) if i not in bad]
         np.testing.assert_array_equal(got[0][keep], good[0][keep])
         pl.check()  # the flag was cleared
     rng = np.random.default_rng(7)
