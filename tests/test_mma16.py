@@ -152,3 +152,40 @@ def test_pack_compiles_to_one_cvt(kind, cvt):
     ptx, _ = cuda.compile_ptx(kernel, (types.Array(types.float32, 1, "C"),
                                        types.Array(types.uint32, 1, "C")), cc=(9, 0))
     assert cvt in ptx
+
+
+# ---------------------------------------------------------------------------
+# the accumulation probe (validation.mma_accum_probe)
+# ---------------------------------------------------------------------------
+
+def test_accumulation_models_on_a_hand_case():
+    """C = 2^20 plus sixteen products of 2^-6: their sum, 2^-2, is two fp32 ulps
+    at 2^20. Summed exactly (or kept 3 bits below the ulp) it survives; kept 1 or 2
+    bits below the ulp each product truncates to zero."""
+    from validation.mma_accum_probe import model_step
+
+    a = np.full((16, 16), 2.0 ** -3, np.float16)
+    b = np.full((16, 8), 2.0 ** -3, np.float16)
+    c = np.full((16, 8), 2.0 ** 20, np.float32)
+    want = {"exact_rz": 2.0 ** 20 + 0.25, "align_e3": 2.0 ** 20 + 0.25,
+            "align_e2": 2.0 ** 20, "align_e1": 2.0 ** 20}
+    for model, value in want.items():
+        assert np.all(model_step(a, b, c, model) == np.float32(value)), model
+    with pytest.raises(ValueError, match="model"):
+        model_step(a, b, c, "round_nearest")
+
+
+@pytest.mark.device
+def test_accumulation_probe_separates_the_models():
+    """The probe's operands tell the models apart; on the simulator, whose mma
+    is emulated with ``exact_rz``, the probe finds that model on every output
+    and no other (on a GPU it measures the hardware: ``python -m
+    validation.mma_accum_probe``)."""
+    from tests.conftest import MODE
+    from validation.mma_accum_probe import MODELS, probe
+
+    hits, split = probe("f16", 6)
+    assert split > 0
+    if MODE == "sim":
+        assert hits["exact_rz"][0] == hits["exact_rz"][1]
+        assert all(hits[m][0] < hits[m][1] for m in MODELS if m != "exact_rz")
