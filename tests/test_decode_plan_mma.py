@@ -130,9 +130,11 @@ def test_paged_run_gives_mma_decode_bits():
 
 @pytest.mark.device
 def test_bad_lengths_slots_and_pages_are_flagged_and_attended_as_empty():
-    pl, q, k, v, slots, _, _ = _pooled()
+    pl, q, k, v, slots, k_rows, v_rows = _pooled()
+    assert pl.method == "mma"
     good = _run(pl, q, k, v, POOLED_LENS, slots)
     pl.check()
+    check_case(q, k_rows, v_rows, POOLED_LENS, good, F16, "DecodePlan(method='mma') clean run")
     # lengths 1 .. T - 1 and past the plan's limit (80); then a slot outside the pool
     for lens, table, name, bad in (([2, 19, 81], slots, "seq_lens", [0, 2]),
                                    (POOLED_LENS, [slots[0], slots[1], k.shape[0]],
