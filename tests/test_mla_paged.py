@@ -39,7 +39,7 @@ from mla.oracle import mla_decode_paged_ref, paged_rows_ref
 from mla.paged import DEFAULT_PAGE_SIZE, pages_needed
 from tests.conftest import MODE, small
 from validation.fixtures import MLA_HUGE_ENTRY as HUGE
-from validation.fixtures import mla_append_case, mla_paged_case
+from validation.fixtures import mla_append_case, mla_paged_case, mla_paged_hostile
 from validation.fixtures import mla_build_pages as build_pages
 from validation.suite_mla import parity
 SIM_TILE = 8 if small() else None  # flash tiles of 8 rows: pages of 16 / 64 hold whole tiles
@@ -66,11 +66,8 @@ def decode(c, paged, **kw):
 
 def assert_hostile(c):
     """The fixture really is hostile: shuffled, shared, NaN-padded, huge entries."""
-    used = np.asarray(c["used"])
-    assert not np.array_equal(used, np.arange(len(used))), "page table is the identity"
-    first = [c["table"][b, 0] for b in range(len(c["lengths"])) if c["lengths"][b] > 0]
-    assert len(set(first)) == 1 and len(first) > 1, "no shared prefix page"
-    assert (c["table"] == HUGE).any() and np.isnan(c["pages"]).any()
+    why = mla_paged_hostile(c)
+    assert why is None, why
 
 
 def assert_oracle(got, c, label):

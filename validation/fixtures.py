@@ -380,6 +380,21 @@ def mla_paged_case(page_size, dtype=np.float32, *, dims, lengths=None, seed=0, s
             "dims": dims}
 
 
+def mla_paged_hostile(c):
+    """None when ``mla_paged_case`` dict ``c`` is the hostile fixture it should be
+    (pages shuffled, a shared prefix page, huge unused entries, NaN rows), else
+    what is missing."""
+    used = np.asarray(c["used"])
+    if np.array_equal(used, np.arange(len(used))):
+        return "the page table is the identity"
+    first = [c["table"][b, 0] for b in range(len(c["lengths"])) if c["lengths"][b] > 0]
+    if len(first) < 2 or len(set(first)) != 1:
+        return "no shared prefix page"
+    if not (c["table"] == MLA_HUGE_ENTRY).any() or not np.isnan(c["pages"]).any():
+        return "no huge unused entry or no NaN row"
+    return None
+
+
 def mla_append_case(dtype, seed=9):
     """Four sequences, pages of 3: appends that start a page, fill one, cross
     into the next, and 1..T rows a sequence; sequences 2 and 3 share their

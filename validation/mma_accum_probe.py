@@ -35,17 +35,11 @@ import sys
 
 import numpy as np
 
+from validation.baselines import _truncate32
+
 F32, F64 = np.float32, np.float64
 MODELS = ("exact_rz", "align_e1", "align_e2", "align_e3")
 KINDS = ("f16", "bf16")
-
-
-def _truncate32(x):
-    """float64 ``x`` to float32, toward zero."""
-    y = np.asarray(x, F64).astype(F32)
-    over = np.abs(y.astype(F64)) > np.abs(x)
-    y[over] = np.nextafter(y[over], F32(0))
-    return y
 
 
 def model_step(a, b, c, model):

@@ -60,19 +60,6 @@ def _paths(small):
     return (("flash", None), ("gemm_fma", None))
 
 
-def _hostile(c):
-    """Why ``c`` is not the hostile fixture, or None."""
-    used = np.asarray(c["used"])
-    if np.array_equal(used, np.arange(len(used))):
-        return "the page table is the identity"
-    first = [c["table"][b, 0] for b in range(len(c["lengths"])) if c["lengths"][b] > 0]
-    if len(first) < 2 or len(set(first)) != 1:
-        return "no shared prefix page"
-    if not (c["table"] == fixtures.MLA_HUGE_ENTRY).any() or not np.isnan(c["pages"]).any():
-        return "no huge unused entry or no NaN row"
-    return None
-
-
 def _judge(out, c, method, multi):
     """(passed, detail) of each sequence's output against the oracles."""
     r = c["dims"].kv_rank
@@ -102,7 +89,7 @@ def _decode_check(page, method, tile, defect):
 
     name = f"out[paged_P{page}_{method}]"
     c = fixtures.mla_paged_case(page, np.float32, dims=DIMS, seed=40 + page)
-    why = _hostile(c)
+    why = fixtures.mla_paged_hostile(c)
     if why is not None:
         return Check(name, False, f"fixture: {why}")
     out = mla_decode(c["q_nope"], c["q_pe"], c["pages"], c["lengths"], c["w_uk"], c["w_uv"],
@@ -118,7 +105,7 @@ def _multi_check(method, tile, defect):
     name = f"out[multi_s2_P3_{method}]"
     c = fixtures.mla_paged_case(3, np.float32, dims=DIMS, seed=49, s_q=2,
                                 lengths=[0, 2, 3, 13])
-    why = _hostile(c)
+    why = fixtures.mla_paged_hostile(c)
     if why is not None:
         return Check(name, False, f"fixture: {why}")
     kernel_defect = defect if defect in ("page_off_by_one", "mla_causal_off_by_one") else None

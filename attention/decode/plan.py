@@ -800,12 +800,9 @@ class DecodePlan:
                        self.checked_lens, d_table, self.scale,
                        d_out.reshape(lead + (self.head_dim,)), d_lse.reshape(lead),
                        self.part_acc, self.part_ml, st)
-            self._last = (seq_lens, slot_table)
-            if sync:
-                self.check()
-            return d_out
-        fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
-                    self.part_ml, 0 if stream is None else stream, err=self.flag, scales=scales)
+        else:
+            fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
+                        self.part_ml, st, err=self.flag, scales=scales)
         self._last = (seq_lens, slot_table)
         if sync:
             self.check()
