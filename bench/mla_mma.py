@@ -19,6 +19,14 @@ Rows, fp16 latent cache ``[B, L, 512 + 64]``, nope 128, v_dim 128, all lengths L
   device-to-device copy ceiling measured in the same run
   (``bench.gpu.copy_bandwidth``: bytes read + written / time).
 
+fp8 latent cache (``mla.fp8``; rows ``mma_fp8`` per tensor, ``mma_fp8_tok``
+per token, every shape above): the same cache quantized on the device by
+``fp8_append_latent``, then the prepared tensor-core call in its fp8 mode
+(device time). ``GBps`` counts the bytes it reads: B L (512 + 2 x 64) per
+row, plus 4 a row of per-token scales. Its ``max_err`` is against the oracle
+on the fp16 cache, so it includes the format's quantization error (the
+validation summary's table); ``vs_einsum`` as above.
+
 Accuracy (``max_err``): max |out - float64 oracle| over ``check_seqs``
 sequences (``bench.run.mla_decode_batch``: the absorbed decode on the fp16
 cache's values, q unrounded), beside ``numpy_fp32_err`` (the same in float32)
@@ -83,12 +91,44 @@ def _prepared(inputs, stream):
                       stream=stream)
 
 
+def _fp8_prepared(inputs, mode, stream):
+    """``_prepared`` over the fp16 cache quantized on the device (``mode``
+    "tensor": scale amax / 448 of the c_kv values; "token": one a row)."""
+    from attention.core.device import device_empty, to_device
+    from mla import mma as MM
+    from mla.fp8 import row_bytes
+    from mla.fp8_append import fp8_append_latent
+
+    from .run import _host
+
+    q_nope, q_pe, cache, lengths, w_uk, w_uv = inputs
+    n_b, seq, width = (int(x) for x in cache.shape)
+    d_rope = int(q_pe.shape[2])
+    rank = width - d_rope
+    codes = device_empty((n_b, seq, row_bytes(rank, d_rope)), np.uint8, stream)
+    rows = cache.reshape(n_b, seq, width)
+    if mode == "tensor":
+        peak = float(np.abs(_host(cache)[..., :rank].astype(np.float32)).max())
+        d_scale = to_device(np.array([max(peak, 1e-30) / 448.0], np.float32), stream)
+        fp8_append_latent(rows, codes, None, np.zeros(n_b, np.int32), scale=d_scale,
+                          stream=stream)
+    else:
+        d_scale = device_empty((n_b, seq), np.float32, stream)
+        fp8_append_latent(rows, codes, None, np.zeros(n_b, np.int32), scales=d_scale,
+                          stream=stream)
+    scale = 1.0 / math.sqrt(int(q_nope.shape[2]) + d_rope)
+    return MM.prepare(q_nope, q_pe, w_uk, w_uv, codes, np.arange(n_b, dtype=np.int32),
+                      np.asarray(lengths, np.int32), scale, d_rope=d_rope, w_uk_layout="mla",
+                      stream=stream, fp8=mode, d_scale=d_scale)
+
+
 def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=4,
-                  verbose=False, gemm=True, ceilings=None):
+                  verbose=False, gemm=True, ceilings=None, fp8=True):
     """The rows (module docstring); ``copy_gbps`` / ``bf16_peak``: the ceilings
     measured earlier in the run (measured here when None; the bf16 peak needs
     torch); ``gemm=False`` leaves out the GEMM path's row (its kernels' compile
-    time); ``ceilings``: a dict that receives the two ceilings."""
+    time); ``ceilings``: a dict that receives the two ceilings; ``fp8=False``
+    leaves out the fp8 cache's rows."""
     from numba import cuda
 
     from mla import mma as MM
@@ -112,10 +152,11 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
     rows = []
     st = cuda.default_stream()
 
-    def record(kernel, c, ms, check, out=None, err=None, note=""):
+    def record(kernel, c, ms, check, out=None, err=None, note="", nbytes=None):
         flops = mla_flops(c["batch"], c["heads"], c["latent"], c["rope"], c["nope"],
                           c["v_dim"], c["seq"])
-        nbytes = c["batch"] * c["seq"] * (c["latent"] + c["rope"]) * 2
+        if nbytes is None:  # the fp16 cache, read once
+            nbytes = c["batch"] * c["seq"] * (c["latent"] + c["rope"]) * 2
         tf = flops / (ms * 1e-3) / 1e12
         gbps = nbytes / (ms * 1e-3) / 1e9
         if err is None and out is not None:
@@ -145,6 +186,17 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
         record("mma", c, ms, check, out=p["out"],
                note=f"(prepared launches: device time; RG {pl['row_groups']}, KT "
                     f"{pl['tile']}, {pl['n_split']} splits)")
+        for mode in ("tensor", "token") if fp8 else ():
+            p8 = _fp8_prepared(inputs, mode, st)
+            MM.launch_prepared(p8, st)
+            st.synchronize()
+            ms = timer.time(lambda: MM.launch_prepared(p8, st), reps=10, warmup=2)
+            rows8 = c["batch"] * c["seq"]
+            record("mma_fp8" + ("_tok" if mode == "token" else ""), c, ms, check,
+                   out=p8["out"], nbytes=rows8 * (c["latent"] + 2 * c["rope"]
+                                                  + (4 if mode == "token" else 0)),
+                   note=f"(fp8 latent cache, scale per {mode}: prepared launches; err "
+                        f"includes the quantization's)")
         if c is not COMPUTE:
             continue
 
@@ -208,6 +260,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None,
                     help="write DIR/mla_mma.csv and DIR/summary.md (with provenance)")
     ap.add_argument("--no-gemm", action="store_true", help="leave out the GEMM path's row")
+    ap.add_argument("--no-fp8", action="store_true", help="leave out the fp8 cache's rows")
     ap.add_argument("--check-seqs", type=int, default=4,
                     help="sequences checked against the float64 oracle (default 4)")
     args = ap.parse_args(argv)
@@ -227,7 +280,7 @@ def main(argv=None):
     t0 = time.time()
     ceilings = {}
     rows = bench_mla_mma(Timer(), torch, verbose=True, gemm=not args.no_gemm,
-                         check_seqs=args.check_seqs, ceilings=ceilings)
+                         check_seqs=args.check_seqs, ceilings=ceilings, fp8=not args.no_fp8)
     lines = summary_lines(rows)
     print("\n".join(lines))
     if args.out:

@@ -9,7 +9,10 @@ path and its ``Workspace``), ``cache`` (the per-layer latent cache),
 paged latent cache: its checks, row gather and ``paged_append_latent``;
 ``mla_decode`` and ``MLADecodeGraph`` read it with ``page_table=``), ``decode_graph``
 (``MLADecodeGraph``: batched decode captured as a CUDA graph; both take
-``s_q`` new queries a sequence, q ``[B, s_q, nh, .]``: multi-token decode) and
+``s_q`` new queries a sequence, q ``[B, s_q, nh, .]``: multi-token decode),
+``fp8`` (the fp8 latent cache: its row format, scales and numpy reference;
+``mla_decode`` and ``MLADecodeGraph`` read it with ``latent_scale=``),
+``fp8_append`` (its quantizing append, ``fp8_append_latent``) and
 ``micro_model`` (a tiny MLA transformer on these kernels).
 
 The public names below are importable from ``mla`` directly. They are loaded
@@ -45,6 +48,8 @@ _EXPORTS = {
     # paged latent cache (mla_decode / MLADecodeGraph take page_table=)
     "paged_append_latent": "paged",
     "DEFAULT_PAGE_SIZE": "paged",
+    # fp8 latent cache (mla_decode / MLADecodeGraph take latent_scale=)
+    "fp8_append_latent": "fp8_append",
     # geometry
     "MlaDims": "dims",
     "DEEPSEEK_V3": "dims",

@@ -69,7 +69,15 @@ from . import attn_gemm as G
 from . import kernels as K
 from . import mma as MM
 from . import paged as PG
-from .pipeline import _check_q, check_mma_cache, check_multi_lengths, plan_method, split_queries
+from .pipeline import (
+    _check_q,
+    check_cache_shape,
+    check_fp8_method,
+    check_mma_cache,
+    check_multi_lengths,
+    plan_method,
+    split_queries,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +139,10 @@ class MLADecodeGraph:
     ``method``: None (the GEMM path, as ``tensor`` says), "gemm", "gemm_fma"
     or "mma" (the attention on 16-bit tensor cores, ``mla.mma``: an fp16
     cache; absorb, one attention launch (two with its split combine) and
-    decompress are captured).
+    decompress are captured). An fp8 cache (``mla.fp8``: uint8 rows of ``r +
+    2 d_rope`` bytes, contiguous or paged) with ``latent_scale`` (float32 [1]
+    per tensor, or one a cached row: read in place at every run, so appends
+    between runs are seen) runs "mma" (``method`` None or "mma").
     ``graph=False`` never builds a graph (``run`` then launches plainly);
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
     "plain") and ``fallback_reason`` (None, or why a graph was asked for and
@@ -144,7 +155,7 @@ class MLADecodeGraph:
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
                  w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None,
-                 page_table=None, method=None):
+                 page_table=None, method=None, latent_scale=None):
         q4 = (q_nope, q_pe)  # the buffers as given (multi-token: [B, s_q, nh, .])
         s_q, q_nope, q_pe, multi = split_queries(q_nope, q_pe)
         n_rows, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv,
@@ -154,15 +165,16 @@ class MLADecodeGraph:
         if n_b == 0:
             raise checks.ShapeError("q_nope: expected at least one sequence [B>=1, nh, d_nope]")
         self.paged = page_table is not None
+        fp8, dim0, dim1 = check_cache_shape(latent_cache, latent_scale, n_b, rank, d_rope,
+                                            self.paged)
+        if fp8 is not None:
+            method = check_fp8_method("mma" if method is None else method)
+        self.fp8 = fp8
         if not self.paged:
-            _, max_seq, _ = checks.check_array(
-                "latent_cache", latent_cache,
-                (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)),
-                dtypes=K.CACHE_DTYPES)
+            max_seq = dim1
             lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
         else:
-            n_pages, page_size, _ = PG.check_paged_cache("latent_cache", latent_cache,
-                                                         rank + d_rope)
+            n_pages, page_size = dim0, dim1
             lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1,
                                         count=n_b)
             max_pages = PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
@@ -178,7 +190,7 @@ class MLADecodeGraph:
         if method not in ("gemm", "gemm_fma", "mma"):
             raise ValueError(f"method: expected None, 'gemm', 'gemm_fma' or 'mma', got "
                              f"{method!r}")
-        if method == "mma":
+        if method == "mma" and fp8 is None:
             check_mma_cache(latent_cache, rank, d_rope)
         tensor = method == "gemm"
         self.method = method
@@ -199,6 +211,7 @@ class MLADecodeGraph:
         # q_nope / q_pe: the query buffers as given ([B, s_q, nh, .] or [B, nh, .]);
         # d_q_nope / d_q_pe: the same memory as rows [B * s_q, nh, .]
         self.d_latent = to_device(latent_cache)
+        self.latent_scale = None if fp8 is None else to_device(latent_scale)
         self.d_w_uk, self.d_w_uv = to_device(w_uk), to_device(w_uv)
         self.lengths = to_device(lens) if host_lengths else to_device(lengths)
         self.page_table = to_device(page_table) if self.paged else None
@@ -212,7 +225,7 @@ class MLADecodeGraph:
                 self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
                 np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
                 w_uk_layout=w_uk_layout, stream=None, d_vis=self._vis,
-                page_table=self.page_table, s_q=s_q)
+                page_table=self.page_table, s_q=s_q, fp8=fp8, d_scale=self.latent_scale)
             self._ps, self.out, self.lse = None, self._mma["out"], self._mma["lse"]
         else:  # planned for the full capacity: every query may see max_seq rows
             self._ps, self.out, _, self.lse = self._prepare_gemm(

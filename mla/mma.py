@@ -83,6 +83,7 @@ from numba import cuda, float32, int64, uint32
 
 from attention.core.device import (
     SIMULATOR,
+    as_device_view,
     device_empty,
     device_fn,
     ensure_dynamic_shared,
@@ -104,11 +105,56 @@ ROW_GROUPS = (1, 2, 4)  # row groups of 16 a block (RG)
 SMEM_BLOCK_MAX = 232448  # the H100 / H200 opt-in limit of a block's shared memory
 SMEM_PER_SM = 233472
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+# fp8 cache only (``fp8=``): the dequantization's scale applied twice / not at
+# all, the scale of the next cached row (per token), codes decoded as e5m2
+FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token", "fp8_as_e5m2")
+FP8_MODES = ("tensor", "token")
 
 
-def check_defect(defect):
-    if defect is not None and defect not in DEFECTS:
-        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+def check_defect(defect, fp8=None):
+    allowed = DEFECTS + (FP8_DEFECTS if fp8 is not None else ())
+    if fp8 == "tensor":
+        allowed = tuple(d for d in allowed if d != "fp8_scale_wrong_token")
+    if defect is not None and defect not in allowed:
+        raise ValueError(f"defect: expected None or one of {allowed}, got {defect!r}")
+
+
+def _codes4(fmt):
+    """Device ``codes4(word) -> (v0, v1, v2, v3)``: the float32 values of the four
+    fp8 codes of a uint32 word, low byte first (``fmt`` "e4m3"; "e5m2": the
+    planted ``fp8_as_e5m2``'s decoding). GPU: ``cvt.rn.f16x2.e4m3x2`` (sm_89 and
+    later, exact) then ``cvt.f32.f16``; simulator: a table."""
+    if SIMULATOR:
+        from attention.cache.fp8 import E4M3_VALUES
+
+        if fmt == "e5m2":  # e5m2 is float16's upper byte
+            table = (np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32)
+        else:
+            table = E4M3_VALUES
+
+        def codes4(word):
+            w = int(word)
+            return (float32(table[w & 255]), float32(table[(w >> 8) & 255]),
+                    float32(table[(w >> 16) & 255]), float32(table[(w >> 24) & 255]))
+
+        return device_fn(codes4)
+
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    kind = "f8_e5m2" if fmt == "e5m2" else "f8"
+
+    @intrinsic
+    def codes4(typingctx, word):
+        sig = types.UniTuple(types.float32, 4)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, sig.return_type,
+                                      fast._codes_to_f32(builder, args[0], kind))
+
+        return sig, codegen
+
+    return codes4
 
 
 def supported(rank, d_rope):
@@ -137,17 +183,23 @@ sub_word = device_fn(sub_word)
 
 
 @functools.lru_cache(maxsize=None)
-def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None):
+def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None,
+                   fp8=None):
     """The tensor-core MLA attention kernel (module docstring).
 
-    kind: "f16" / "bf16" (the cache's type); rank: r; d_rope; row_groups: RG
-    (1, 2, 4); tile: KT (64); paged: the cache is ``[num_pages, P, W]`` read
-    through the page table; defect: None or one of ``DEFECTS``.
+    kind: "f16" / "bf16" (the cache's type; "f16" for an fp8 cache); rank: r;
+    d_rope; row_groups: RG (1, 2, 4); tile: KT (64); paged: the cache is
+    ``[num_pages, P, W]`` read through the page table; defect: None or one of
+    ``DEFECTS`` (and ``FP8_DEFECTS`` with ``fp8``); fp8: None (a 16-bit cache)
+    or "tensor" / "token": an fp8 latent cache (``mla.fp8``'s rows of ``r +
+    2 d_rope`` bytes) with that scale mode (module docstring, "fp8 cache").
 
     Grid ``(n_split, ceil(R / 16 RG), B)``, block ``128 RG``, dynamic shared
     memory ``4 smem_words(W, RG, KT)`` bytes. Arguments:
         qc        [B, R, W] float32
-        lat       [N * W / 2] uint32, the cache's words, flat
+        lat       [N * W / 2] uint32, the cache's words, flat (fp8: [N * RB / 4])
+        sc        fp8: float32 scales, flat ([1] per tensor, [N] per token: the
+                  scale of cache row n); a 16-bit cache: unused ([1])
         lens      [B] int32
         table     [B, max_pages] int32 (contiguous: [B, 1], the slots)
         page      int32 P (contiguous: max_seq); n_pages: int32 num_pages
@@ -170,9 +222,18 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     if row_groups not in ROW_GROUPS or tile not in TILES:
         raise ValueError(f"row_groups, tile: expected {ROW_GROUPS} and {TILES}, "
                          f"got {row_groups}, {tile}")
-    check_defect(defect)
+    if fp8 not in (None,) + FP8_MODES:
+        raise ValueError(f"fp8: expected None or one of {FP8_MODES}, got {fp8!r}")
+    if fp8 is not None and kind != "f16":
+        raise ValueError(f"kind: an fp8 cache is attended in f16, got {kind!r}")
+    check_defect(defect, fp8)
     RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
     PAGED = bool(paged)
+    FP8 = fp8 is not None
+    PER_TOKEN = fp8 == "token"
+    SCALE_TWICE = defect == "fp8_scale_twice"
+    NO_SCALE = defect == "fp8_no_scale"
+    WRONG_TOKEN = defect == "fp8_scale_wrong_token"
     NO_TRANS = defect == "ldmatrix_no_trans"
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
     CAUSAL_EDGE = defect == "causal_tile_edge"
@@ -197,8 +258,30 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     QBLK = ROWS * 128  # bytes a 64-column block of Q
     KBLK = KT * 128  # ... of a latent tile
 
+    # fp8 cache: rows of RB bytes; a tile's codes are staged (cp.async, two
+    # buffers of [KT, r] bytes) and converted into one f16 tile of the r c_kv
+    # columns; k_pe (16-bit in the row) is copied straight into two buffers of
+    # its d_rope columns. Same total bytes as the two 16-bit tiles.
+    DROPE = int(d_rope)
+    WRB = (RANK + 2 * DROPE) // 4  # words an fp8 row
+    CPRN = RANK // 16  # 16-byte chunks of codes a row
+    CPRR = max(1, DROPE // 8)  # 16-byte chunks of k_pe a row
+    COPIES_N = -(-KT * CPRN // NTH)
+    COPIES_R = -(-KT * CPRR // NTH) if DROPE else 0
+    ROW_STEP_N, CHUNK_STEP_N = NTH // CPRN, NTH % CPRN
+    ROW_STEP_R, CHUNK_STEP_R = NTH // CPRR, NTH % CPRR
+    NCBN = RANK // CB  # column blocks of c_kv
+    NOPE0B = QB  # the f16 c_kv tile [KT, r]
+    ROPE0B = NOPE0B + KT * RANK * 2  # two k_pe tiles [KT, d_rope]
+    ROPEB = KT * DROPE * 2
+    STG0B = ROPE0B + 2 * ROPEB  # two code buffers [KT, r] bytes
+    STGB = KT * RANK
+    if FP8:
+        assert STG0B + 2 * STGB == P0B
+
     mma, pack = mma16.ops(kind)
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
+    codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
 
     def row_word(table, seq, pos, page, shift, n_pages, row0):
         # first word of position pos's row in the flat cache; -1: a bad page entry
@@ -240,6 +323,112 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     issue = device_fn(issue)
 
+    def row_index(table, seq, pos, page, shift, n_pages, slot_row):
+        # cache row of position pos; -1: a bad page entry
+        if PAGED:
+            j, off = page_split(pos, page, shift)
+            pg = int64(table[seq, j])
+            if pg < 0 or pg >= n_pages:
+                return int64(-1)
+            return pg * page + off
+        return slot_row + int64(pos)
+
+    row_index = device_fn(row_index)
+
+    def issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row, tile0,
+               end, nb, tid):
+        # fp8: start copying tile tile0's codes into code buffer nb and its k_pe into
+        # k_pe buffer nb (rows at or past end, or of a bad page entry: zeros); the
+        # thread's code chunks are (row, c), then NTH chunks on each time: per token,
+        # scn[a] gets chunk a's row scale (0 for a zero row)
+        row = tid // CPRN
+        c = tid % CPRN
+        for a in range(COPIES_N):
+            if KT * CPRN % NTH == 0 or row < KT:
+                dst = STG0B + nb * STGB + row * RANK + 16 * c
+                pos = tile0 + row
+                ri = int64(-1)
+                if pos < end:
+                    ri = row_index(table, seq, pos, page, shift, n_pages, slot_row)
+                if ri >= 0:
+                    copy(smem, sbase + dst, lat, ri * WRB + 4 * c)
+                    if PER_TOKEN:
+                        if WRONG_TOKEN:
+                            ri = min(ri + 1, int64(sc.shape[0] - 1))
+                        scn[a] = sc[ri]
+                else:
+                    for x in range(4):
+                        smem[(dst >> 2) + x] = uint32(0)
+                    if PER_TOKEN:
+                        scn[a] = float32(0.0)
+            row += ROW_STEP_N
+            c += CHUNK_STEP_N
+            if c >= CPRN:
+                c -= CPRN
+                row += 1
+        row = tid // CPRR
+        c = tid % CPRR
+        for a in range(COPIES_R):
+            if KT * CPRR % NTH == 0 or row < KT:
+                key = row & 7
+                if SWIZZLE_OFF:
+                    key = (row + 1) & 7
+                dst = (ROPE0B + nb * ROPEB + (c >> 3) * KBLK + row * 128
+                       + (((c & 7) ^ key) << 4))
+                pos = tile0 + row
+                ri = int64(-1)
+                if pos < end:
+                    ri = row_index(table, seq, pos, page, shift, n_pages, slot_row)
+                if ri >= 0:
+                    copy(smem, sbase + dst, lat, ri * WRB + RANK // 4 + 4 * c)
+                else:
+                    for x in range(4):
+                        smem[(dst >> 2) + x] = uint32(0)
+            row += ROW_STEP_R
+            c += CHUNK_STEP_R
+            if c >= CPRR:
+                c -= CPRR
+                row += 1
+
+    issue8 = device_fn(issue8)
+
+    def convert8(smem, scn, s_all, nb, tid):
+        # fp8: this thread's code chunks of buffer nb (the ones it copied) into the
+        # f16 c_kv tile: fp16(fl32(e4m3(c) s)) (two 16-byte chunks of 8 values each)
+        row = tid // CPRN
+        c = tid % CPRN
+        for a in range(COPIES_N):
+            if KT * CPRN % NTH == 0 or row < KT:
+                s = scn[a] if PER_TOKEN else s_all
+                src = (STG0B + nb * STGB + row * RANK + 16 * c) >> 2
+                key = row & 7
+                if SWIZZLE_OFF:
+                    key = (row + 1) & 7
+                for h in range(2):
+                    dst = (NOPE0B + (c >> 2) * KBLK + row * 128
+                           + ((((2 * c + h) & 7) ^ key) << 4)) >> 2
+                    for j in range(2):
+                        v0, v1, v2, v3 = codes4(smem[src + 2 * h + j])
+                        if not NO_SCALE:
+                            v0 = float32(v0 * s)
+                            v1 = float32(v1 * s)
+                            v2 = float32(v2 * s)
+                            v3 = float32(v3 * s)
+                        if SCALE_TWICE:
+                            v0 = float32(v0 * s)
+                            v1 = float32(v1 * s)
+                            v2 = float32(v2 * s)
+                            v3 = float32(v3 * s)
+                        smem[dst + 2 * j] = pack(v0, v1)
+                        smem[dst + 2 * j + 1] = pack(v2, v3)
+            row += ROW_STEP_N
+            c += CHUNK_STEP_N
+            if c >= CPRN:
+                c -= CPRN
+                row += 1
+
+    convert8 = device_fn(convert8)
+
     def row_limit(row, n_rows, nh, s_q, length, end):
         # positions below this are seen by query row `row` (0 for a padded row)
         if row >= n_rows:
@@ -251,7 +440,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     row_limit = device_fn(row_limit)
 
-    def kernel(qc, lat, lens, table, page, n_pages, shift, nh, s_q, scale, chunk,
+    def kernel(qc, lat, sc, lens, table, page, n_pages, shift, nh, s_q, scale, chunk,
                o_lat, lse, part_acc, part_ml):
         split = cuda.blockIdx.x
         rb = cuda.blockIdx.y
@@ -272,6 +461,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # -- the sequence's length and rows (the device guard) --
         length = lens[seq]
         row0 = int64(0)
+        slot_row = int64(0)
         cap = page
         if PAGED:
             cap = table.shape[1] * page
@@ -281,6 +471,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 length = 0
                 slot = 0
             row0 = int64(slot) * page * WR
+            slot_row = int64(slot) * page
         if length < 0 or length > cap or (s_q > 1 and 0 < length < s_q):
             length = 0
         start = split * chunk
@@ -288,9 +479,17 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         n_tiles = (end - start + KT - 1) // KT if end > start else 0
         crow = tid // CPR  # this thread's first chunk of a tile
         cc = tid % CPR
+        scn = cuda.local.array(COPIES_N, float32)  # fp8 per token: its chunks' scales
+        s_all = float32(1.0)
+        if FP8 and not PER_TOKEN:
+            s_all = sc[0]
         if n_tiles > 0:  # the first tile's copies go out before Q is staged
-            issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, start, end,
-                  LAT0B, crow, cc)
+            if FP8:
+                issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row,
+                       start, end, 0, tid)
+            else:
+                issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, start, end,
+                      LAT0B, crow, cc)
         commit()
 
         # -- Q [16 RG, W] rounded to 16 bits into its tile (rows past R: zeros) --
@@ -332,11 +531,22 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         for it in range(n_tiles):
             wait_all()  # this thread's copies of tile it have landed
             cuda.syncthreads()  # ... every thread's; tile it - 1's buffer and P are free
-            if it + 1 < n_tiles:
-                issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0,
-                      start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB, crow, cc)
-            commit()
-            kb = LAT0B + (it % 2) * LATB
+            kdelta = 0  # fp8: the k_pe column blocks' offset from the c_kv ones'
+            if FP8:
+                convert8(smem, scn, s_all, it % 2, tid)  # before issue8 reuses scn
+                if it + 1 < n_tiles:
+                    issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages,
+                           slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid)
+                commit()
+                cuda.syncthreads()  # the f16 c_kv tile is complete
+                kb = NOPE0B
+                kdelta = ROPE0B + (it % 2) * ROPEB - NOPE0B - NCBN * KBLK
+            else:
+                if it + 1 < n_tiles:
+                    issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0,
+                          start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB, crow, cc)
+                commit()
+                kb = LAT0B + (it % 2) * LATB
             tile0 = start + it * KT
 
             # -- S = Q K^T over the warp's 16 positions tile0 + 16 cq .. --
@@ -346,6 +556,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 for cb in range(NCB):
                     qa = q_lane + cb * QBLK
                     ka = k_lane + kb + cb * KBLK
+                    if FP8 and cb >= NCBN:
+                        ka += kdelta
                     for ks in range(4):
                         a0, a1, a2, a3 = ld_x4(smem, sbase + (qa ^ (32 * ks)))
                         k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (32 * ks)))
@@ -448,7 +660,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         part_acc[seq, row, split, col] = x0
                         part_acc[seq, row, split, col + 1] = x1
 
-    name = f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
+    name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
+            + ("" if fp8 is None else "_fp8" + fp8))
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
     # 512 threads at RG 4: at most 128 registers a thread for one block an SM
     return jit(kernel, fastmath=True, launch_bounds=(NTH,))
@@ -459,7 +672,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 # ---------------------------------------------------------------------------
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
-         row_groups=None, tile=None, defect=None):
+         row_groups=None, tile=None, defect=None, fp8=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
@@ -467,7 +680,8 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     tiles, which the memory-bound case needs), ``tile`` (64),
     ``n_split`` (default: ``fast.split_count`` over
     the ``B ceil(R / 16 RG)`` blocks a split, one block an SM at RG 4) trimmed
-    to the chunks that hold a position (a chunk is a multiple of KT).
+    to the chunks that hold a position (a chunk is a multiple of KT). ``fp8``:
+    None, or the scale mode of an fp8 latent cache (``mla.fp8``; ``kind`` "f16").
     """
     n_rows = int(n_rows)
     if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
@@ -490,7 +704,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
-                                 defect),
+                                 defect, fp8),
         "kind": kind,
         "rank": int(rank),
         "d_rope": int(d_rope),
@@ -503,6 +717,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         "tile": tile,
         "paged": bool(paged),
         "defect": defect,
+        "fp8": fp8,
     }
 
 
@@ -512,20 +727,30 @@ def scratch(pl, n_seq, n_rows, stream=None):
 
 
 def launch(pl, d_qc, d_latent, d_lens, d_table, nh, scale, d_o_lat, d_lse, d_part_acc,
-           d_part_ml, stream=0):
+           d_part_ml, stream=0, d_scale=None):
     """Enqueue a planned attention (one launch, or two with the combine).
 
     d_qc [B, R, W] f32; d_latent [S, max_seq, W] (contiguous, ``d_table`` the
     slots [B] or [B, 1]) or [num_pages, P, W] (paged, ``d_table`` [B,
     max_pages]) 16-bit; d_lens [B] int32; nh: heads (R = s_q nh); d_o_lat [B,
     R, r] f32; d_lse [B, R] f32; d_part_acc / d_part_ml ``scratch(pl, B, R)``.
+    A plan with ``fp8``: d_latent holds uint8 fp8 rows (``mla.fp8``) and
+    ``d_scale`` its float32 scales ([1] per tensor; per token the cache's
+    shape without the row axis).
     """
     n_seq, n_rows = int(d_qc.shape[0]), int(d_qc.shape[1])
     n_pages, page = int(d_latent.shape[0]), int(d_latent.shape[1])
     if len(d_table.shape) == 1:
         d_table = d_table.reshape(n_seq, 1)
     shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
-    args = (d_qc, mma16.as_words(d_latent, True), d_lens, d_table, np.int32(page),
+    if pl.get("fp8") is not None:
+        d_scale = as_device_view(d_scale)
+        d_scale = d_scale.reshape(int(np.prod(d_scale.shape)))
+    elif d_scale is None:
+        if "no_scale" not in pl:
+            pl["no_scale"] = to_device(np.ones(1, np.float32), stream or None)
+        d_scale = pl["no_scale"]
+    args = (d_qc, mma16.as_words(d_latent, True), d_scale, d_lens, d_table, np.int32(page),
             np.int32(n_pages), np.int32(shift), np.int32(nh), np.int32(n_rows // nh),
             np.float32(scale), np.int32(pl["chunk"]), d_o_lat, d_lse, d_part_acc, d_part_ml)
     ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
@@ -539,7 +764,7 @@ def launch(pl, d_qc, d_latent, d_lens, d_table, nh, scale, d_o_lat, d_lse, d_par
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
             w_uk_layout, stream, d_vis=None, page_table=None, s_q=1, n_split=None,
-            defect=None):
+            defect=None, fp8=None, d_scale=None):
     """Allocate and fill everything the MLA decode on tensor cores reads: a
     dict for ``launch_prepared`` (absorb, attention, decompress).
 
@@ -550,15 +775,22 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     [num_pages, P, W] with ``page_table`` (device int32 [B, max_pages]);
     ``vis`` host int32 [B]: the rows each sequence sees (its length);
     ``d_vis`` (device int32 [B], optional): read in place of ``vis``, which
-    then sizes the plan only. Returns the dict; its ``out`` [Q, nh, d_v],
-    ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] are written by each launch.
+    then sizes the plan only. ``fp8`` ("tensor" / "token"): d_latent is an fp8
+    latent cache (uint8 rows of ``r + 2 d_rope`` bytes, ``mla.fp8``) and
+    ``d_scale`` its device float32 scales. Returns the dict; its ``out`` [Q,
+    nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] are written by each
+    launch.
     """
     n_q, nh, d_nope = (int(x) for x in d_q_nope.shape)
     n_seq = n_q // s_q
     width = int(d_latent.shape[2])
+    if fp8 is not None:
+        width -= d_rope  # r + 2 d_rope bytes a row
+        kind = "f16"
+    else:
+        kind = mma16.kind_of(d_latent.dtype, "latent_cache")
     rank = width - d_rope
     d_v = int(d_w_uv.shape[1])
-    kind = mma16.kind_of(d_latent.dtype, "latent_cache")
     p = {"n_q": n_q, "n_seq": n_seq, "s_q": s_q, "nh": nh, "rank": rank, "d_rope": d_rope,
          "d_v": d_v, "scale": float(scale),
          "out": device_empty((n_q, nh, d_v), np.float32, stream),
@@ -568,7 +800,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
         return p
     max_len = int(np.max(vis)) if len(vis) else 0
     pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
-              n_split=n_split, defect=defect)
+              n_split=n_split, defect=defect, fp8=fp8)
     heads = np.arange(nh)
     table = to_device(np.concatenate((heads, np.full(nh, rank), np.full(nh, d_nope),
                                       np.full(nh, d_v))).astype(np.int32), stream)
@@ -578,7 +810,8 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     p["smem_ready"] = set()
     p["qc"] = device_empty((n_q, nh, width), np.float32, stream)
     p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uv=d_w_uv, plan=pl, latent=d_latent,
-             w_uk=d_w_uk, uk_order="zkn" if w_uk_layout == "mla" else "znk")
+             w_uk=d_w_uk, uk_order="zkn" if w_uk_layout == "mla" else "znk",
+             latent_scale=d_scale)
     p["lens"] = d_vis if d_vis is not None else to_device(np.asarray(vis, np.int32), stream)
     p["table"] = (page_table if page_table is not None
                   else to_device(np.asarray(slots, np.int32).reshape(n_seq, 1), stream))
@@ -596,7 +829,8 @@ def launch_prepared(p, stream):
     G.launch_absorb(p, stream)
     launch(p["plan"], p["qc"].reshape(n_seq, rows, p["rank"] + p["d_rope"]), p["latent"],
            p["lens"], p["table"], p["nh"], p["scale"], p["o_lat"].reshape(n_seq, rows, p["rank"]),
-           p["lse"].reshape(n_seq, rows), p["part_acc"], p["part_ml"], stream)
+           p["lse"].reshape(n_seq, rows), p["part_acc"], p["part_ml"], stream,
+           d_scale=p["latent_scale"])
     G.launch_decompress(p, stream)
 
 

@@ -55,6 +55,7 @@ from attention.core.device import (
 )
 
 from . import attn_gemm as G
+from . import fp8 as FP
 from . import kernels as K
 from . import mma as MM
 from . import paged as PG
@@ -67,20 +68,22 @@ GEMM_METHODS = ("gemm", "gemm_fma")
 GEMM_WORKSPACE_LIMIT = 1 << 30
 
 
-def _route(defect, paged=False, s_q=1):
+def _route(defect, paged=False, s_q=1, fp8=False):
     # the GEMM path's kernel switches (``mla.attn_gemm.KERNEL_SWITCHES``) go with
     # the attention: the GEMM path takes them; the flash kernel rejects them.
     # The paged read defect (``mla.paged.READ_DEFECTS``) only where a page table is read,
-    # the multi-token one (``mla.kernels.MULTI_DEFECTS``) only with s_q > 1 queries.
+    # the multi-token one (``mla.kernels.MULTI_DEFECTS``) only with s_q > 1 queries,
+    # the fp8 ones (``mla.mma.FP8_DEFECTS``) only over an fp8 cache.
     known = (K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
-             + (K.MULTI_DEFECTS if s_q > 1 else ()) + MM.DEFECTS)
+             + (K.MULTI_DEFECTS if s_q > 1 else ()) + MM.DEFECTS
+             + (MM.FP8_DEFECTS if fp8 else ()))
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
     return {
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
         "attn": (defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES + K.MULTI_DEFECTS
                  else None),
-        "mma": defect if defect in MM.DEFECTS else None,
+        "mma": defect if defect in MM.DEFECTS + MM.FP8_DEFECTS else None,
         "append": defect if defect in K.APPEND_DEFECTS else None,
         "page": defect if defect in PG.READ_DEFECTS else None,
     }
@@ -146,9 +149,10 @@ def _flash_only(method, tile, heads_per_block, defect):
     if method in GEMM_METHODS + ("mma",) and flash_only:
         raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
                          "(options of the tiled online-softmax kernel)")
-    if defect is not None and (defect in MM.DEFECTS) != (method == "mma"):
+    mma_defects = MM.DEFECTS + MM.FP8_DEFECTS
+    if defect is not None and (defect in mma_defects) != (method == "mma"):
         raise ValueError(f"defect: method='mma' takes the tensor-core kernel's switches "
-                         f"{MM.DEFECTS} only, and they go with it; got {defect!r} with "
+                         f"{mma_defects} only, and they go with it; got {defect!r} with "
                          f"method={method!r}")
     return flash_only
 
@@ -158,6 +162,38 @@ def _decode_only(method):
         raise ValueError("method: 'mma' (the 16-bit tensor-core attention) is a decode "
                          "path: mla_decode and MLADecodeGraph take it; expected 'auto', "
                          "'gemm', 'gemm_fma' or 'flash' here")
+
+
+def check_fp8_method(method):
+    """An fp8 cache is read by the tensor-core attention only: "auto" / "mma"
+    give "mma"; any other method raises, naming it."""
+    if method not in ("auto", "mma"):
+        raise checks.DTypeError(f"latent_cache: an fp8 (uint8) cache is read by method='mma' "
+                                f"(or 'auto') only, got method={method!r}")
+    return "mma"
+
+
+def check_cache_shape(latent_cache, latent_scale, n_b, rank, d_rope, paged):
+    """``mla_decode`` / ``MLADecodeGraph``'s latent cache: a 16-bit / fp32 one, or
+    an fp8 one with ``latent_scale`` (``mla.fp8.check_cache``). Returns
+    ``(fp8 mode or None, dim0, dim1)``: (B, max_seq) or (num_pages, page_size)."""
+    if FP.is_fp8(latent_cache) or latent_scale is not None:
+        if not FP.is_fp8(latent_cache):
+            raise checks.DTypeError(f"latent_scale: only with an fp8 (uint8) latent_cache, got "
+                                    f"a {np.dtype(checks._dtype(latent_cache))} cache")
+        mode, dim0, dim1 = FP.check_cache(latent_cache, latent_scale, rank, d_rope, n_b=n_b,
+                                          paged=paged)
+        why = MM.supported(rank, d_rope)
+        if why is not None:
+            raise checks.RangeError(f"latent_cache: the fp8 cache's kernel cannot take {why}")
+        return mode, dim0, dim1
+    if not paged:
+        dim0, dim1, _ = checks.check_array(
+            "latent_cache", latent_cache,
+            (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)), dtypes=K.CACHE_DTYPES)
+        return None, dim0, dim1
+    dim0, dim1, _ = PG.check_paged_cache("latent_cache", latent_cache, rank + d_rope)
+    return None, dim0, dim1
 
 
 def check_mma_cache(latent_cache, rank, d_rope):
@@ -307,7 +343,7 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
 
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
           heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None,
-          chunk=None, d_table=None, d_vis=None, s_q=1):
+          chunk=None, d_table=None, d_vis=None, s_q=1, fp8=None, d_scale=None):
     """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only).
     ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``).
     ``d_table`` (device int32 [Q, max_pages]): d_latent is a paged cache
@@ -317,6 +353,8 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
     ``s_q`` > 1 (multi-token decode): q_nope / q_pe [B * s_q, nh, .] hold s_q
     queries a sequence; ``slots``, ``lens``, ``tails`` (zeros), ``d_table``,
     ``d_vis`` are per sequence [B] and ``chunk`` counts sequences.
+    ``fp8`` / ``d_scale``: an fp8 latent cache's scale mode and scales (method
+    "mma" only).
     Returns (out [Q, nh, d_v], lse [Q, nh]) device float32."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
@@ -326,7 +364,8 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
                        else K._placeholder(stream), to_device(w_uk, stream),
                        to_device(w_uv, stream), d_latent, slots, lens, scale, d_rope=d_rope,
                        w_uk_layout=w_uk_layout, stream=stream, d_vis=d_vis,
-                       page_table=d_table, s_q=s_q, defect=routes["mma"])
+                       page_table=d_table, s_q=s_q, defect=routes["mma"], fp8=fp8,
+                       d_scale=d_scale)
         MM.launch_prepared(p, launch_stream(stream))
         return p["out"], p["lse"]
     if method in GEMM_METHODS:
@@ -525,7 +564,7 @@ def _shaped(x, n_b, s_q, multi):
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
                w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
                workspace=None, workspace_limit=None, return_plan=False, page_table=None,
-               defect=None, return_lse=False):
+               defect=None, return_lse=False, latent_scale=None):
     """Batched MLA decode: sequence b's new queries over its own ``lengths[b]`` latent rows.
 
     q_nope:       [B, nh, d_nope] float32 (one query a sequence), or [B, s_q,
@@ -538,7 +577,15 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     q_pe:         [B, nh, d_rope] or [B, s_q, nh, d_rope] float32 (rotated)
     latent_cache: [B, max_seq, r + d_rope] float32 or float16, rows [c_kv | k_pe];
                   with ``page_table``: the paged cache [num_pages, page_size,
-                  r + d_rope] (``mla.paged``)
+                  r + d_rope] (``mla.paged``). Or an fp8 cache (``mla.fp8``):
+                  uint8 rows of r e4m3 codes and d_rope float16 values,
+                  [B, max_seq, r + 2 d_rope] or paged [num_pages, page_size,
+                  r + 2 d_rope], read by method "mma" (what "auto" takes for
+                  it) with ``latent_scale``
+    latent_scale: an fp8 cache's float32 scales: [1] (per tensor) or [B,
+                  max_seq] / [num_pages, page_size] (one a cached row, as
+                  ``mla.fp8_append.fp8_append_latent`` writes them); None for
+                  a 16-bit or fp32 cache
     lengths:      [B] ints in [0, max_seq] (0 gives zeros); paged: in [0,
                   max_pages * page_size]
     page_table:   None (contiguous cache), or [B, max_pages] int32: position p
@@ -608,14 +655,14 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
                                                      "B")
     n_b = n_rows // s_q
     paged = page_table is not None
+    fp8, dim0, dim1 = check_cache_shape(latent_cache, latent_scale, n_b, rank, d_rope, paged)
+    if fp8 is not None:
+        method = check_fp8_method(method)
     if not paged:
-        _, max_seq, _ = checks.check_array(
-            "latent_cache", latent_cache,
-            (("B", n_b), ("max_seq", None), ("r+d_rope", rank + d_rope)), dtypes=K.CACHE_DTYPES)
+        max_seq = dim1
         lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
     else:
-        n_pages, page_size, _ = PG.check_paged_cache("latent_cache", latent_cache,
-                                                     rank + d_rope)
+        n_pages, page_size = dim0, dim1
         lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1, count=n_b)
         PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
     check_multi_lengths(lens, s_q)
@@ -623,14 +670,14 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     if workspace is not None and not isinstance(workspace, G.Workspace):
         raise checks.DTypeError(f"workspace: expected an mla.attn_gemm.Workspace or None, "
                                 f"got {type(workspace).__name__}")
-    routes = _route(defect, paged, s_q)
+    routes = _route(defect, paged, s_q, fp8 is not None)
     if defect is not None and (routes["append"] or defect in K.ROPE_DEFECTS):
         raise ValueError(f"defect: mla_decode runs no append or RoPE kernel, got {defect!r}")
     row_bytes = 0
     if paged and method != "flash" and G.paged_gathers(method != "gemm_fma", nh * s_q,
                                                        latent_cache):
         row_bytes = (rank + d_rope) * np.dtype(checks._dtype(latent_cache)).itemsize
-    if method == "mma":
+    if method == "mma" and fp8 is None:
         check_mma_cache(latent_cache, rank, d_rope)
     plan = plan_method(method, n_b, nh, rank + d_rope, int(lens.max()) if n_b else 0, tile,
                        heads_per_block, defect, limit=workspace_limit, row_bytes=row_bytes,
@@ -650,7 +697,8 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
                          scale=scale, d_rope=d_rope, tile=tile, heads_per_block=hg,
                          w_uk_layout=w_uk_layout, stream=stream, routes=routes,
                          method=plan.method, workspace=workspace, chunk=plan.chunk,
-                         d_table=d_table, d_vis=d_vis, s_q=s_q)
+                         d_table=d_table, d_vis=d_vis, s_q=s_q, fp8=fp8,
+                         d_scale=None if fp8 is None else to_device(latent_scale, stream))
     host = is_host_array(q_nope)
     d_out = _shaped(d_out, n_b, s_q, multi)
     if return_lse:

@@ -101,6 +101,13 @@ SLOW_SIM = {
     "tests/test_registry_mma.py::test_mla_small_case_passes": 22,
     "tests/test_registry_mma.py::test_mla_planted_defect_fails_the_same_case": 21,
     "tests/test_registry_mma.py::test_suite_catches_each_mla_switch[*": 20,
+    # the fp8 latent cache: the kernel's token-mode bits test stays (38 s)
+    "tests/test_mla_fp8.py::test_fp8_kernel_gives_the_fp16_kernel_bits[tensor]": 38,
+    "tests/test_mla_fp8.py::test_fp8_decode_gives_the_fp16_cache_bits_*": 86,
+    "tests/test_mla_fp8.py::test_decode_graph_reads_the_scales_in_place": 60,
+    "tests/test_mla_fp8.py::test_registry_case_passes[*": 35,
+    "tests/test_mla_fp8.py::test_suite_clean_run_passes": 90,
+    "tests/test_mla_fp8.py::test_suite_catches_each_defect[fp8_*": 45,
 }
 SLOW_COMPILE = {
     "tests/test_decode_fast_defects.py::test_each_switch_compiles_where_it_acts[gqa_mod]": 22,

@@ -351,14 +351,16 @@ def test_mla_cases_the_kernel_cannot_take_are_unsupported(shape, dtype, small, r
     assert reason in rec["detail"] and not rec["passed"]
 
 
-def test_mla_tensor_core_shape_is_run_by_the_mma_family_only():
+def test_mla_tensor_core_shape_is_run_by_its_families_only():
     cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
                            dtypes=["float16"])
-    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma"}
+    # the fp8 latent cache's entries (tests/test_mla_fp8.py) share the shape
+    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma", "mla_fp8",
+                                                                  "mla_fp8_tok"}
     mla_shapes = {c.shape for c in cases if c.kernel == "mla_mma"}
     assert mla_shapes == {MLA_SHAPE} | {s.name for s in registry.shapes("mla", True) if s.quick}
     assert MLA_SHAPE not in {s.name for s in registry.shapes("mla", True)}
-    assert registry.find_shape("mla", MLA_SHAPE, True).families == ("mma",)
+    assert registry.find_shape("mla", MLA_SHAPE, True).families == ("mma", "mla_fp8")
     dims = registry.find_shape("mla", MLA_SHAPE, True).dims["dims"]
     from mla import mma
 

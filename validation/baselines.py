@@ -798,7 +798,7 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     (``mla.mma``, ``mla_decode(method="mma")``).
 
     q_nope [t_q, nh, d_nope], q_pe [t_q, nh, d_rope], c_kv [t_kv, r], k_pe
-    [t_kv, d_rope] (16-bit values), w_uk [nh, d_nope, r], w_uv [nh, d_v, r];
+    [t_kv, d_rope], w_uk [nh, d_nope, r], w_uv [nh, d_v, r];
     query i attends positions 0 .. t_kv - t_q + i (the queries are the last
     t_q positions). Per query row:
 
@@ -806,6 +806,11 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
       sums it (``attention.gemm.sgemm``: running FMA sums of ``PART_K``
       products, ``blocked_matmul``); the row [q_lat | q_pe] rounded to
       ``dtype`` (the kernel rounds q to the cache's type);
+    * the cache rows [c_kv | k_pe] taken as float32 and rounded to ``dtype``:
+      for a 16-bit cache a no-op (its values are ``dtype`` values); for an fp8
+      cache (``mla.fp8``, the entry ``mla_fp8``) whose dequantized values
+      ``fl32(e4m3(c) s)`` come in, the rounding the kernel applies to them
+      into its 16-bit tile;
     * s = (row . [c_kv | k_pe]) * scale in float32, summed as ``sums`` says:
       "mma16" (``mma16_scores``: 16-wide k steps added to the fp32 sum with
       truncation, the registry's) or "matmul" (numpy's float32 ``@``);
@@ -831,7 +836,9 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     t_kv = c_kv.shape[0]
     q_lat = blocked_matmul(q_nope[:, :, None, :], w_uk[None], PART_K)[:, :, 0]  # [t_q, nh, r]
     rows_q = np.concatenate([q_lat, q_pe], axis=-1).astype(dtype).astype(F32)  # [t_q, nh, W]
-    keys = np.concatenate([c_kv, k_pe], axis=-1)  # [t_kv, W]
+    with np.errstate(over="ignore"):
+        keys = np.concatenate([c_kv, k_pe], axis=-1).astype(dtype).astype(F32)  # [t_kv, W]
+    c_kv = keys[:, :c_kv.shape[1]]
     out = np.zeros((t_q, n_heads, w_uv.shape[1]), F32)
     for i in range(t_q):
         seen = t_kv - t_q + 1 + i

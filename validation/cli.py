@@ -484,6 +484,11 @@ def main(argv=None):
 
         quant = fp8_quant.table(small=config["small"], seed=config["seeds"][0],
                                 quick=config["quick"])
+    if any(s.startswith("mla_fp8") for s in config["kernels"]):
+        from validation import fp8_quant
+
+        quant += fp8_quant.mla_table(small=config["small"], seed=config["seeds"][0],
+                                     quick=config["quick"])
     out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
     if args.shard:
         import json

@@ -266,6 +266,8 @@ def fp8_quantize(inputs, mode):
     unquantized float32 caches (the quantization error's reference)."""
     from attention.cache import fp8
 
+    if "c_kv" in inputs:  # an MLA case
+        return mla_fp8_quantize(inputs, mode)
     if mode not in FP8_MODES:
         raise ValueError(f"mode: expected one of {FP8_MODES}, got {mode!r}")
     out = dict(inputs)
@@ -290,6 +292,44 @@ def fp8_quantize(inputs, mode):
         out[f"{name}_cache"] = np.where(live[..., None], deq, np.nan)
         out[f"{name}_source"] = x
     out["fp8_scales"] = mode
+    return out
+
+
+MLA_FP8_MODES = ("tensor", "token")  # mla.fp8's scale modes
+
+
+def mla_fp8_quantize(inputs, mode):
+    """An MLA case (``mla_inputs``) with its c_kv quantized to fp8 e4m3 as the
+    fp8 latent cache holds it (``mla.fp8``): scales per tensor (``mode``
+    "tensor": amax / 448, 1 for an all-zero c_kv) or per token ("token": each
+    row's amax / 448).
+
+    Returns a new dict: ``latent_codes`` uint8 [t_kv, r] (the rows' c_kv
+    codes; the run wrapper appends k_pe as float16 bytes), ``latent_scale``
+    float32 [1] or [t_kv], ``fp8_scales`` (the mode), ``c_kv`` replaced by the
+    DEQUANTIZED values ``e4m3(code) * scale`` in float64 (exact: what the
+    oracle takes; the baseline rounds them as the kernel does,
+    ``baselines.mla_rounded_p``) and ``c_kv_source`` the unquantized float32
+    c_kv (the quantization error's reference)."""
+    from attention.cache import fp8
+
+    if mode not in MLA_FP8_MODES:
+        raise ValueError(f"mode: expected one of {MLA_FP8_MODES}, got {mode!r}")
+    x = np.asarray(inputs["c_kv"], np.float32)
+    if mode == "tensor":
+        peak = float(np.abs(x).max()) if x.size else 0.0
+        scale = np.float32(peak / fp8.E4M3_MAX) if peak > 0 else np.float32(1.0)
+        codes = fp8.quantize_rows(x, scale)
+        scales = np.array([scale], np.float32)
+        row_scale = np.broadcast_to(np.float64(scale), x.shape[:-1])
+    else:
+        scales = fp8.row_scales(x)
+        codes = fp8.quantize_rows(x, scales)
+        row_scale = scales.astype(np.float64)
+    out = dict(inputs)
+    out["latent_codes"], out["latent_scale"], out["fp8_scales"] = codes, scales, mode
+    out["c_kv"] = fp8.decode_e4m3(codes).astype(np.float64) * row_scale[..., None]
+    out["c_kv_source"] = x
     return out
 
 

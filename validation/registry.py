@@ -130,14 +130,14 @@ FAMILY_FULL = ()
 # the shared small MLA shapes only s2nope (W 64, not quick), and DeepSeek's W 576 is
 # slow on the simulator. Two 64-column blocks, 2 queries, one 64-position tile.
 MLA_FAMILY_SMALL = (
-    ("mma_nh2_r64_rope64", "mma", dict(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64),
-     2, 40, True),
+    ("mma_nh2_r64_rope64", ("mma", "mla_fp8"),
+     dict(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64), 2, 40, True),
 )
 # DeepSeek's latent at 16 heads (128 after 8-way tensor parallelism): one row group of
 # query rows, the memory-bound regime
 MLA_FAMILY_FULL = (
-    ("mma_dsv3_nh16", "mma", dict(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512),
-     1, 1025, True),
+    ("mma_dsv3_nh16", ("mma", "mla_fp8"),
+     dict(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512), 1, 1025, True),
 )
 
 
@@ -151,7 +151,8 @@ def mla_family_shapes(small):
                                                   else MLA_FAMILY_FULL):
         out.append(Shape(f"{label}_q{t_q}_kv{t_kv}", "mla",
                          {"dims": MlaDims(**dims), "t_q": t_q, "t_kv": t_kv}, quick,
-                         fixtures.SCORE_FIXTURES, (family,)))
+                         fixtures.SCORE_FIXTURES,
+                         family if isinstance(family, tuple) else (family,)))
     return tuple(out)
 
 PREFILL_FULL = (
@@ -572,6 +573,49 @@ def _run_mla_mma(fn, x, **kw):
     return {"out": np.asarray(out)[0]}
 
 
+def _run_mla_fp8(fn, x, **kw):
+    """Run wrapper of the MLA decode over an fp8 latent cache (``mla.fp8``;
+    ``mla_decode`` with ``latent_scale``, the tensor-core attention): the case
+    quantized by ``fixtures.mla_fp8_quantize`` (the entry's ``quantize`` mode),
+    each row ``[codes of c_kv | k_pe as float16 bytes]``, one sequence of t_q
+    queries as ``_run_mla_mma``. The case dtype is k_pe's: float16 only (the
+    format's RoPE part), other dtypes are reported unsupported, and so are
+    widths ``mla.mma`` cannot take, t_q outside 1 .. 16 and queries that
+    overflow float16."""
+    from mla import fp8 as F
+    from mla import mma as module
+    from mla.pipeline import MAX_S_Q
+
+    unsupported = unsupported_case()
+    k_pe = x["k_pe"]
+    if np.dtype(k_pe.dtype) != np.float16:
+        raise unsupported(f"{np.dtype(k_pe.dtype)}: the fp8 latent row holds k_pe as float16 "
+                          f"(mla.fp8)")
+    codes = np.asarray(x["latent_codes"], np.uint8)
+    t_q = int(x["q_nope"].shape[0])
+    t_kv, rank = codes.shape
+    why = module.supported(int(rank), int(k_pe.shape[1]))
+    if why is not None:
+        raise unsupported(f"latent width: mla.mma cannot take {why}")
+    if not 1 <= t_q <= MAX_S_Q:
+        raise unsupported(f"t_q = {t_q}: mla_decode takes 1 to {MAX_S_Q} new queries a "
+                          f"sequence (s_q)")
+    q_lat = np.einsum("thp,hpl->thl", x["q_nope"], x["w_uk"])
+    with np.errstate(over="ignore"):
+        rows = np.concatenate([q_lat, x["q_pe"]], axis=-1).astype(np.float16)
+    if not np.isfinite(rows).all():
+        raise unsupported("q: the case's [q_lat | q_pe] does not fit in float16 (inf after "
+                          "the rounding mla.mma applies)")
+    cache = np.concatenate([codes, np.ascontiguousarray(k_pe).view(np.uint8)], axis=1)
+    assert cache.shape[1] == F.row_bytes(rank, k_pe.shape[1])
+    scale = np.asarray(x["latent_scale"], np.float32)
+    if scale.shape != (1,):
+        scale = scale[None]  # [1, t_kv]: one scale a cached row
+    out = fn(x["q_nope"][None], x["q_pe"][None], cache[None], np.array([t_kv], np.int32),
+             x["w_uk"], x["w_uv"], latent_scale=scale, **kw)
+    return {"out": np.asarray(out)[0]}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -686,6 +730,18 @@ KERNELS = (
                "cache, q and P rounded to fp16); one sequence, t_q queries, causal; "
                "r + d_rope and r multiples of 64",
                "mma16_p16/after"),
+    # fp8 latent cache: judged over the dequantized c_kv (the oracle exact, the
+    # baseline rounding it to fp16 as the kernel does); float16 k_pe only
+    KernelSpec("mla_fp8", "mla_fp8", "mla", "mla.pipeline", "mla_decode", _run_mla_fp8,
+               ("k_pe",),
+               "MLA decode over an fp8 latent cache, one scale per tensor (mla.fp8: c_kv "
+               "e4m3, k_pe fp16; dequantized into the tensor-core kernel's fp16 tiles)",
+               "mma16_p16/after", quantize="tensor"),
+    KernelSpec("mla_fp8_tok", "mla_fp8", "mla", "mla.pipeline", "mla_decode", _run_mla_fp8,
+               ("k_pe",),
+               "MLA decode over an fp8 latent cache, one scale a cached row (mla.fp8 "
+               "per token; amax / 448)",
+               "mma16_p16/after", quantize="token"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),

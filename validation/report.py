@@ -487,9 +487,10 @@ def summary_markdown(report, images):
 
 def quantization_section(report):
     """Markdown lines of the fp8 quantization-error table (none without rows)."""
-    rows = report.get("quantization") or []
+    rows = [r for r in report.get("quantization") or [] if r.get("kind", "decode") == "decode"]
+    mla_rows = [r for r in report.get("quantization") or [] if r.get("kind") == "mla"]
     if not rows:
-        return []
+        return mla_quantization_lines(mla_rows)
     L = ["## fp8 e4m3 quantization error (a property of the format, not of a kernel)", ""]
     L.append("Per decode shape and fixture (first seed): the float64 attention over the cache "
              "quantized by the reference encoder and dequantized, against the float64 "
@@ -506,6 +507,29 @@ def quantization_section(report):
                  f"{_fmt(r.get('tensor_max'), '.2e')} | {_fmt(r.get('tensor_mean'), '.2e')} | "
                  f"{_fmt(r.get('token_head_max'), '.2e')} | "
                  f"{_fmt(r.get('token_head_mean'), '.2e')} |")
+    L.append("")
+    return L + mla_quantization_lines(mla_rows)
+
+
+def mla_quantization_lines(rows):
+    """Markdown lines of the fp8 latent cache's quantization-error table
+    (``validation.fp8_quant.mla_table``; none without rows)."""
+    if not rows:
+        return []
+    L = ["### MLA: the fp8 latent cache (mla.fp8)", ""]
+    L.append("Per MLA shape and fixture (first seed): the float64 MLA attention over c_kv "
+             "quantized to e4m3 and dequantized (k_pe stored as float16), against the float64 "
+             "attention over the float32 inputs; |error| of `out`. Per tensor: one scale "
+             "(amax / 448); per token: each cached row's amax / 448. `mla_fp8` and "
+             "`mla_fp8_tok` are judged over the dequantized cache.")
+    L.append("")
+    L.append("| shape | fixture | max abs out | per tensor: max err | per tensor: mean err | "
+             "per token: max err | per token: mean err |")
+    L.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        L.append(f"| {r['shape']} | {r['fixture']} | {_fmt(r.get('max_out'), '.3g')} | "
+                 f"{_fmt(r.get('tensor_max'), '.2e')} | {_fmt(r.get('tensor_mean'), '.2e')} | "
+                 f"{_fmt(r.get('token_max'), '.2e')} | {_fmt(r.get('token_mean'), '.2e')} |")
     L.append("")
     return L
 

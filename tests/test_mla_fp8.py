@@ -1,0 +1,343 @@
+"""MLA decode over the fp8 latent cache (``mla.fp8``; ``mla_decode`` and
+``MLADecodeGraph`` with ``latent_scale``, ``mla.mma``'s fp8 mode).
+
+* the format's numpy reference: codes, k_pe bytes, the exact and the rounded
+  dequantization;
+* the decode over an fp8 cache gives, bit for bit, the 16-bit tensor-core
+  decode over the fp16 cache holding the values it dequantizes to (both scale
+  modes, contiguous and paged, with NaN codes and NaN scales in every unused
+  row): the fp8 mode changes only how a tile reaches shared memory;
+* the graph over an fp8 cache gives ``mla_decode``'s bits and reads the scales
+  in place (an append between runs is seen);
+* the registry entries (``mla_fp8``, ``mla_fp8_tok``) and the defect suite
+  (``validation.suite_mla_fp8``): a clean pass, each planted defect caught;
+* bad input named before any copy or launch;
+* the kernels compile to the e4m3 conversion with no local memory (plain
+  process).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention.core import checks
+from mla import fp8
+
+RANK, D_ROPE, NH, D_NOPE, D_V = 64, 64, 2, 16, 16
+W, RB = RANK + D_ROPE, RANK + 2 * D_ROPE
+
+
+def _case(rng, lens, s_q=1, mode="token", cap=None, nan_unused=True):
+    """q_nope / q_pe [B, s_q, nh, .], weights, an fp8 cache [B, cap, RB] with its
+    scales, and the fp16 cache [B, cap, W] holding the values the decode
+    attends (``fp8.dequantize(..., rounded=True)``)."""
+    n_b = len(lens)
+    cap = cap or max(lens)
+    q_nope = rng.standard_normal((n_b, s_q, NH, D_NOPE)).astype(np.float32)
+    q_pe = rng.standard_normal((n_b, s_q, NH, D_ROPE)).astype(np.float32)
+    w_uk = (rng.standard_normal((NH, D_NOPE, RANK)) / np.sqrt(RANK)).astype(np.float32)
+    w_uv = (rng.standard_normal((NH, D_V, RANK)) / np.sqrt(RANK)).astype(np.float32)
+    rows = rng.standard_normal((n_b, cap, W)).astype(np.float32)
+    rows[..., :RANK] *= np.float32(2.0) ** rng.integers(-8, 8, (n_b, cap, 1))
+    tensor = None if mode == "token" else np.array([0.05], np.float32)
+    codes, scales = fp8.quantize(rows, RANK, tensor)
+    scales = tensor if mode == "tensor" else scales
+    fp16 = fp8.dequantize(codes, scales, RANK, rounded=True).astype(np.float16)
+    if nan_unused:
+        for b, n in enumerate(lens):
+            codes[b, n:, :RANK] = 0x7F
+            fp16[b, n:] = np.nan
+            if mode == "token":
+                scales[b, n:] = np.nan
+    return dict(q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uv=w_uv, codes=codes, scales=scales,
+                fp16=fp16, lens=np.asarray(lens, np.int32))
+
+
+def _paged(codes, scales, fp16, lens, page, rng):
+    """The contiguous caches laid out in shuffled pages of ``page`` rows."""
+    n_b, cap = codes.shape[:2]
+    per = -(-cap // page)
+    n_pages = n_b * per + 1
+    order = rng.permutation(n_pages)
+    table = order[:n_b * per].reshape(n_b, per).astype(np.int32)
+    pc = np.full((n_pages, page, RB), 0x7F, np.uint8)
+    pf = np.full((n_pages, page, W), np.nan, np.float16)
+    ps = np.full((n_pages, page), np.nan, np.float32) if scales.ndim == 2 else scales
+    for b in range(n_b):
+        for p in range(cap):
+            pg, off = table[b, p // page], p % page
+            pc[pg, off], pf[pg, off] = codes[b, p], fp16[b, p]
+            if scales.ndim == 2:
+                ps[pg, off] = scales[b, p]
+    return pc, ps, pf, table
+
+
+# ---------------------------------------------------------------------------
+# the format (numpy)
+# ---------------------------------------------------------------------------
+
+def test_format_rows_and_dequantization():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((3, 5, W)).astype(np.float32)
+    rows[1, 2, :RANK] = 0.0
+    codes, s = fp8.quantize(rows, RANK)
+    assert codes.shape == (3, 5, fp8.row_bytes(RANK, D_ROPE)) and codes.dtype == np.uint8
+    assert s.shape == (3, 5) and s[1, 2] == 0 and not codes[1, 2, :RANK].any()
+    np.testing.assert_array_equal(codes[..., RANK:].copy().view(np.float16),
+                                  rows[..., RANK:].astype(np.float16))
+    exact = fp8.dequantize(codes, s, RANK)
+    rounded = fp8.dequantize(codes, s, RANK, rounded=True)
+    assert exact.dtype == np.float64 and rounded.dtype == np.float32
+    want = (exact[..., :RANK].astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(rounded[..., :RANK], want.astype(np.float32))
+    assert np.abs(exact[..., :RANK] - rows[..., :RANK]).max() <= np.abs(rows).max() / 16
+    assert fp8.rank_of(codes.shape[-1], D_ROPE) == RANK
+
+
+# ---------------------------------------------------------------------------
+# the decode: the fp16 path's bits
+# ---------------------------------------------------------------------------
+
+def _decode_both(c, paged=None, rng=None, **kw):
+    from mla.pipeline import mla_decode
+
+    args = (c["q_nope"], c["q_pe"])
+    weights = (c["w_uk"], c["w_uv"])
+    codes, scales, fp16, table = c["codes"], c["scales"], c["fp16"], None
+    if paged:
+        codes, scales, fp16, table = _paged(codes, scales, fp16, c["lens"], paged, rng)
+    got = mla_decode(*args, codes, c["lens"], *weights, latent_scale=scales, page_table=table,
+                     return_lse=True, **kw)
+    want = mla_decode(*args, fp16, c["lens"], *weights, method="mma", page_table=table,
+                      return_lse=True)
+    return got, want
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("mode", ["token", "tensor"])
+def test_fp8_kernel_gives_the_fp16_kernel_bits(mode):
+    """The kernel alone at one row group (the simulator's cheapest plan): two
+    sequences (lengths 20 and 3, one tile), 2 heads, one query, NaN codes and
+    scales past each length."""
+    from attention.core.device import device_empty, to_device
+    from mla import mma as MM
+
+    c = _case(np.random.default_rng(5), [20, 3], mode=mode)
+    rng = np.random.default_rng(6)
+    qc = rng.standard_normal((2, NH, W)).astype(np.float32)
+    table = to_device(np.arange(2, dtype=np.int32).reshape(2, 1))
+    results = []
+    for lat, fp8_mode, sc in ((c["codes"], mode, c["scales"]), (c["fp16"], None, None)):
+        pl = MM.plan(2, NH, RANK, D_ROPE, 20, "f16", row_groups=1, n_split=1, fp8=fp8_mode)
+        o = device_empty((2, NH, RANK), np.float32)
+        lse = device_empty((2, NH), np.float32)
+        pa, pm = MM.scratch(pl, 2, NH)
+        MM.launch(pl, to_device(qc), to_device(lat), to_device(c["lens"]), table, NH, 0.125, o,
+                  lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
+        results.append((o.copy_to_host(), lse.copy_to_host()))
+    (o8, l8), (o16, l16) = results
+    np.testing.assert_array_equal(o8, o16)
+    np.testing.assert_array_equal(l8, l16)
+    assert np.isfinite(o8).all() and np.abs(o8).max() > 0
+
+
+@pytest.mark.device
+def test_fp8_decode_gives_the_fp16_cache_bits_token_contiguous():
+    """Per token, contiguous, 2 queries a sequence, lengths 20 and 3."""
+    c = _case(np.random.default_rng(1), [20, 3], s_q=2, mode="token")
+    (out, lse), (out16, lse16) = _decode_both(c)
+    np.testing.assert_array_equal(out, out16)
+    np.testing.assert_array_equal(lse, lse16)
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
+@pytest.mark.device
+def test_fp8_decode_gives_the_fp16_cache_bits_tensor_paged():
+    """Per tensor, pages of 16 (shuffled), lengths 37, 0 and 16, one query."""
+    rng = np.random.default_rng(2)
+    c = _case(rng, [37, 0, 16], mode="tensor", cap=40)
+    (out, lse), (out16, lse16) = _decode_both(c, paged=16, rng=rng)
+    np.testing.assert_array_equal(out, out16)
+    np.testing.assert_array_equal(lse, lse16)
+    assert not out[1].any() and np.isneginf(lse[1]).all()
+
+
+@pytest.mark.device
+def test_decode_graph_reads_the_scales_in_place():
+    """``MLADecodeGraph`` over an fp8 cache gives ``mla_decode``'s bits; after
+    ``fp8_append_latent`` writes one more row (codes and per-token scale) and
+    the length grows, the next run sees it."""
+    from attention.core.device import to_device, to_host
+    from mla.decode_graph import MLADecodeGraph
+    from mla.fp8_append import fp8_append_latent
+    from mla.pipeline import mla_decode
+
+    rng = np.random.default_rng(3)
+    c = _case(rng, [9, 4], mode="token", cap=12, nan_unused=False)
+    d_codes, d_scales = to_device(c["codes"]), to_device(c["scales"])
+    d_lens = to_device(c["lens"])
+    g = MLADecodeGraph(to_device(c["q_nope"][:, 0]), to_device(c["q_pe"][:, 0]), d_codes,
+                       d_lens, c["w_uk"], c["w_uv"], latent_scale=d_scales)
+    assert g.method == "mma" and g.fp8 == "token"
+    g.run(sync=True)
+    want = mla_decode(c["q_nope"][:, 0], c["q_pe"][:, 0], c["codes"], c["lens"], c["w_uk"],
+                      c["w_uv"], latent_scale=c["scales"])
+    np.testing.assert_array_equal(to_host(g.out), want)
+    new = (rng.standard_normal((2, 1, W)) * 30).astype(np.float32)
+    fp8_append_latent(new, d_codes, None, c["lens"], scales=d_scales)
+    d_lens.copy_to_device(c["lens"] + 1)
+    g.run(sync=True)
+    codes, scales = to_host(d_codes), to_host(d_scales)
+    want = mla_decode(c["q_nope"][:, 0], c["q_pe"][:, 0], codes, c["lens"] + 1, c["w_uk"],
+                      c["w_uv"], latent_scale=scales)
+    np.testing.assert_array_equal(to_host(g.out), want)
+
+
+# ---------------------------------------------------------------------------
+# validation: the registry entries and the defect suite
+# ---------------------------------------------------------------------------
+
+MLA_SHAPE = "mma_nh2_r64_rope64_q2_kv40"
+
+
+def test_registry_entries_share_the_tensor_core_shape():
+    from validation import registry
+
+    cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
+                           dtypes=["float16"])
+    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma", "mla_fp8",
+                                                                  "mla_fp8_tok"}
+    for name, mode in (("mla_fp8", "tensor"), ("mla_fp8_tok", "token")):
+        spec = registry.KERNELS_BY_NAME[name]
+        assert (spec.quantize, spec.baseline, spec.storage) == (mode, "mma16_p16/after",
+                                                                ("k_pe",))
+
+
+def test_quantized_case_keeps_exact_values_for_the_oracle():
+    from validation import fixtures, registry
+
+    x = registry.make_inputs("mla", registry.find_shape("mla", MLA_SHAPE, True), "normal", 0)
+    for mode in fixtures.MLA_FP8_MODES:
+        y = fixtures.fp8_quantize(x, mode)
+        assert y["c_kv"].dtype == np.float64 and y["latent_codes"].dtype == np.uint8
+        s = y["latent_scale"] if mode == "token" else y["latent_scale"][0]
+        s = np.broadcast_to(np.asarray(s, np.float64), y["c_kv"].shape[:1])
+        np.testing.assert_array_equal(
+            y["c_kv"], fp8.dequantize(np.concatenate(
+                [y["latent_codes"], np.zeros((len(s), 2 * D_ROPE), np.uint8)], 1),
+                y["latent_scale"], RANK)[:, :RANK])
+
+
+@pytest.mark.parametrize("dtype,reason", [("float32", "k_pe as float16"),
+                                          ("bfloat16", "k_pe as float16")])
+def test_registry_other_dtypes_are_unsupported(dtype, reason):
+    from validation import registry, sweep
+
+    rec = sweep.run_case(registry.Case("mla_fp8_tok", MLA_SHAPE, "normal", 0, dtype, True))
+    assert rec["status"] == "unsupported" and (reason in rec["detail"]
+                                               or "bfloat16" in rec["detail"]), rec
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("kernel", ["mla_fp8", "mla_fp8_tok"])
+def test_registry_case_passes(kernel):
+    from validation import registry, sweep
+
+    rec = sweep.run_case(registry.Case(kernel, MLA_SHAPE, "large", 0, "float16", True))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["baseline"] == "mma16_pf16/after" and rec["cast"] == "storage"
+
+
+@pytest.mark.device
+def test_suite_clean_run_passes():
+    from validation import suite_mla_fp8
+    from validation.suite import caught
+
+    checks_ = suite_mla_fp8.run_suite(None)
+    assert [c.name for c in checks_] == ["out[tensor_s2]", "out[token_s2]", "append[token]",
+                                        "append[tensor]"]
+    assert not caught(checks_), [c for c in checks_ if not c.passed]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("defect", ["fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token",
+                                    "fp8_as_e5m2", "append_round_to_zero"])
+def test_suite_catches_each_defect(defect):
+    from validation import suite_mla_fp8
+    from validation.suite import caught
+
+    assert defect in suite_mla_fp8.DEFECTS
+    assert caught(suite_mla_fp8.run_suite(defect))
+
+
+# ---------------------------------------------------------------------------
+# bad input: named, before any copy or launch
+# ---------------------------------------------------------------------------
+
+def _bad_args(**change):
+    rng = np.random.default_rng(4)
+    c = _case(rng, [5, 3], mode="token", cap=8)
+    args = dict(q_nope=c["q_nope"][:, 0], q_pe=c["q_pe"][:, 0], latent_cache=c["codes"],
+                lengths=c["lens"], w_uk=c["w_uk"], w_uv=c["w_uv"], latent_scale=c["scales"])
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,text", [
+    ({"latent_scale": None}, checks.DTypeError, "latent_scale: a uint8"),
+    ({"latent_scale": np.ones((2, 7), np.float32)}, checks.ShapeError, "latent_scale"),
+    ({"latent_scale": np.ones((2, 8), np.float64)}, checks.DTypeError, "latent_scale"),
+    ({"latent_scale": np.array([0.0], np.float32)}, checks.RangeError, "finite scale > 0"),
+    ({"latent_scale": np.array([200.0], np.float32)}, checks.RangeError, "65504"),
+    ({"latent_cache": np.zeros((2, 8, RB - 16), np.uint8)}, checks.ShapeError, "latent_cache"),
+    ({"latent_cache": np.zeros((2, 8, W), np.float16)}, checks.DTypeError,
+     "latent_scale: only with an fp8"),
+    ({"method": "gemm"}, checks.DTypeError, "method='mma'"),
+    ({"lengths": np.array([9, 3])}, checks.RangeError, "lengths"),
+])
+def test_bad_input_is_named_before_any_launch(change, error, text, monkeypatch):
+    from mla import pipeline
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(pipeline, "_core", no_launch)
+    args = _bad_args(**{k: v for k, v in change.items() if k != "method"})
+    cache = args["latent_cache"].copy()
+    lead = tuple(args.pop(n) for n in ("q_nope", "q_pe", "latent_cache", "lengths", "w_uk",
+                                       "w_uv"))
+    with pytest.raises(error, match=text):
+        pipeline.mla_decode(*lead, method=change.get("method", "auto"), **args)
+    np.testing.assert_array_equal(_bad_args(**{k: v for k, v in change.items()
+                                               if k != "method"})["latent_cache"], cache)
+
+
+def test_defects_are_checked_by_mode():
+    from mla import mma
+
+    with pytest.raises(ValueError, match="fp8_scale_wrong_token"):
+        mma.check_defect("fp8_scale_wrong_token", "tensor")
+    with pytest.raises(ValueError, match="fp8_no_scale"):
+        mma.check_defect("fp8_no_scale", None)
+    mma.check_defect("fp8_scale_wrong_token", "token")
+
+
+# ---------------------------------------------------------------------------
+# compile-only: the e4m3 conversion, no local memory
+# ---------------------------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mode,row_groups,paged", [("token", 2, True), ("tensor", 4, False)])
+def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
+    from numba import cuda
+
+    from mla import mma as MM
+    from tests.test_mla_mma import _signature
+
+    kern = MM.mla_mma_kernel("f16", 512, 64, row_groups, 64, paged, None, mode)
+    ptx, _ = cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0), fastmath=True)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.f16x2.f32" in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 576 // 16 * 2 + 4 * 16
+    assert "cp.async.cg.shared.global" in ptx
+    assert ".local" not in ptx and "ld.local" not in ptx
