@@ -12,12 +12,13 @@
   oracle tests of that kernel (``tests/test_decode_mma.py``) cover the plan,
   and the outputs are also judged here against the oracle with the rounded-P
   baseline.
-* **The device range check** (``mma.range_check_kernel``, launched before the
-  attention): a length outside ``[0, limit]`` or in ``1 .. T - 1``, a slot
-  outside the pool and a page entry outside the pages below a length are each
-  attended as empty (zeros, LSE -inf) while the other sequences keep their
-  bits, and ``check()`` raises ``RangeError`` naming ``seq_lens``,
-  ``slot_table`` or ``page_table``.
+* **The device range check** (in the kernel's blocks: the checked form of
+  ``mma.mma_decode_kernel``): a length outside ``[0, limit]`` or in ``1 .. T -
+  1``, a slot outside the pool and a page entry outside the pages below a
+  length are each attended as empty (zeros, LSE -inf) while the other
+  sequences keep their bits, and ``check()`` raises ``RangeError`` naming
+  ``seq_lens``, ``slot_table`` or ``page_table``; the checked kernel compiles
+  with no local memory and its block-wide OR (plain process).
 """
 
 from __future__ import annotations
@@ -158,3 +159,18 @@ def test_bad_lengths_slots_and_pages_are_flagged_and_attended_as_empty():
     with pytest.raises(checks.RangeError, match="page_table"):
         pp.check()
     assert np.all(got[0][1] == 0) and np.all(got[1][1] == -np.inf)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("paging", [None, "HND"])
+def test_checked_kernel_compiles_with_its_range_check(paging):
+    from numba import cuda, types
+
+    from tests.test_decode_mma import _signature
+
+    kern = mma.mma_decode_kernel("f16", 128, 4, 4, paging=paging, checked=True)
+    sig = _signature() + (types.int32, types.Array(types.int32, 1, "C"))
+    ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0), fastmath=True)
+    assert ".local" not in ptx and "atom.global.add" in ptx
+    assert ("bar.red.or" in ptx) == (paging is not None)  # the page entries' OR
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 128 // 8

@@ -207,13 +207,23 @@ def smem_words(head_dim, warps, stages):
 
 @functools.lru_cache(maxsize=None)
 def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, paging=None,
-                      defect=None):
+                      defect=None, checked=False):
     """The tensor-core decode kernel (module docstring).
 
     kind: "f16" / "bf16"; head_dim: D (32, 64, 128); group: G = H / H_kv;
     t_q: T (G * T <= 16); warps: NW; stages: ring stages a warp (>= 1);
     paging: None (pooled cache, slot table as ``[M, 1]``), "HND" or "NHD";
-    defect: None or one of ``DEFECTS``.
+    defect: None or one of ``DEFECTS``; checked: the plan's range check in the
+    kernel (``attention.decode.plan.DecodePlan``): two more arguments, ``limit``
+    int32 (the longest length the plan serves) and ``err`` [fast.ERR_WORDS]
+    int32 (``fast``'s flag format). A length outside ``[0, limit]`` or in ``1 ..
+    T - 1``, a pooled slot outside the pool or, paged, any page entry below
+    the length outside ``[0, num_pages)`` (every block reads the sequence's
+    entries, combined over the block by the barrier after Q) makes the whole
+    sequence empty in every block (zeros, LSE -inf), and block (0, 0) of the
+    sequence counts it once: ``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] =
+    min(.., m)``, ``ERR_SLOTS`` (slot or page entry) or ``ERR_LENGTHS`` += 1.
+    Without ``checked`` the kernel is the one below, unchanged.
 
     Grid ``(n_split, H_kv, M)``, block ``32 * NW``, dynamic shared memory
     ``4 * smem_words(D, NW, stages)`` bytes. Arguments:
@@ -240,6 +250,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     if paging not in (None,) + LAYOUTS:
         raise ValueError(f"paging: expected None, 'HND' or 'NHD', got {paging!r}")
     check_defect(defect)
+    CHECKED = bool(checked)
     PAGED = paging is not None
     NHD = paging == "NHD"
     NO_TRANS = defect == "ldmatrix_no_trans"
@@ -337,8 +348,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     row_limit = device_fn(row_limit)
 
-    def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-               out, lse, part_acc, part_ml):
+    def body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+             out, lse, part_acc, part_ml, limit, err):
         split = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
         seq = cuda.blockIdx.z
@@ -356,6 +367,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         length = seq_lens[seq]
         row0 = int64(0)
         cap = page
+        bad_slot = 0
         if PAGED:
             cap = table.shape[1] * page
         else:
@@ -363,8 +375,16 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             if slot < 0 or slot >= n_pages:
                 length = 0
                 slot = 0
+                if CHECKED:
+                    bad_slot = 1
             row0 = (int64(slot) * n_kv + kv_head) * page * WR
-        if length < 0 or length > cap or (TQ > 1 and 0 < length < TQ):
+        bad_len = False
+        if CHECKED:
+            bad_len = length < 0 or length > cap or (TQ > 1 and 0 < length < TQ) or (
+                length > limit)
+            if bad_len:
+                length = 0
+        elif length < 0 or length > cap or (TQ > 1 and 0 < length < TQ):
             length = 0
         start = split * chunk
         end = min(length, start + chunk)
@@ -378,7 +398,24 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             if r < ROWS:
                 word = q[seq, r // GROUP, kv_head * GROUP + r % GROUP, cw]
             smem[mma16.tile_index(r, 2 * cw, D)] = word
-        cuda.syncthreads()  # the Q tile is complete
+        if CHECKED and PAGED:
+            # the range check: every page entry below the length, read by the block
+            j = tid
+            while j * page < length:
+                pg = table[seq, j]
+                if pg < 0 or pg >= n_pages:
+                    bad_slot = 1
+                j += NW * WARP
+            bad_slot = cuda.syncthreads_or(bad_slot)  # also: the Q tile is complete
+            if bad_slot:
+                length = 0
+                end = 0
+        else:
+            cuda.syncthreads()  # the Q tile is complete
+        if CHECKED and split == 0 and kv_head == 0 and tid == 0 and (bad_slot or bad_len):
+            cuda.atomic.add(err, fast.ERR_COUNT, 1)
+            cuda.atomic.min(err, fast.ERR_FIRST, seq)
+            cuda.atomic.add(err, fast.ERR_SLOTS if bad_slot else fast.ERR_LENGTHS, 1)
         qa = cuda.local.array(N_QA, uint32)
         for kd in range(KS):
             a0, a1, a2, a3 = mma16.ldmatrix_x4(smem, D, 0, kd * 16, lane)
@@ -524,8 +561,21 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             else:
                 part_acc[seq, i * n_heads + head, split, d] = acc
 
+    body = device_fn(body)
+    if CHECKED:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml, limit, err):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, limit, err)
+    else:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, 0, seq_lens)
+
     name = f"decode_mma_{kind}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_{paging or 'pooled'}"
-    kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
+    kernel.__name__ = kernel.__qualname__ = (name + ("_checked" if CHECKED else "")
+                                             + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
 
@@ -534,14 +584,16 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 # ---------------------------------------------------------------------------
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
-         warps=WARPS, stages=STAGES, paging=None, defect=None):
+         warps=WARPS, stages=STAGES, paging=None, defect=None, checked=False):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``max_len``: the longest length served (positions the splits cover).
     ``n_split`` (default: ``fast.split_count`` over the ``M * H_kv`` blocks a
     split, with the blocks an SM holds by shared memory) is then trimmed to
     the chunks that hold a position; a chunk is a whole number of rounds of
-    the warps' 16-position tiles (``16 * warps``).
+    the warps' 16-position tiles (``16 * warps``). ``checked``: the kernel
+    with the plan's range check (``mma_decode_kernel``; ``launch`` then takes
+    ``limit`` and ``d_err``).
     """
     t_q, warps, stages = int(t_q), int(warps), int(stages)
     group = int(n_heads) // int(n_kv)
@@ -555,7 +607,8 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     chunk = -(-chunk // step) * step
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
-        "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect),
+        "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect,
+                                    bool(checked)),
         "kind": kind,
         "head_dim": int(head_dim),
         "group": group,
@@ -569,18 +622,21 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
         "warps": warps,
         "stages": stages,
         "defect": defect,
+        "checked": bool(checked),
     }
 
 
 def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, d_part_ml,
-           stream=0):
+           stream=0, limit=None, d_err=None):
     """Enqueue a planned decode (one launch, or two with the combine); no
     checks, copies or allocations beyond array views.
 
     d_q [M, T, H, D] 16-bit; d_k, d_v the caches (pooled or the plan's page
     layout); d_lens [M] int32; d_table [M, max_pages] int32 (pooled: the slot
     table [M] or [M, 1]); d_out [M, T, H, D] f32; d_lse [M, T, H] f32;
-    d_part_acc / d_part_ml ``fast.scratch(M, T * H, D, n_split)``.
+    d_part_acc / d_part_ml ``fast.scratch(M, T * H, D, n_split)``. A
+    ``checked`` plan: ``limit`` (the longest length served) and ``d_err``
+    [fast.ERR_WORDS] int32, the flag the kernel's range check counts into.
     """
     m_count, t_q, n_heads, head_dim = (int(s) for s in d_q.shape)
     if pl["paging"] == "NHD":
@@ -594,6 +650,8 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     args = (words(d_q), words(d_k, True), words(d_v, True), d_lens, d_table,
             np.int32(n_kv), np.int32(page), np.int32(n_pages), np.int32(shift),
             np.float32(scale), np.int32(pl["chunk"]), d_out, d_lse, d_part_acc, d_part_ml)
+    if pl.get("checked"):
+        args += (np.int32(limit), d_err)
     ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
                           pl.setdefault("smem_ready", set()))
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
@@ -603,77 +661,6 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
         comb[(rows, m_count), fast.combine_warps(pl["n_split"]) * WARP, stream](
             d_part_acc, d_part_ml, d_out.reshape(m_count, rows, head_dim),
             d_lse.reshape(m_count, rows))
-
-
-@functools.lru_cache(maxsize=None)
-def range_check_kernel(paged):
-    """The device range check of a planned run (``attention.decode.plan.DecodePlan``
-    with ``method="mma"``), in ``fast``'s flag format, launched before the
-    attention; this kernel has only its own guard, which attends a bad
-    sequence as empty without counting it.
-
-    Grid ``(M,)``, block 32 (one warp a sequence). Arguments: seq_lens [M]
-    int32, table [M, max_pages] int32 (pooled: the slots as [M, 1]), n_entries
-    int32 (pooled: KV_SLOTS; paged: num_pages), page int32 P, limit int32 (the
-    longest length the plan serves), t_q int32, lens_out [M] int32 (the
-    lengths the attention reads), err [fast.ERR_WORDS] int32.
-
-    Sequence m is flagged (``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] =
-    min(.., m)`` and ``ERR_SLOTS`` or ``ERR_LENGTHS`` += 1, as the fast kernel
-    counts) when its length is outside ``[0, limit]`` or in ``1 .. t_q - 1``
-    (``ERR_LENGTHS``), or its pooled slot is outside ``[0, KV_SLOTS)``, or one
-    of the page entries below its length is outside ``[0, num_pages)``
-    (``ERR_SLOTS``); a flagged sequence gets ``lens_out[m] = 0`` (attended as
-    empty: zeros and LSE -inf), any other its length.
-    """
-    PAGED = bool(paged)
-
-    def kernel(seq_lens, table, n_entries, page, limit, t_q, lens_out, err):
-        seq = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        length = seq_lens[seq]
-        bad_len = length < 0 or length > limit or (t_q > 1 and 0 < length < t_q)
-        bad_slot = 0
-        if not PAGED:
-            slot = table[seq, 0]
-            if slot < 0 or slot >= n_entries:
-                bad_slot = 1
-        elif not bad_len and length > 0:
-            j = lane
-            last = (length - 1) // page
-            while j <= last:
-                pg = table[seq, j]
-                if pg < 0 or pg >= n_entries:
-                    bad_slot = 1
-                j += WARP
-        bad_slot = cuda.syncthreads_or(bad_slot)
-        if lane == 0:
-            if bad_slot or bad_len:
-                cuda.atomic.add(err, fast.ERR_COUNT, 1)
-                cuda.atomic.min(err, fast.ERR_FIRST, seq)
-                if bad_slot:
-                    cuda.atomic.add(err, fast.ERR_SLOTS, 1)
-                else:
-                    cuda.atomic.add(err, fast.ERR_LENGTHS, 1)
-                lens_out[seq] = 0
-            else:
-                lens_out[seq] = length
-
-    kernel.__name__ = kernel.__qualname__ = f"mma_range_check_{'paged' if PAGED else 'pooled'}"
-    return jit(kernel)
-
-
-def launch_range_check(paged, d_lens, d_table, n_entries, page, limit, t_q, d_lens_out, d_err,
-                       stream=0):
-    """Enqueue ``range_check_kernel(paged)`` (numba launch): d_table [M] or [M,
-    1] (pooled slots) or [M, max_pages] (paged)."""
-    m_count = int(d_lens.shape[0])
-    if len(d_table.shape) == 1:
-        d_table = d_table.reshape(m_count, 1)
-    if m_count:
-        range_check_kernel(paged)[m_count, WARP, stream](
-            d_lens, d_table, np.int32(n_entries), np.int32(page), np.int32(limit),
-            np.int32(t_q), d_lens_out, d_err)
 
 
 def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None,

@@ -25,8 +25,9 @@ arrays' data pointers into the prebuilt lists and enqueues the launches
 through ``cuda.core.launch`` (the combine as a programmatic dependent where
 the plan has ``pdl``). It makes no host-device copy, no allocation and no
 synchronisation. Lengths and slots are checked on the device by the main
-kernel (``fast_decode_kernel``; on the tensor-core path by a one-warp-a-sequence
-launch before it, ``mma.range_check_kernel``: a bad sequence is attended as
+kernel (``fast_decode_kernel``; on the tensor-core path by the checked form of
+``mma.mma_decode_kernel``, whose blocks read their sequence's length, slot or
+page entries first: a bad sequence is attended as
 empty, nothing is read out of bounds, and the plan's error flag counts it); ``check()``
 synchronises, reads and clears the flag and raises ``RangeError`` naming
 ``seq_lens`` or ``slot_table``.
@@ -434,7 +435,7 @@ class DecodePlan:
         kernel_defect = None if defect in PLAN_DEFECTS else defect
         if method == "mma":
             pl = MMA.plan(m, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q, n_split=n_split,
-                          paging=paging, defect=kernel_defect)
+                          paging=paging, defect=kernel_defect, checked=True)
             self.fast_plan = None
         else:
             pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
@@ -511,8 +512,6 @@ class DecodePlan:
         self.part_acc, self.part_ml = fast.scratch(m, self.t_q * h, d, self.n_split)
         self.flag = cuda.to_device(fast.clear_flag())
         self.identity_slots = cuda.to_device(np.arange(m, dtype=np.int32))
-        # the tensor-core path: the lengths its range check passes on (bad ones as 0)
-        self.checked_lens = device_empty((m,), np.int32) if self.method == "mma" else None
         if not SIMULATOR:
             cuda.synchronize()  # the copies above are complete before any run
 
@@ -616,9 +615,8 @@ class DecodePlan:
         self._main_at = tuple(at)  # q, k, v, lens, slots, out, lse pointer indices
 
     def _build_mma_launches(self):
-        """The tensor-core path's range check and kernel: handles, configs and
-        argument lists (``mma.range_check_kernel``, ``mma.mma_decode_kernel``)."""
-        from cuda.core import LaunchConfig
+        """The tensor-core kernel (``mma.mma_decode_kernel``, checked: the range
+        check in its blocks): handle, config and argument list."""
         from numba import types
 
         pl = self.mma_plan
@@ -630,32 +628,16 @@ class DecodePlan:
         table_shape = s[4].shape if self.paged else (m, 1)
         n_entries = self.kv_slots
         page = self.page_size
-        # the range check: one warp a sequence
-        rc = MMA.range_check_kernel(self.paged).compile(
-            (A(i32, 1, "C"), A(i32, 2, "C"), i32, i32, i32, i32, A(i32, 1, "C"),
-             A(i32, 1, "C")))
-        self._check_kernel = rc._codelibrary.get_cufunc().kernel
-        self._check_config = LaunchConfig(grid=(m,), block=MMA.WARP)
-        t = ArgTemplate()
-        cat = (t.add_array((m,), 4), t.add_array(table_shape, 4))
-        for v in (n_entries, page, self.limit, t_q):
-            t.add(ctypes.c_int32(v))
-        t.add_array((m,), 4, array_ptr(self.checked_lens))
-        t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
-        self._check_args, self._check_at = t.words, cat
-        # the attention
         argtypes = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"),
                     A(i32, 2, "C"), i32, i32, i32, i32, f32, i32, A(f32, 4, "C"),
-                    A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"))
+                    A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"), i32, A(i32, 1, "C"))
         self._compile_main(pl, argtypes, 0)
         n_kv = self.n_kv_heads
         words = int(np.prod(cache_shape)) // 2
         shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
         t = ArgTemplate()
         at = [t.add_array((m, t_q, h, d // 2), 4), t.add_array((words,), 4),
-              t.add_array((words,), 4)]
-        t.add_array((m,), 4, array_ptr(self.checked_lens))
-        at.append(t.add_array(table_shape, 4))
+              t.add_array((words,), 4), t.add_array((m,), 4), t.add_array(table_shape, 4)]
         for v in (n_kv, page, n_entries, shift):
             t.add(ctypes.c_int32(v))
         t.add(ctypes.c_float(self.scale))
@@ -664,9 +646,10 @@ class DecodePlan:
         at.append(t.add_array((m, t_q, h), 4, array_ptr(self.lse)))
         t.add_array(self.part_acc.shape, 4, array_ptr(self.part_acc))
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
+        t.add(ctypes.c_int32(self.limit))
+        t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
         self._main_args = t.words
-        # q, k, v, -, table, out, lse: the fast path's pointer order (lens: the check's)
-        self._main_at = (at[0], at[1], at[2], None, at[3], at[4], at[5])
+        self._main_at = tuple(at)  # q, k, v, lens, table, out, lse: the fast path's order
 
     # -- a call -------------------------------------------------------------
 
@@ -741,13 +724,7 @@ class DecodePlan:
             a[at[8]] = pointer(specs[8], v_scale)
         st = self._stream0 if stream is None else core_stream(stream, self._streams)
         launch = self._core_launch
-        if self.method == "mma":  # the range check writes the lengths the kernel reads
-            c = self._check_args
-            c[self._check_at[0]] = lens_ptr
-            c[self._check_at[1]] = table_ptr
-            launch(st, self._check_config, self._check_kernel, *c)
-        else:
-            a[at[3]] = lens_ptr
+        a[at[3]] = lens_ptr
         launch(st, self._main_config, self._main_kernel, *a)
         if self._combine_kernel is not None:
             c = self._combine_args
@@ -793,13 +770,11 @@ class DecodePlan:
         st = 0 if stream is None else stream
         if self.method == "mma":
             d_q, d_k, d_v, d_lens, d_table = args
-            MMA.launch_range_check(self.paged, d_lens, d_table, self.kv_slots, self.page_size,
-                                   self.limit, self.t_q, self.checked_lens, self.flag, st)
             lead = (self.m, self.t_q, self.n_heads)
-            MMA.launch(self.mma_plan, d_q.reshape(lead + (self.head_dim,)), d_k, d_v,
-                       self.checked_lens, d_table, self.scale,
-                       d_out.reshape(lead + (self.head_dim,)), d_lse.reshape(lead),
-                       self.part_acc, self.part_ml, st)
+            MMA.launch(self.mma_plan, d_q.reshape(lead + (self.head_dim,)), d_k, d_v, d_lens,
+                       d_table, self.scale, d_out.reshape(lead + (self.head_dim,)),
+                       d_lse.reshape(lead), self.part_acc, self.part_ml, st,
+                       limit=self.limit, d_err=self.flag)
         else:
             fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
                         self.part_ml, st, err=self.flag, scales=scales)
