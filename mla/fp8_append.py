@@ -58,26 +58,33 @@ import numpy as np
 from numba import cuda, float32
 
 from attention.cache.fp8 import E4M3_MAX, _code_dev
-from attention.cache.paged import _check_capacity, _check_pages
 from attention.core import checks
 from attention.core.device import (
     device_fn,
-    finish,
     is_host_array,
     jit,
     launch_stream,
     to_device,
 )
+from attention.core.warp import block_max
 from attention.gemm import mma16
 
-from . import kernels as K
 from .fp8 import check_tensor_scale
-from .paged import APPEND_FLAG_CLEAR, _MAX_GRID_Y, _host_counts, check_page_table
+from .paged import (
+    _MAX_GRID_Y,
+    append_counts,
+    append_device_args,
+    append_result,
+    check_page_table,
+    count_row,
+    place_row,
+)
 
 FP8_APPEND_DEFECTS = ("append_round_to_zero",)
 NEW_DTYPES = (np.float32, np.float16)
 ROW_ALIGN = 16  # bytes: the decode reads a cached row as 16-byte chunks
-MAX_THREADS = 128
+THREADS = 128  # a block: its warps' maxima meet in block_max
+WARPS = THREADS // 32
 
 
 def _check_defect(defect):
@@ -95,37 +102,24 @@ def fp8_append_kernel(per_token, defect=None, checked=False):
     (read); page_table [B, max_pages] int32; lengths, n_new [B] int32. Row i <
     n_new[b] of sequence b goes to position ``p = lengths[b] + i``: row ``p %
     P`` of page ``page_table[b, p // P]``. Grid (T, B), one block a row,
-    threads (<= 128, a warp multiple) striding over the row. ``checked``: a
+    ``THREADS`` (128) threads striding over the row. ``checked``: a
     last argument ``flag`` [2] int32; a row that cannot be placed is not
     written and counted (``flag[0] += 1``, ``flag[1] = min(flag[1], b)``).
     """
     _check_defect(defect)
     PER_TOKEN = bool(per_token)
     TRUNC = defect == "append_round_to_zero"
-    WARP = 32
-    MAX_WARPS = MAX_THREADS // WARP
     pack = mma16.ops("f16")[1]
 
     def amax(new_rows, b, i, rank):
         # max |c_kv| of the row (NaN as 0), the same value in every thread
-        sh = cuda.shared.array(MAX_WARPS, float32)
+        red = cuda.shared.array(WARPS, float32)
         a = float32(0.0)
-        for d in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
+        for d in range(cuda.threadIdx.x, rank, THREADS):
             v = abs(float32(new_rows[b, i, d]))
             if v > a:  # NaN compares false: counted as 0
                 a = v
-        off = WARP // 2
-        while off > 0:
-            a = max(a, cuda.shfl_xor_sync(0xFFFFFFFF, a, off))
-            off //= 2
-        if cuda.threadIdx.x % WARP == 0:
-            sh[cuda.threadIdx.x // WARP] = a
-        cuda.syncthreads()
-        a = sh[0]
-        for w in range(1, cuda.blockDim.x // WARP):
-            a = max(a, sh[w])
-        cuda.syncthreads()
-        return a
+        return block_max(a, red)
 
     amax = device_fn(amax)
 
@@ -156,28 +150,22 @@ def fp8_append_kernel(per_token, defect=None, checked=False):
             b = cuda.blockIdx.y
             if i >= n_new[b]:
                 return
-            page_size = cache.shape[1]
-            p = lengths[b] + i
-            ok = lengths[b] >= 0 and p < page_table.shape[1] * page_size
-            page = 0
-            if ok:
-                page = page_table[b, p // page_size]
-                ok = page >= 0 and page < cache.shape[0]
+            ok, page, off = place_row(page_table, lengths, b, i, cache.shape[1],
+                                      cache.shape[0], False)
             if not ok:  # the whole block agrees: no barrier is skipped by part of it
-                if cuda.threadIdx.x == 0:
-                    cuda.atomic.add(flag, 0, 1)
-                    cuda.atomic.min(flag, 1, b)
+                count_row(flag, b)
                 return
-            write_row(new_rows, cache, sc, b, i, page, p % page_size)
+            write_row(new_rows, cache, sc, b, i, page, off)
     else:
         def kernel(new_rows, cache, sc, page_table, lengths, n_new):
             i = cuda.blockIdx.x
             b = cuda.blockIdx.y
             if i >= n_new[b]:
                 return
-            page_size = cache.shape[1]
-            p = lengths[b] + i
-            write_row(new_rows, cache, sc, b, i, page_table[b, p // page_size], p % page_size)
+            ok, page, off = place_row(page_table, lengths, b, i, cache.shape[1],
+                                      cache.shape[0], False)
+            if ok:  # (the host checked every row: always)
+                write_row(new_rows, cache, sc, b, i, page, off)
 
     kernel.__name__ = kernel.__qualname__ = (
         "mla_fp8_append" + ("_token" if PER_TOKEN else "_tensor")
@@ -261,60 +249,26 @@ def fp8_append_latent(new_rows, cache, page_table, lengths, *, scales=None, scal
     else:
         table = page_table
         max_pages = check_page_table(page_table, n_b, None, page_size, n_pages)
-    host = {"lengths": isinstance(lengths, (np.ndarray, list, tuple)),
-            "n_new": n_new is None or isinstance(n_new, (np.ndarray, list, tuple)),
-            "page_table": is_host_array(table)}
-    if host["lengths"]:
-        lens = _host_counts("lengths", lengths, n_b)
-    else:
-        checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
-    if n_new is None:
-        counts = np.full(n_b, t_new, np.int64)
-    elif host["n_new"]:
-        counts = _host_counts("n_new", n_new, n_b, hi=t_new)
-    else:
-        checks.check_array("n_new", n_new, (("B", n_b),), dtypes=(np.int32,))
-    if host["lengths"] and host["n_new"]:
-        if contiguous:
-            over = np.flatnonzero(lens + counts > page_size)
-            if over.size:
-                b = int(over[0])
-                raise checks.RangeError(
-                    f"lengths: sequence {b} has lengths[{b}]={int(lens[b])} plus "
-                    f"{int(counts[b])} new rows, past the cache's max_seq={page_size}")
-        else:
-            _check_capacity(lens, counts, page_size, max_pages)
-            if host["page_table"]:
-                _check_pages(lens, np.asarray(table), counts, page_size, n_pages)
-    checked = flag is not None or not all(host.values())
-    if flag is not None:
-        checks.check_array("flag", flag, (("2", 2),), dtypes=(np.int32,))
+    lens, counts, host, checked = append_counts(
+        n_b, t_new, lengths, n_new, table, flag, page_size=page_size, n_pages=n_pages,
+        max_pages=max_pages, max_seq=page_size if contiguous else None)
     if n_b == 0:
         return flag if checked else None
 
     st = launch_stream(stream)
     d_cache = to_device(cache, stream)
     d_sc = to_device(sc, stream)
-    args = [to_device(new_rows, stream), d_cache, d_sc, to_device(table, stream),
-            to_device(lens.astype(np.int32), stream) if host["lengths"] else to_device(lengths),
-            to_device(counts.astype(np.int32), stream) if host["n_new"] else to_device(n_new)]
-    d_flag = None
-    if checked:
-        d_flag = (to_device(np.array(APPEND_FLAG_CLEAR, np.int32), stream) if flag is None
-                  else to_device(flag, stream))
-        args.append(d_flag)
+    d_lens, d_counts, d_flag = append_device_args(lens, counts, host, lengths, n_new, checked,
+                                                  flag, stream)
+    args = [to_device(new_rows, stream), d_cache, d_sc, to_device(table, stream), d_lens,
+            d_counts] + ([d_flag] if checked else [])
     kern = fp8_append_kernel(per_token, defect, checked)
-    kern[(t_new, n_b), K._threads(rb, MAX_THREADS), st](*args)
+    kern[(t_new, n_b), THREADS, st](*args)
     if is_host_array(cache):
         d_cache.copy_to_host(cache, stream=st)
     if per_token and is_host_array(scales):
         d_sc.copy_to_host(scales, stream=st)
-    if checked and is_host_array(flag):
-        d_flag.copy_to_host(flag, stream=st)
-    finish(stream)
-    if not checked:
-        return None
-    return flag if is_host_array(flag) else d_flag
+    return append_result(checked, flag, d_flag, stream)
 
 
 __all__ = ["FP8_APPEND_DEFECTS", "fp8_append_kernel", "fp8_append_latent"]

@@ -335,6 +335,17 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     row_index = device_fn(row_index)
 
+    def next_chunk(row, c, row_step, chunk_step, per_row):
+        # the chunk NTH chunks on from (row, c) in rows of per_row chunks
+        row += row_step
+        c += chunk_step
+        if c >= per_row:
+            c -= per_row
+            row += 1
+        return row, c
+
+    next_chunk = device_fn(next_chunk)
+
     def issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row, tile0,
                end, nb, tid):
         # fp8: start copying tile tile0's codes into code buffer nb and its k_pe into
@@ -361,11 +372,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         smem[(dst >> 2) + x] = uint32(0)
                     if PER_TOKEN:
                         scn[a] = float32(0.0)
-            row += ROW_STEP_N
-            c += CHUNK_STEP_N
-            if c >= CPRN:
-                c -= CPRN
-                row += 1
+            row, c = next_chunk(row, c, ROW_STEP_N, CHUNK_STEP_N, CPRN)
         row = tid // CPRR
         c = tid % CPRR
         for a in range(COPIES_R):
@@ -384,11 +391,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 else:
                     for x in range(4):
                         smem[(dst >> 2) + x] = uint32(0)
-            row += ROW_STEP_R
-            c += CHUNK_STEP_R
-            if c >= CPRR:
-                c -= CPRR
-                row += 1
+            row, c = next_chunk(row, c, ROW_STEP_R, CHUNK_STEP_R, CPRR)
 
     issue8 = device_fn(issue8)
 
@@ -421,11 +424,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                             v3 = float32(v3 * s)
                         smem[dst + 2 * j] = pack(v0, v1)
                         smem[dst + 2 * j + 1] = pack(v2, v3)
-            row += ROW_STEP_N
-            c += CHUNK_STEP_N
-            if c >= CPRN:
-                c -= CPRN
-                row += 1
+            row, c = next_chunk(row, c, ROW_STEP_N, CHUNK_STEP_N, CPRN)
 
     convert8 = device_fn(convert8)
 

@@ -275,6 +275,37 @@ def launch_gather(d_pages, d_page_table, d_vis, d_rows, stream, defect=None):
 # ---------------------------------------------------------------------------
 
 
+def place_row(page_table, lengths, b, i, page_size, n_pages, shift):
+    """Device: ``(ok, page, off)`` of row ``i`` appended to sequence ``b``
+    (position ``lengths[b] + i``: row ``off`` of page ``page``); ``ok`` False
+    for a negative length, a position past the table or a page outside ``[0,
+    n_pages)``. ``shift``: the planted ``append_page_off_by_one`` (the next
+    page, kept in bounds)."""
+    p = lengths[b] + i
+    ok = lengths[b] >= 0 and p < page_table.shape[1] * page_size
+    page = 0
+    if ok:
+        page = page_table[b, p // page_size]
+        if shift:
+            page = (page + 1) % n_pages
+        ok = page >= 0 and page < n_pages
+    return ok, page, p % page_size
+
+
+place_row = device_fn(place_row)
+
+
+def count_row(flag, b):
+    """Device: count a row that cannot be placed in an append's ``flag`` [2]
+    (``[rows not written, lowest sequence at fault]``), once a block."""
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.add(flag, 0, 1)
+        cuda.atomic.min(flag, 1, b)
+
+
+count_row = device_fn(count_row)
+
+
 @functools.lru_cache(maxsize=None)
 def paged_append_kernel(defect=None, checked=False):
     """Kernel ``(new_rows, cache, page_table, lengths, n_new[, flag])``.
@@ -306,33 +337,22 @@ def paged_append_kernel(defect=None, checked=False):
             b = cuda.blockIdx.y
             if i >= n_new[b]:
                 return
-            page_size = cache.shape[1]
-            p = lengths[b] + i
-            ok = lengths[b] >= 0 and p < page_table.shape[1] * page_size
-            page = 0
-            if ok:
-                page = page_table[b, p // page_size]
-                if SHIFT:
-                    page = (page + 1) % cache.shape[0]
-                ok = page >= 0 and page < cache.shape[0]
-            if not ok:
-                if cuda.threadIdx.x == 0:
-                    cuda.atomic.add(flag, 0, 1)
-                    cuda.atomic.min(flag, 1, b)
+            ok, page, off = place_row(page_table, lengths, b, i, cache.shape[1],
+                                      cache.shape[0], SHIFT)
+            if not ok:  # the whole block agrees: no barrier is skipped by part of it
+                count_row(flag, b)
                 return
-            copy_row(new_rows, cache, b, i, page, p % page_size)
+            copy_row(new_rows, cache, b, i, page, off)
     else:
         def kernel(new_rows, cache, page_table, lengths, n_new):
             i = cuda.blockIdx.x
             b = cuda.blockIdx.y
             if i >= n_new[b]:
                 return
-            page_size = cache.shape[1]
-            p = lengths[b] + i
-            page = page_table[b, p // page_size]
-            if SHIFT:  # the neighbouring page, kept in bounds
-                page = (page + 1) % cache.shape[0]
-            copy_row(new_rows, cache, b, i, page, p % page_size)
+            ok, page, off = place_row(page_table, lengths, b, i, cache.shape[1],
+                                      cache.shape[0], SHIFT)
+            if ok:  # (the host checked every row: always)
+                copy_row(new_rows, cache, b, i, page, off)
 
     kernel.__name__ = kernel.__qualname__ = "mla_paged_append" + (
         "_checked" if checked else "") + ("" if defect is None else "_" + defect)
@@ -353,6 +373,73 @@ def _host_counts(name, x, count, hi=None):
         what = ">= 0" if hi is None else f"in [0, T={hi}]"
         raise checks.RangeError(f"{name}: expected values {what}, got {name}[{b}]={int(arr[b])}")
     return arr
+
+
+def append_counts(n_b, t_new, lengths, n_new, table, flag, *, page_size, n_pages, max_pages,
+                  max_seq=None):
+    """The host side an append of ``t_new`` rows to ``n_b`` sequences shares
+    (``paged_append_latent``, ``mla.fp8_append.fp8_append_latent``): ``lengths``
+    and ``n_new`` checked (host: values; device: shape and dtype); with both on
+    the host, the capacity (``max_seq``: a contiguous cache's rows, else the
+    table's ``max_pages * page_size``) and, with a host ``table``, every page
+    written; a ``flag`` [2] int32. Returns ``(lens, counts, host, checked)``:
+    int64 host copies (None where on the device), which of lengths / n_new /
+    table are on the host, and whether the checked kernel must run."""
+    host = {"lengths": isinstance(lengths, (np.ndarray, list, tuple)),
+            "n_new": n_new is None or isinstance(n_new, (np.ndarray, list, tuple)),
+            "page_table": is_host_array(table)}
+    lens = counts = None
+    if host["lengths"]:
+        lens = _host_counts("lengths", lengths, n_b)
+    else:
+        checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
+    if n_new is None:
+        counts = np.full(n_b, t_new, np.int64)
+    elif host["n_new"]:
+        counts = _host_counts("n_new", n_new, n_b, hi=t_new)
+    else:
+        checks.check_array("n_new", n_new, (("B", n_b),), dtypes=(np.int32,))
+    if host["lengths"] and host["n_new"]:
+        if max_seq is not None:
+            over = np.flatnonzero(lens + counts > max_seq)
+            if over.size:
+                b = int(over[0])
+                raise checks.RangeError(
+                    f"lengths: sequence {b} has lengths[{b}]={int(lens[b])} plus "
+                    f"{int(counts[b])} new rows, past the cache's max_seq={max_seq}")
+        else:
+            _check_capacity(lens, counts, page_size, max_pages)
+            if host["page_table"]:
+                _check_pages(lens, np.asarray(table), counts, page_size, n_pages)
+    checked = flag is not None or not all(host.values())
+    if flag is not None:
+        checks.check_array("flag", flag, (("2", 2),), dtypes=(np.int32,))
+    return lens, counts, host, checked
+
+
+def append_device_args(lens, counts, host, lengths, n_new, checked, flag, stream):
+    """``(d_lengths, d_n_new, d_flag)`` of ``append_counts``' results: the host
+    copies staged as int32, device arrays as given; ``d_flag`` None unless
+    ``checked`` (a fresh ``APPEND_FLAG_CLEAR`` unless ``flag`` is given)."""
+    d_lens = to_device(lens.astype(np.int32), stream) if host["lengths"] else to_device(lengths)
+    d_counts = (to_device(counts.astype(np.int32), stream) if host["n_new"]
+                else to_device(n_new))
+    d_flag = None
+    if checked:
+        d_flag = (to_device(np.array(APPEND_FLAG_CLEAR, np.int32), stream) if flag is None
+                  else to_device(flag, stream))
+    return d_lens, d_counts, d_flag
+
+
+def append_result(checked, flag, d_flag, stream):
+    """Copy a host ``flag`` back, finish the call (``finish``) and return what an
+    append returns: None unchecked, else the flag (host or device)."""
+    if checked and is_host_array(flag):
+        d_flag.copy_to_host(flag, stream=launch_stream(stream))
+    finish(stream)
+    if not checked:
+        return None
+    return flag if is_host_array(flag) else d_flag
 
 
 def paged_append_latent(new_rows, cache, page_table, lengths, *, n_new=None, stream=None,
@@ -394,45 +481,19 @@ def paged_append_latent(new_rows, cache, page_table, lengths, *, n_new=None, str
     if n_b > _MAX_GRID_Y:
         raise checks.RangeError(f"new_rows: expected B <= {_MAX_GRID_Y} sequences, got {n_b}")
     max_pages = check_page_table(page_table, n_b, None, page_size, n_pages)
-    host = {"lengths": isinstance(lengths, (np.ndarray, list, tuple)),
-            "n_new": n_new is None or isinstance(n_new, (np.ndarray, list, tuple)),
-            "page_table": is_host_array(page_table)}
-    if host["lengths"]:
-        lens = _host_counts("lengths", lengths, n_b)
-    else:
-        checks.check_array("lengths", lengths, (("B", n_b),), dtypes=(np.int32,))
-    if n_new is None:
-        counts = np.full(n_b, t_new, np.int64)
-    elif host["n_new"]:
-        counts = _host_counts("n_new", n_new, n_b, hi=t_new)
-    else:
-        checks.check_array("n_new", n_new, (("B", n_b),), dtypes=(np.int32,))
-    if host["lengths"] and host["n_new"]:
-        _check_capacity(lens, counts, page_size, max_pages)
-        if host["page_table"]:
-            _check_pages(lens, np.asarray(page_table), counts, page_size, n_pages)
-    checked = flag is not None or not all(host.values())
-    if flag is not None:
-        checks.check_array("flag", flag, (("2", 2),), dtypes=(np.int32,))
+    lens, counts, host, checked = append_counts(n_b, t_new, lengths, n_new, page_table, flag,
+                                                page_size=page_size, n_pages=n_pages,
+                                                max_pages=max_pages)
     if n_b == 0:
         return flag if checked else None
 
     st = launch_stream(stream)
     d_cache = to_device(cache, stream)
-    args = [to_device(new_rows, stream), d_cache, to_device(page_table, stream),
-            to_device(lens.astype(np.int32), stream) if host["lengths"] else to_device(lengths),
-            to_device(counts.astype(np.int32), stream) if host["n_new"] else to_device(n_new)]
-    d_flag = None
-    if checked:
-        d_flag = (to_device(np.array(APPEND_FLAG_CLEAR, np.int32), stream) if flag is None
-                  else to_device(flag, stream))
-        args.append(d_flag)
+    d_lens, d_counts, d_flag = append_device_args(lens, counts, host, lengths, n_new, checked,
+                                                  flag, stream)
+    args = [to_device(new_rows, stream), d_cache, to_device(page_table, stream), d_lens,
+            d_counts] + ([d_flag] if checked else [])
     paged_append_kernel(defect, checked)[(t_new, n_b), K._threads(width, 128), st](*args)
     if is_host_array(cache):
         d_cache.copy_to_host(cache, stream=st)
-    if checked and is_host_array(flag):
-        d_flag.copy_to_host(flag, stream=st)
-    finish(stream)
-    if not checked:
-        return None
-    return flag if is_host_array(flag) else d_flag
+    return append_result(checked, flag, d_flag, stream)

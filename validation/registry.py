@@ -534,30 +534,20 @@ def _run_mma_prefill(fn, x, **kw):
     return {"out": np.asarray(out), "lse": np.asarray(lse)}
 
 
-def _run_mla_mma(fn, x, **kw):
-    """Run wrapper of the MLA tensor-core decode (``mla.pipeline.mla_decode``,
-    ``fn``, with ``method="mma"``): the case's t_q queries over its t_kv latent
-    rows are one sequence of a multi-token decode, q_nope / q_pe [1, t_q, nh,
-    .] (float32), the cache [c_kv | k_pe] as [1, t_kv, r + d_rope] float16,
-    lengths [t_kv] (query i sees positions 0 .. t_kv - t_q + i, the registry's
-    causal rule). Returns {"out" [t_q, nh, d_v]}. ``kw`` goes to ``mla_decode``
-    (``defect=``). Cases the kernel cannot take raise ``unsupported_case()``
-    before any launch: a cache other than float16, a latent width ``mla.mma``
-    has no tiles for, t_q outside 1 .. 16, or a query [q_lat | q_pe] that
-    overflows float16 (the kernel rounds it to the cache's type)."""
+def _mla_mma_case(x, rank, what):
+    """The checks ``mla.mma`` puts on a registry MLA case (``rank``: its r;
+    ``what``: the cache's name in the messages), before any launch: a latent
+    width it has tiles for, t_q in 1 .. 16 and a query [q_lat | q_pe] that fits
+    float16 (the kernel rounds it to fp16); else ``unsupported_case()``.
+    Returns t_q."""
     from mla import mma as module
     from mla.pipeline import MAX_S_Q
 
     unsupported = unsupported_case()
-    c_kv, k_pe = x["c_kv"], x["k_pe"]
-    if np.dtype(c_kv.dtype) != np.float16:
-        raise unsupported(f"{np.dtype(c_kv.dtype)}: mla_decode(method='mma') takes a float16 "
-                          f"latent cache only")
     t_q = int(x["q_nope"].shape[0])
-    t_kv, rank = c_kv.shape
-    why = module.supported(int(rank), int(k_pe.shape[1]))
+    why = module.supported(int(rank), int(x["k_pe"].shape[1]))
     if why is not None:
-        raise unsupported(f"latent width: mla.mma cannot take {why}")
+        raise unsupported(f"latent width: mla.mma cannot take {why} ({what})")
     if not 1 <= t_q <= MAX_S_Q:
         raise unsupported(f"t_q = {t_q}: mla_decode takes 1 to {MAX_S_Q} new queries a "
                           f"sequence (s_q)")
@@ -567,6 +557,24 @@ def _run_mla_mma(fn, x, **kw):
     if not np.isfinite(rows).all():
         raise unsupported("q: the case's [q_lat | q_pe] does not fit in float16 (inf after "
                           "the rounding mla.mma applies)")
+    return t_q
+
+
+def _run_mla_mma(fn, x, **kw):
+    """Run wrapper of the MLA tensor-core decode (``mla.pipeline.mla_decode``,
+    ``fn``, with ``method="mma"``): the case's t_q queries over its t_kv latent
+    rows are one sequence of a multi-token decode, q_nope / q_pe [1, t_q, nh,
+    .] (float32), the cache [c_kv | k_pe] as [1, t_kv, r + d_rope] float16,
+    lengths [t_kv] (query i sees positions 0 .. t_kv - t_q + i, the registry's
+    causal rule). Returns {"out" [t_q, nh, d_v]}. ``kw`` goes to ``mla_decode``
+    (``defect=``). Cases the kernel cannot take raise ``unsupported_case()``
+    before any launch: a cache other than float16, and ``_mla_mma_case``'s."""
+    c_kv, k_pe = x["c_kv"], x["k_pe"]
+    if np.dtype(c_kv.dtype) != np.float16:
+        raise unsupported_case()(f"{np.dtype(c_kv.dtype)}: mla_decode(method='mma') takes a "
+                                 f"float16 latent cache only")
+    t_kv, rank = c_kv.shape
+    _mla_mma_case(x, rank, "a float16 cache")
     cache = np.concatenate([c_kv, k_pe], axis=1)[None]  # [1, t_kv, r + d_rope]
     out = fn(x["q_nope"][None], x["q_pe"][None], cache, np.array([t_kv], np.int32),
              x["w_uk"], x["w_uv"], method="mma", **kw)
@@ -580,32 +588,16 @@ def _run_mla_fp8(fn, x, **kw):
     each row ``[codes of c_kv | k_pe as float16 bytes]``, one sequence of t_q
     queries as ``_run_mla_mma``. The case dtype is k_pe's: float16 only (the
     format's RoPE part), other dtypes are reported unsupported, and so are
-    widths ``mla.mma`` cannot take, t_q outside 1 .. 16 and queries that
-    overflow float16."""
+    ``_mla_mma_case``'s cases."""
     from mla import fp8 as F
-    from mla import mma as module
-    from mla.pipeline import MAX_S_Q
 
-    unsupported = unsupported_case()
     k_pe = x["k_pe"]
     if np.dtype(k_pe.dtype) != np.float16:
-        raise unsupported(f"{np.dtype(k_pe.dtype)}: the fp8 latent row holds k_pe as float16 "
-                          f"(mla.fp8)")
+        raise unsupported_case()(f"{np.dtype(k_pe.dtype)}: the fp8 latent row holds k_pe as "
+                                 f"float16 (mla.fp8)")
     codes = np.asarray(x["latent_codes"], np.uint8)
-    t_q = int(x["q_nope"].shape[0])
     t_kv, rank = codes.shape
-    why = module.supported(int(rank), int(k_pe.shape[1]))
-    if why is not None:
-        raise unsupported(f"latent width: mla.mma cannot take {why}")
-    if not 1 <= t_q <= MAX_S_Q:
-        raise unsupported(f"t_q = {t_q}: mla_decode takes 1 to {MAX_S_Q} new queries a "
-                          f"sequence (s_q)")
-    q_lat = np.einsum("thp,hpl->thl", x["q_nope"], x["w_uk"])
-    with np.errstate(over="ignore"):
-        rows = np.concatenate([q_lat, x["q_pe"]], axis=-1).astype(np.float16)
-    if not np.isfinite(rows).all():
-        raise unsupported("q: the case's [q_lat | q_pe] does not fit in float16 (inf after "
-                          "the rounding mla.mma applies)")
+    _mla_mma_case(x, rank, "an fp8 cache")
     cache = np.concatenate([codes, np.ascontiguousarray(k_pe).view(np.uint8)], axis=1)
     assert cache.shape[1] == F.row_bytes(rank, k_pe.shape[1])
     scale = np.asarray(x["latent_scale"], np.float32)

@@ -44,6 +44,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from attention.core import checks
+from attention.core.warp import block_max
 from attention.core.device import (
     BFLOAT16,
     device_fn,
@@ -60,7 +61,6 @@ from .paged import (
     _check_pages,
     _host_lengths,
     _page_dims,
-    _threads,
     _writeback,
     new_flag,
 )
@@ -72,6 +72,8 @@ MIN_NORMAL = 2.0 ** -6
 FP8_DEFECTS = ("append_round_to_zero",)
 SCALE_MODES = ("tensor", "token_head")
 NEW_DTYPES = (np.float32, np.float16) + (() if BFLOAT16 is None else (BFLOAT16,))
+THREADS = 128  # an append block: its warps' maxima meet in block_max
+WARPS = THREADS // 32
 
 
 def _value_table():
@@ -222,30 +224,16 @@ def fp8_append_kernel(layout="HND", per_token=True, defect=None, checked=False):
     HND = layout == "HND"
     TRUNC = defect == "append_round_to_zero"
     PER_TOKEN = bool(per_token)
-    WARP = 32
-    MAX_WARPS = 4  # _threads: at most 128 threads
 
     def amax(new, m, i, g):
         # the row's max |x| over D (NaN as 0), shared by the whole block
-        sh = cuda.shared.array(MAX_WARPS, float32)
+        red = cuda.shared.array(WARPS, float32)
         a = float32(0.0)
-        for d in range(cuda.threadIdx.x, new.shape[3], cuda.blockDim.x):
+        for d in range(cuda.threadIdx.x, new.shape[3], THREADS):
             v = abs(float32(new[m, i, g, d]))
             if v > a:  # NaN compares false: counted as 0
                 a = v
-        off = WARP // 2
-        while off > 0:
-            a = max(a, cuda.shfl_xor_sync(0xFFFFFFFF, a, off))
-            off //= 2
-        warp = cuda.threadIdx.x // WARP
-        if cuda.threadIdx.x % WARP == 0:
-            sh[warp] = a
-        cuda.syncthreads()
-        a = sh[0]
-        for w in range(1, cuda.blockDim.x // WARP):
-            a = max(a, sh[w])
-        cuda.syncthreads()
-        return a
+        return block_max(a, red)
 
     amax = device_fn(amax)
 
@@ -382,7 +370,7 @@ def fp8_append(k_new, v_new, k_pages, v_pages, page_table, lengths, *, k_scale=N
     if not host:
         out_flag = new_flag(st) if flag is None else flag
         args.append(out_flag)
-    kern[(t_new, m, n_kv), _threads(d), st](*args)
+    kern[(t_new, m, n_kv), THREADS, st](*args)
     for x, dev in zip((k_pages, v_pages, k_sc, v_sc), arrays[2:6]):
         if is_host_array(x):
             _writeback(x, dev, stream)
