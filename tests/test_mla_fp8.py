@@ -341,3 +341,29 @@ def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
     assert ptx.count("mma.sync.aligned.m16n8k16") == 576 // 16 * 2 + 4 * 16
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
+
+
+# ---------------------------------------------------------------------------
+# error growth over decode steps through the quantizing append
+# ---------------------------------------------------------------------------
+
+def test_growth_run_is_registered_and_float16_only():
+    from validation import growth
+
+    assert "mla_fp8_decode" in growth.GROWTH_KERNELS
+    assert growth.REGISTRY_KERNEL["mla_fp8_decode"] == "mla_fp8_tok"
+    rec = growth.run_growth(growth.GrowthJob("mla_fp8_decode", "float32", 0, 2, True))
+    assert rec["status"] == "unsupported" and "k_pe as float16" in rec["detail"], rec
+
+
+@pytest.mark.device
+def test_growth_run_passes_and_keeps_the_cache_bytes():
+    """Three steps on the simulator (1024 on a GPU): every step within the rule,
+    every cache byte and scale the reference quantizer's, NaN codes past the
+    last row."""
+    from validation import growth
+
+    rec = growth.run_growth(growth.GrowthJob("mla_fp8_decode", "float16", 0, 3, True))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["cache_ok"] and len(rec["series"]["step"]) == 3
+    assert rec["geometry"]["row_bytes"] == 64 + 2 * 64

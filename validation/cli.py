@@ -86,7 +86,7 @@ def parser():
                                               "on a GPU, 32 on the simulator)")
     ap.add_argument("--growth", help="growth runs: batched_decode, flash_decode, fast_decode, "
                                      "mla_decode, mla_gemm_decode, mla_gemm_fma_decode, "
-                                     "or 'none'")
+                                     "mla_fp8_decode, ... (growth.GROWTH_KERNELS), or 'none'")
     ap.add_argument("--defects", help="planted-defect suites by family name (globs), or 'none'")
     ap.add_argument("--mutants", default="first",
                     help="run the product kernels' precision mutants (the judge's resolving "

@@ -46,7 +46,18 @@ Runs (``GROWTH_KERNELS``):
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
   GPU with DeepSeek-V3's 128 heads, so that its score and P.V GEMMs run on tensor
   cores (``attention.gemm.tgemm`` takes more than 64 rows);
-* ``mla_gemm_fma_decode``: the GEMM path with fp32 FMA GEMMs only (``gemm_fma``).
+* ``mla_gemm_fma_decode``: the GEMM path with fp32 FMA GEMMs only (``gemm_fma``);
+* ``mla_fp8_decode``: one sequence in an fp8 latent cache (``mla.fp8``: a
+  contiguous ``[1, capacity, r + 2 d_rope]`` uint8 cache holding e4m3's NaN
+  code and NaN scales wherever nothing was appended), each step's row
+  quantized per token by ``mla.fp8_append.fp8_append_latent`` and attended by
+  ``mla_decode(..., latent_scale=)`` (the tensor-core kernel's fp8 mode);
+  the mirror is ``mla.fp8.quantize``'s codes and scales, the oracle takes
+  their exact dequantized values and the baseline is the registry's
+  ``mla_fp8_tok`` (``mla_rounded_p``); at the end every cache byte and scale
+  must equal the mirror's. The widths are the tensor-core kernel's (r 64,
+  d_rope 64, 2 heads on the simulator; DeepSeek's with 16 heads on a GPU);
+  float16 only (the format's k_pe).
 
 A step passes under the sweep's rule (``validation.metrics.judge``), except
 that an output with fewer than ``tolerance.MEAN_MIN_ENTRIES`` entries a step
@@ -71,7 +82,7 @@ from validation import baselines, fixtures, metrics, tolerance
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
                   "paged_decode_t4", "fp8_decode", "mla_decode", "mla_gemm_decode",
-                  "mla_gemm_fma_decode")
+                  "mla_gemm_fma_decode", "mla_fp8_decode")
 # the paged runs: queries a call (tokens appended a call) and page size (GPU, simulator)
 PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4}
 PAGED_PAGE = {False: 16, True: 4}
@@ -79,7 +90,8 @@ DEFAULT_GPU = GROWTH_KERNELS
 MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_decode": "gemm_fma"}
 # heads of the GPU runs (DeepSeek-V3 widths): 16 keep the float64 recompute cheap; the
 # tensor-core GEMM path needs more than 64 (``attention.gemm.tgemm.usable``), so it gets 128
-MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16}
+MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16,
+                 "mla_fp8_decode": 16}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
 KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
@@ -89,7 +101,8 @@ REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_de
                    "paged_decode_t4": "decode_fast", "fp8_decode": "decode_fp8_tok",
                    "mla_decode": "mla",
                    "mla_gemm_decode": "mla_gemm",
-                   "mla_gemm_fma_decode": "mla_gemm_fma"}
+                   "mla_gemm_fma_decode": "mla_gemm_fma",
+                   "mla_fp8_decode": "mla_fp8_tok"}
 
 
 def baseline_order(kernel, inputs=None, storage=np.float32):
@@ -126,7 +139,9 @@ MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
            "mla_gemm_fma_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
-                                   "mla.dims")}
+                                   "mla.dims"),
+           "mla_fp8_decode": ("mla.fp8", "mla.fp8_append", "mla.pipeline", "mla.oracle",
+                              "mla.dims")}
 
 
 @dataclass(frozen=True)
@@ -458,7 +473,9 @@ def mla_growth_inputs(job):
     generator, drawn when asked for (``bench.tgemm_emu`` replays the run from these)."""
     from mla import dims as mla_dims
 
-    if job.small:
+    if job.small and job.kernel == "mla_fp8_decode":  # the tensor-core kernel's widths
+        dims = mla_dims.MlaDims(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64)
+    elif job.small:
         dims = mla_dims.SMALL_SHAPES[0]
     else:  # DeepSeek-V3 widths (heads: MLA_GPU_HEADS)
         dims = mla_dims.MlaDims(n_head=MLA_GPU_HEADS[job.kernel], d_nope=128, d_rope=64,
@@ -516,6 +533,61 @@ def _mla_growth(job):
     return series, not problems, "; ".join(problems), geometry
 
 
+def _mla_fp8_growth(job):
+    """The fp8 latent cache's growth run (module docstring)."""
+    from attention.core.device import to_device, to_host
+    from mla import fp8
+    from mla.fp8_append import fp8_append_latent
+    from mla.oracle import mla_attend_absorbed
+    from mla.pipeline import mla_decode
+
+    if job.dtype != "float16":
+        from attention.core.checks import DTypeError
+
+        raise DTypeError(f"{job.dtype}: the fp8 latent row holds k_pe as float16 (mla.fp8)")
+    dims, dt, start, w_uk, w_uv, c_all, k_all, queries = mla_growth_inputs(job)
+    nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
+    cap = start + job.steps + 1  # one row past the last step: never written
+    rb = fp8.row_bytes(r, d_rope)
+    rows_all = np.concatenate([c_all, k_all], axis=1).astype(np.float32)  # [start + steps, W]
+    codes = np.full((1, cap, rb), 0x7F, np.uint8)  # e4m3's NaN wherever nothing is appended
+    scales = np.full((1, cap), np.nan, np.float32)
+    d_codes, d_scales = to_device(codes), to_device(scales)
+    mirror_c, mirror_s = codes.copy(), scales.copy()
+    want_c, want_s = fp8.quantize(rows_all, r)  # the reference quantizer's rows
+
+    def append(first, count):
+        fp8_append_latent(rows_all[None, first:first + count].astype(dt), d_codes, None,
+                          np.array([first]), scales=d_scales)
+        mirror_c[0, first:first + count] = want_c[first:first + count]
+        mirror_s[0, first:first + count] = want_s[first:first + count]
+
+    append(0, start)
+    label = baseline_order(job.kernel, {"k_pe": k_all}, np.float16)
+    scale = 1.0 / np.sqrt(d_nope + d_rope)
+    series = _series()
+    for step, (q_nope, q_pe) in enumerate(queries):
+        length = start + step + 1
+        append(length - 1, 1)
+        out = mla_decode(q_nope, q_pe, d_codes, np.array([length]), w_uk, w_uv,
+                         latent_scale=d_scales)
+        exact = fp8.dequantize(mirror_c[0, :length], mirror_s[0, :length], r)
+        args = (q_nope, q_pe, exact[:, :r], exact[:, r:], w_uk, w_uv)
+        ref = mla_attend_absorbed(*args)
+        base = baselines.mla_rounded_p(*args, scale, np.float16)
+        _record_step(series, step + 1, length,
+                     {"out": metrics.judge(np.asarray(out), ref, base, label)})
+    problems = []
+    if not np.array_equal(to_host(d_codes), mirror_c):
+        problems.append("cache bytes differ from the reference quantizer's rows (or a row "
+                        "past the length was written)")
+    if not np.array_equal(to_host(d_scales), mirror_s, equal_nan=True):
+        problems.append("scales differ from the reference quantizer's")
+    geometry = {"nh": nh, "d_nope": d_nope, "d_rope": d_rope, "d_v": d_v, "r": r,
+                "start": start, "row_bytes": rb, "scales": "token"}
+    return series, not problems, "; ".join(problems), geometry
+
+
 def _available(kernel):
     from validation.registry import _import
 
@@ -542,7 +614,9 @@ def run_growth(job):
         return rec
     start = time.perf_counter()
     try:
-        if job.kernel in MLA_METHODS:
+        if job.kernel == "mla_fp8_decode":
+            series, cache_ok, problems, geometry = _mla_fp8_growth(job)
+        elif job.kernel in MLA_METHODS:
             series, cache_ok, problems, geometry = _mla_growth(job)
         elif job.kernel in PAGED_T_Q:
             series, cache_ok, problems, geometry = _paged_growth(job, PAGED_T_Q[job.kernel])
