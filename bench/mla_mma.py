@@ -25,7 +25,9 @@ per token, every shape above): the same cache quantized on the device by
 (device time). ``GBps`` counts the bytes it reads: B L (512 + 2 x 64) per
 row, plus 4 a row of per-token scales. Its ``max_err`` is against the oracle
 on the fp16 cache, so it includes the format's quantization error (the
-validation summary's table); ``vs_einsum`` as above.
+validation summary's table); ``vs_einsum`` as above; ``vs_mma_fp16`` is the
+fp16 cache's ``mma`` row's time over the fp8 row's (above 1: the fp8 cache
+is faster).
 
 Accuracy (``max_err``): max |out - float64 oracle| over ``check_seqs``
 sequences (``bench.run.mla_decode_batch``: the absorbed decode on the fp16
@@ -51,7 +53,7 @@ import numpy as np
 COMPUTE = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
 MEMORY = (dict(COMPUTE, heads=16), dict(COMPUTE, batch=1, heads=16, seq=32768))
 COLUMNS = ("kernel", "batch", "heads", "seq_len", "ms", "TFLOPs", "frac_of_peak", "vs_einsum",
-           "GBps", "frac_of_copy", "max_err", "numpy_fp32_err", "note")
+           "vs_mma_fp16", "GBps", "frac_of_copy", "max_err", "numpy_fp32_err", "note")
 
 
 def _shape_note(c):
@@ -164,7 +166,7 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
         row = {"kernel": kernel, "batch": c["batch"], "heads": c["heads"],
                "seq_len": c["seq"], "ms": round(ms, 4), "TFLOPs": round(tf, 1),
                "frac_of_peak": round(tf / bf16_peak, 3) if bf16_peak else None,
-               "vs_einsum": None, "GBps": round(gbps, 1),
+               "vs_einsum": None, "vs_mma_fp16": None, "GBps": round(gbps, 1),
                "frac_of_copy": round(gbps / copy_gbps, 3),
                "max_err": None if err is None else float(f"{err:.3g}"),
                "numpy_fp32_err": float(f"{check.base_err:.3g}"), "note": note}
@@ -183,6 +185,7 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
         st.synchronize()
         ms = timer.time(lambda: MM.launch_prepared(p, st), reps=10, warmup=2)
         pl = p["plan"]
+        ms16 = ms
         record("mma", c, ms, check, out=p["out"],
                note=f"(prepared launches: device time; RG {pl['row_groups']}, KT "
                     f"{pl['tile']}, {pl['n_split']} splits)")
@@ -192,11 +195,12 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
             st.synchronize()
             ms = timer.time(lambda: MM.launch_prepared(p8, st), reps=10, warmup=2)
             rows8 = c["batch"] * c["seq"]
-            record("mma_fp8" + ("_tok" if mode == "token" else ""), c, ms, check,
+            row8 = record("mma_fp8" + ("_tok" if mode == "token" else ""), c, ms, check,
                    out=p8["out"], nbytes=rows8 * (c["latent"] + 2 * c["rope"]
                                                   + (4 if mode == "token" else 0)),
                    note=f"(fp8 latent cache, scale per {mode}: prepared launches; err "
                         f"includes the quantization's)")
+            row8["vs_mma_fp16"] = round(ms16 / ms, 3)
         if c is not COMPUTE:
             continue
 
@@ -245,11 +249,12 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
 
 def summary_lines(rows):
     """Markdown lines for the bench summary."""
-    out = ["| kernel | shape | ms | TFLOP/s | of bf16 peak | vs fp16 einsum | GB/s | "
-           "of copy | max err | fp32 numpy err |", "|" + "---|" * 10]
+    out = ["| kernel | shape | ms | TFLOP/s | of bf16 peak | vs fp16 einsum | vs fp16 cache "
+           "mma | GB/s | of copy | max err | fp32 numpy err |", "|" + "---|" * 11]
     for r in rows:
         out.append(f"| {r['kernel']} | B {r['batch']} / {r['heads']} heads / L {r['seq_len']} "
                    f"| {r['ms']} | {r['TFLOPs']} | {r['frac_of_peak']} | {r['vs_einsum']} | "
+                   f"{r.get('vs_mma_fp16')} | "
                    f"{r['GBps']} | {r['frac_of_copy']} | {r['max_err']} | "
                    f"{r['numpy_fp32_err']} |")
     return out

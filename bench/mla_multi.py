@@ -16,7 +16,9 @@ Paths: ``mla_decode`` (method "gemm", the public launcher with one
 ``Workspace`` reused across calls: host work included, as ``bench/run.py``'s
 ``mla_decode`` row) and ``mla_decode_graph`` (``MLADecodeGraph``, tensor-core
 GEMMs, the launches replayed as a CUDA graph: device time only, as
-``mla_decode_graph``). ``"flash"`` may be asked for too (tiled kernel, slow).
+``mla_decode_graph``) and ``mma_graph`` (``MLADecodeGraph(method="mma")``: the
+attention on 16-bit tensor cores, ``mla.mma``, fp16 caches only, replayed as a
+graph: device time). ``"flash"`` may be asked for too (tiled kernel, slow).
 
 Each multi-token row's last query is the s_q = 1 row's query (same values),
 and sees every position: ``max_abs_diff`` is max |its output - the s_q = 1
@@ -51,7 +53,8 @@ import numpy as np
 SHAPE = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
 S_QS = (1, 2, 4)
 PAGE = 64
-PATHS = ("mla_decode", "mla_decode_graph")
+PATHS = ("mla_decode", "mla_decode_graph", "mma_graph")
+GRAPH_PATHS = {"mla_decode_graph": None, "mma_graph": "mma"}  # path -> MLADecodeGraph method
 DTYPES = ("float16", "float32")
 COLUMNS = ["kernel", "path", "s_q", "page_size", "dtype", "batch", "heads", "latent", "rope",
            "seq_len", "ms", "vs_sq1", "vs_contiguous", "flop", "TFLOPs", "bytes", "GBps",
@@ -144,6 +147,8 @@ def bench_mla_multi(timer=None, *, dtypes=DTYPES, paths=PATHS, s_qs=S_QS, page=P
             pages, table = cuda.to_device(pages_h), cuda.to_device(table_h)
             del pages_h
         for path in paths:
+            if path == "mma_graph" and dname != "float16":
+                continue  # the tensor-core attention takes an fp16 cache only
             ref = {}  # s_q = 1 results: (ms, out [B, nh, d_v])
 
             def record(kernel, s_q, ms, out, paged=False, qs=None, path=path):
@@ -167,8 +172,11 @@ def bench_mla_multi(timer=None, *, dtypes=DTYPES, paths=PATHS, s_qs=S_QS, page=P
                        "bytes": nbytes, "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1),
                        "max_abs_diff": diff, "max_err": float(f"{err:.3g}"),
                        "numpy_fp32_err": float(f"{base:.3g}"),
-                       "note": ("public launcher, host work included" if path != "mla_decode_graph"
-                                else "CUDA graph replay, device time")}
+                       "note": ("public launcher, host work included"
+                                if path not in GRAPH_PATHS else
+                                "CUDA graph replay, device time" + (
+                                    "; the tensor-core attention (mla.mma)"
+                                    if path == "mma_graph" else ""))}
                 rows.append(row)
                 ratio = (f" x{row['vs_contiguous']:.3f} of contiguous" if paged else
                          (f" x{row['vs_sq1']:.3f} of s_q 1" if row["vs_sq1"] else ""))
@@ -207,8 +215,9 @@ def _time(path, timer, st, qs, cache, lengths, w_uk, w_uv, mla_decode, graph_cls
     """(ms, host output) of one row's path."""
     from numba import cuda
 
-    if path == "mla_decode_graph":
-        g = graph_cls(qs[0], qs[1], cache, lengths, w_uk, w_uv, page_table=table)
+    if path in GRAPH_PATHS:
+        g = graph_cls(qs[0], qs[1], cache, lengths, w_uk, w_uv, page_table=table,
+                      method=GRAPH_PATHS[path])
         if g.graph is None:
             raise RuntimeError(f"no graph ({g.fallback_reason})")
         g.run(sync=True)
