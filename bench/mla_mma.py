@@ -110,8 +110,10 @@ def _fp8_prepared(inputs, mode, stream):
     codes = device_empty((n_b, seq, row_bytes(rank, d_rope)), np.uint8, stream)
     rows = cache.reshape(n_b, seq, width)
     if mode == "tensor":
-        peak = float(np.abs(_host(cache)[..., :rank].astype(np.float32)).max())
-        d_scale = to_device(np.array([max(peak, 1e-30) / 448.0], np.float32), stream)
+        from validation.fixtures import tensor_scale
+
+        d_scale = to_device(np.array([tensor_scale(_host(cache)[..., :rank].astype(
+            np.float32))], np.float32), stream)
         fp8_append_latent(rows, codes, None, np.zeros(n_b, np.int32), scale=d_scale,
                           stream=stream)
     else:

@@ -49,11 +49,6 @@ def row_bytes(rank, d_rope):
     return int(rank) + 2 * int(d_rope)
 
 
-def rank_of(width_bytes, d_rope):
-    """r of an fp8 row of ``width_bytes`` bytes with ``d_rope`` float16 values."""
-    return int(width_bytes) - 2 * int(d_rope)
-
-
 def check_tensor_scale(name, scale):
     """A host per-tensor scale [1] float32: finite, > 0 and ``448 s <= 65504``
     (the decode's float16 operands hold every dequantized value). Returns it."""
@@ -93,10 +88,7 @@ def dequantize(codes, scales, rank, rounded=False):
     codes = np.asarray(codes, np.uint8)
     c8 = codes[..., :rank]
     pe = np.ascontiguousarray(codes[..., rank:]).view(np.float16)
-    s = np.asarray(scales, np.float32)
-    if s.ndim == 1 and s.shape[0] == 1 and codes.ndim > 2:
-        s = s.reshape(())
-    s = np.broadcast_to(s, codes.shape[:-1])[..., None]
+    s = np.broadcast_to(np.asarray(scales, np.float32), codes.shape[:-1])[..., None]
     if rounded:
         with np.errstate(over="ignore", invalid="ignore"):
             c = (decode_e4m3(c8) * s).astype(np.float32).astype(np.float16)
@@ -144,4 +136,4 @@ def check_cache(latent_cache, latent_scale, rank, d_rope, *, n_b=None, paged=Fal
 
 
 __all__ = ["FP16_MAX", "SCALE_MODES", "check_cache", "check_tensor_scale", "dequantize",
-           "is_fp8", "quantize", "rank_of", "row_bytes"]
+           "is_fp8", "quantize", "row_bytes"]

@@ -63,6 +63,17 @@ capacity]`` or in ``1 .. s_q - 1``, or a slot outside the cache, makes its
 sequence empty (zeros, lse -inf); a page entry outside ``[0, num_pages)``
 reads as zero rows. Nothing is read out of bounds.
 
+fp8 cache (``fp8=`` "tensor" / "token"; ``mla.fp8``: rows of r e4m3 codes and
+d_rope fp16 values, ``r + 2 d_rope`` bytes, with float32 scales ``sc``): the
+same kernel with fp16 operands (``kind`` "f16"). A tile's codes are copied
+(``cp.async``) into two code buffers ``[KT, r]`` bytes; the thread that copied
+a chunk converts it, at the top of the next tile's step, into one f16 c_kv tile
+(the 16-bit layout): ``fp16(fl32(e4m3(c) s))``, the scale of the tensor or of
+the chunk's row (read when the copy is issued). k_pe is copied straight into
+two f16 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a tile;
+the same shared memory as the 16-bit kernel. A zero-filled row (past the end,
+a bad page entry) converts to zeros and its scale is never read.
+
 Planted defects (``defect=``, compile-time switches for the tests and the
 defect catalogue; without one the kernel is unchanged, its name has no suffix):
     "ldmatrix_no_trans"   V's B fragments loaded by ``ldmatrix`` without
@@ -71,6 +82,11 @@ defect catalogue; without one the kernel is unchanged, its name has no suffix):
                           (``ldmatrix`` reads them with the right one)
     "causal_tile_edge"    a query whose causal end falls on a tile edge (a
                           multiple of 16) sees one more position
+  and with an fp8 cache (``FP8_DEFECTS``):
+    "fp8_scale_twice"     each value multiplied by its scale twice
+    "fp8_no_scale"        the codes' values taken unscaled
+    "fp8_scale_wrong_token"  per token: a row converted with the next row's scale
+    "fp8_as_e5m2"         the codes decoded as e5m2
 """
 
 from __future__ import annotations
@@ -96,6 +112,7 @@ from attention.decode import fast
 from attention.gemm import mma16
 
 from . import attn_gemm as G
+from .fp8 import SCALE_MODES as FP8_MODES  # "tensor", "token"
 
 WARP = 32
 CB = 64  # columns of a shared column block (8 chunks of 16 bytes: the swizzle's row)
@@ -108,7 +125,6 @@ DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
 # fp8 cache only (``fp8=``): the dequantization's scale applied twice / not at
 # all, the scale of the next cached row (per token), codes decoded as e5m2
 FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token", "fp8_as_e5m2")
-FP8_MODES = ("tensor", "token")
 
 
 def check_defect(defect, fp8=None):
@@ -231,8 +247,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     PAGED = bool(paged)
     FP8 = fp8 is not None
     PER_TOKEN = fp8 == "token"
-    SCALE_TWICE = defect == "fp8_scale_twice"
-    NO_SCALE = defect == "fp8_no_scale"
+    # times a dequantized value is multiplied by its scale (once; the planted
+    # fp8_no_scale / fp8_scale_twice: 0 / 2)
+    SCALINGS = {"fp8_no_scale": 0, "fp8_scale_twice": 2}.get(defect, 1)
     WRONG_TOKEN = defect == "fp8_scale_wrong_token"
     NO_TRANS = defect == "ldmatrix_no_trans"
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
@@ -412,12 +429,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                            + ((((2 * c + h) & 7) ^ key) << 4)) >> 2
                     for j in range(2):
                         v0, v1, v2, v3 = codes4(smem[src + 2 * h + j])
-                        if not NO_SCALE:
-                            v0 = float32(v0 * s)
-                            v1 = float32(v1 * s)
-                            v2 = float32(v2 * s)
-                            v3 = float32(v3 * s)
-                        if SCALE_TWICE:
+                        for _ in range(SCALINGS):
                             v0 = float32(v0 * s)
                             v1 = float32(v1 * s)
                             v2 = float32(v2 * s)

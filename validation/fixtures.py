@@ -249,6 +249,15 @@ def resolve_dtype(name):
 FP8_MODES = ("tensor", "token_head")  # the fp8 cache's scale modes (attention.cache.fp8)
 
 
+def tensor_scale(values):
+    """A per-tensor fp8 scale for float32 ``values``: their max |x| / 448 as
+    float32, 1 where there are none or all are zero."""
+    from attention.cache.fp8 import E4M3_MAX
+
+    peak = float(np.abs(values).max()) if np.size(values) else 0.0
+    return np.float32(peak / E4M3_MAX) if peak > 0 else np.float32(1.0)
+
+
 def fp8_quantize(inputs, mode):
     """A decode case (``decode_inputs``) with its caches quantized to fp8 e4m3
     by the reference encoder (``attention.cache.fp8``), scales per tensor
@@ -275,8 +284,7 @@ def fp8_quantize(inputs, mode):
         x = np.asarray(inputs[f"{name}_cache"], np.float32)
         live = np.isfinite(x).all(axis=-1)
         if mode == "tensor":
-            peak = float(np.abs(x[live]).max()) if live.any() else 0.0
-            scale = np.float32(peak / fp8.E4M3_MAX) if peak > 0 else np.float32(1.0)
+            scale = tensor_scale(x[live])
             codes = fp8.quantize_rows(np.where(live[..., None], x, 0), scale)
             scales = np.array([scale], np.float32)
             row_scale = np.broadcast_to(np.float64(scale), live.shape)
@@ -317,8 +325,7 @@ def mla_fp8_quantize(inputs, mode):
         raise ValueError(f"mode: expected one of {MLA_FP8_MODES}, got {mode!r}")
     x = np.asarray(inputs["c_kv"], np.float32)
     if mode == "tensor":
-        peak = float(np.abs(x).max()) if x.size else 0.0
-        scale = np.float32(peak / fp8.E4M3_MAX) if peak > 0 else np.float32(1.0)
+        scale = tensor_scale(x)
         codes = fp8.quantize_rows(x, scale)
         scales = np.array([scale], np.float32)
         row_scale = np.broadcast_to(np.float64(scale), x.shape[:-1])
