@@ -605,10 +605,11 @@ def bench_host(timer, torch, host_rows, checks_log):
     log(f"  DecodePlan: {pl.launch_path} ({pl.launch_reason}); splits {pl.n_split}, "
         f"pdl {pl.fast_plan['pdl']}")
 
-    def record(call, fn, kernel_ms, note=""):
+    def record(call, fn, kernel_ms, note="", shape=(b, h, kv, d, seq)):
         med, low, back = host_times(fn, cuda.synchronize)
-        host_rows.append({"call": call, "dtype": "float16", "batch": b, "heads": h,
-                          "kv_heads": kv, "head_dim": d, "seq_len": seq,
+        host_rows.append({"call": call, "dtype": "float16", "batch": shape[0],
+                          "heads": shape[1], "kv_heads": shape[2], "head_dim": shape[3],
+                          "seq_len": shape[4],
                           "host_us_median": round(med, 2), "host_us_min": round(low, 2),
                           "host_us_back_to_back": round(back, 2),
                           "kernel_ms": None if kernel_ms is None else round(kernel_ms, 5),
@@ -660,6 +661,28 @@ def bench_host(timer, torch, host_rows, checks_log):
            lambda: batched_decode_attention_fast(q, k, v, lens, slots, stream=st), None,
            "(lengths to the host, re-plan, allocation each call)")
     del k, v, q
+    cuda.current_context().deallocations.clear()
+    # the captured MLA decode (mla.decode_graph): one replay's host time, GEMM path and
+    # tensor-core attention; head_dim is the latent row (r + d_rope), kv_heads its one head
+    from mla.decode_graph import MLADecodeGraph
+
+    from .mla_multi import SHAPE as MLA_SHAPE
+
+    c = dict(MLA_SHAPE, seq=1024)
+    m_in = mla_inputs("float16", c)
+    for method in (None, "mma"):
+        g = MLADecodeGraph(*m_in, method=method)
+        if g.graph is None:
+            log(f"  MLADecodeGraph(method={method}): no graph ({g.fallback_reason})")
+            continue
+        g.run(sync=True)
+        record(f"MLADecodeGraph.run (method={method or 'gemm'}, graph replay)", g.run,
+               timer.time_on_stream(g.run, g.stream_handle, reps=5, warmup=1),
+               "(MLA: B 64, 128 heads, latent 512 + 64)",
+               shape=(c["batch"], c["heads"], 1, c["latent"] + c["rope"], c["seq"]))
+        g.run(sync=True)
+        g = None
+    m_in = None
     cuda.current_context().deallocations.clear()
 
 
