@@ -463,13 +463,31 @@ def test_shards_partition_the_work_and_merge(tmp_path):
         rep = _report([_case("batched_decode", "pass", 1.0 + i, 0.2, shape=f"s{i}")])
         part = {k: rep[k] for k in ("provenance", "cases", "growth", "defect_units")}
         part.update(config=dict(rep["config"], shard=[i, 2]), wall_seconds=1.0,
-                    broken_suites=[])
+                    broken_suites=[],
+                    quantization=[{"kind": "decode", "shape": f"s{i}", "fixture": "normal",
+                                   "max_out": 1.0}])
         (shard_dir / f"shard-{i}-of-2.json").write_text(json.dumps(part))
     merged = report.merge(tmp_path)
     assert len(merged["cases"]) == 2 and merged["verdict"]["passed"]
+    # the fp8 quantization rows are work units too: every shard's rows are kept
+    assert [r["shape"] for r in merged["quantization"]] == ["s0", "s1"]
     (shard_dir / "shard-1-of-2.json").unlink()
     with pytest.raises(ValueError, match="expected 0..1"):
         report.merge(tmp_path)
+
+
+def test_quantization_rows_are_units_and_a_missed_one_says_why():
+    """The fp8 table's rows run as work units of the validation run (sharded, under
+    its deadline); a row whose unit did not run is shown with the reason, not
+    dropped."""
+    from validation import cli, fp8_quant
+
+    us = fp8_quant.units(decode=True, mla=True, small=True, quick=True)
+    assert {u.kind for u in us} == {"decode", "mla"} and len({u.id for u in us}) == len(us)
+    kind, rec = cli._crashed(us[0], cli.DeadlineReached("not run: the --deadline was reached"))
+    assert kind == "quant" and cli._unit_status(kind, rec) == "not computed"
+    text = "\n".join(report.quantization_section({"quantization": [rec]}))
+    assert f"| {us[0].shape} | {us[0].fixture} (not computed: not run: the --deadline" in text
 
 
 # ---------------------------------------------------------------------------

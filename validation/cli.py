@@ -184,9 +184,10 @@ def _usage(msg):
 
 
 def run_unit(unit):
-    """Run one unit (a sweep Case, a GrowthJob or a DefectUnit) in this process."""
+    """Run one unit (a sweep Case, a GrowthJob, a DefectUnit or a row of the fp8
+    quantization table) in this process."""
     import attention  # noqa: F401  (simulator warp intrinsics)
-    from validation import defects, growth, registry, sweep
+    from validation import defects, fp8_quant, growth, registry, sweep
 
     if isinstance(unit, registry.Case):
         return "case", sweep.run_case(unit)
@@ -194,6 +195,8 @@ def run_unit(unit):
         return "growth", growth.run_growth(unit)
     if isinstance(unit, defects.DefectUnit):
         return "defect", defects.run_unit(unit)
+    if isinstance(unit, fp8_quant.QuantUnit):
+        return "quant", unit.run()
     raise TypeError(type(unit).__name__)
 
 
@@ -205,6 +208,8 @@ def _unit_status(kind, rec):
         extra = (f" worst ratio {rec['worst_ratio']:.3g}" if rec.get("worst_ratio") is not None
                  else "")
         return rec["status"] + extra
+    if kind == "quant":
+        return "not computed" if "detail" in rec else "computed"
     return rec["status"]
 
 
@@ -284,9 +289,18 @@ def build_units(args, device):
     modules += [m for m in args.suite_module if m not in modules]
     defect_units, broken = defects.units(modules, small=small, family_filter=dmatch)
 
+    # the fp8 format's quantization-error rows (host numpy, no kernel), for the fp8
+    # entries that run
+    from validation import fp8_quant
+
+    kernel_names = [s.name for s in specs]
+    quant_units = fp8_quant.units(
+        decode=any(n.startswith("decode_fp8") for n in kernel_names),
+        mla=any(n.startswith("mla_fp8") for n in kernel_names),
+        small=small, seed=seeds[0], quick=quick)
     # long units first (the growth runs are the longest), so worker processes
     # overlap them with the many short cases
-    units = (growth_jobs + [c for c in case_list if c.mutants] + defect_units
+    units = (growth_jobs + [c for c in case_list if c.mutants] + defect_units + quant_units
              + [c for c in case_list if not c.mutants])
     config = {
         "command": " ".join(["scripts/validate"] + sys.argv[1:]),
@@ -397,10 +411,12 @@ def execute(units, jobs, progress, deadline=None):
 
 
 def _crashed(unit, exc):
-    from validation import defects, growth, registry, sweep
+    from validation import defects, fp8_quant, growth, registry, sweep
 
     detail = str(exc) if isinstance(exc, DeadlineReached) else \
         f"worker process failed: {type(exc).__name__}: {exc}"
+    if isinstance(unit, fp8_quant.QuantUnit):
+        return "quant", unit.failed(detail)
     if isinstance(unit, registry.Case):
         rec = sweep.base_record(unit)
         rec.update(status="error", detail=detail)
@@ -478,17 +494,7 @@ def main(argv=None):
     from validation.provenance import provenance
 
     prov = provenance(seeds=config["seeds"], wall_seconds=round(wall, 2))
-    quant = []
-    if any(s.startswith("decode_fp8") for s in config["kernels"]):
-        from validation import fp8_quant
-
-        quant = fp8_quant.table(small=config["small"], seed=config["seeds"][0],
-                                quick=config["quick"])
-    if any(s.startswith("mla_fp8") for s in config["kernels"]):
-        from validation import fp8_quant
-
-        quant += fp8_quant.mla_table(small=config["small"], seed=config["seeds"][0],
-                                     quick=config["quick"])
+    quant = [r for kind, r in results if kind == "quant"]
     out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
     if args.shard:
         import json

@@ -503,12 +503,17 @@ def quantization_section(report):
              "per token-head: max err | per token-head: mean err |")
     L.append("|---|---|---|---|---|---|---|")
     for r in rows:
-        L.append(f"| {r['shape']} | {r['fixture']} | {_fmt(r.get('max_out'), '.3g')} | "
+        L.append(f"| {r['shape']} | {_quant_fixture(r)} | {_fmt(r.get('max_out'), '.3g')} | "
                  f"{_fmt(r.get('tensor_max'), '.2e')} | {_fmt(r.get('tensor_mean'), '.2e')} | "
                  f"{_fmt(r.get('token_head_max'), '.2e')} | "
                  f"{_fmt(r.get('token_head_mean'), '.2e')} |")
     L.append("")
     return L + mla_quantization_lines(mla_rows)
+
+
+def _quant_fixture(row):
+    """The fixture cell of a quantization row; a row whose unit did not run says why."""
+    return row["fixture"] + (f" (not computed: {row['detail']})" if "detail" in row else "")
 
 
 def mla_quantization_lines(rows):
@@ -527,7 +532,7 @@ def mla_quantization_lines(rows):
              "per token: max err | per token: mean err |")
     L.append("|---|---|---|---|---|---|---|")
     for r in rows:
-        L.append(f"| {r['shape']} | {r['fixture']} | {_fmt(r.get('max_out'), '.3g')} | "
+        L.append(f"| {r['shape']} | {_quant_fixture(r)} | {_fmt(r.get('max_out'), '.3g')} | "
                  f"{_fmt(r.get('tensor_max'), '.2e')} | {_fmt(r.get('tensor_mean'), '.2e')} | "
                  f"{_fmt(r.get('token_max'), '.2e')} | {_fmt(r.get('token_mean'), '.2e')} |")
     L.append("")
@@ -636,7 +641,7 @@ def merge(out_dir):
     wall = max(p["wall_seconds"] for p in parts)
     return build(cases=cases, growth=growth, defect_units=units, broken_suites=broken,
                  config=config, provenance=prov, wall_seconds=wall,
-                 quantization=parts[0].get("quantization"))
+                 quantization=[r for p in parts for r in p.get("quantization") or []])
 
 
 # ---------------------------------------------------------------------------
