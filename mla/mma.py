@@ -300,23 +300,32 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
 
-    def row_word(table, seq, pos, page, shift, n_pages, row0):
-        # first word of position pos's row in the flat cache; -1: a bad page entry
+    def tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row):
+        # cache row of position tile0 when the tile's KT positions are KT consecutive
+        # rows: a contiguous cache, or pages of a multiple of KT rows (tile0 is a
+        # multiple of KT, so the tile lies in one page: one page-table read a tile,
+        # not one a copied chunk); -1: a bad page entry or no position below end;
+        # -2: smaller pages, each row looked up (pos_row)
         if PAGED:
-            j, off = page_split(pos, page, shift)
+            if page % KT != 0:
+                return int64(-2)
+            if tile0 >= end:
+                return int64(-1)
+            j, off = page_split(tile0, page, shift)
             pg = int64(table[seq, j])
             if pg < 0 or pg >= n_pages:
                 return int64(-1)
-            return (pg * page + off) * WR
-        return row0 + int64(pos) * WR
+            return pg * page + off
+        return slot_row + int64(tile0)
 
-    row_word = device_fn(row_word)
+    tile_row = device_fn(tile_row)
 
-    def issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, tile0, end, kb,
+    def issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, tile0, end, kb,
               row, c):
         # start copying the latent rows of positions tile0 .. tile0 + KT - 1 into the
         # tile at byte kb (rows at or past end: zeros); this thread's chunks are
         # (row, c), then NTH chunks on each time
+        tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
         for a in range(COPIES):
             if KT * CPR % NTH == 0 or row < KT:
                 key = row & 7
@@ -324,11 +333,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     key = (row + 1) & 7
                 dst = kb + (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
                 pos = tile0 + row
-                src = int64(-1)
-                if pos < end:
-                    src = row_word(table, seq, pos, page, shift, n_pages, row0)
-                if src >= 0:
-                    copy(smem, sbase + dst, lat, src + 4 * c)
+                ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
+                if ri >= 0:
+                    copy(smem, sbase + dst, lat, ri * WR + 4 * c)
                 else:
                     for x in range(4):
                         smem[(dst >> 2) + x] = uint32(0)
@@ -340,17 +347,21 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     issue = device_fn(issue)
 
-    def row_index(table, seq, pos, page, shift, n_pages, slot_row):
-        # cache row of position pos; -1: a bad page entry
+    def pos_row(tb, row, table, seq, pos, end, page, shift, n_pages):
+        # cache row of the tile's row `row` (position pos; tb: tile_row's); -1: none
+        # (at or past end, or a bad page entry: the row reads as zeros)
+        if pos >= end or tb == -1:
+            return int64(-1)
+        if tb >= 0:
+            return tb + row
         if PAGED:
             j, off = page_split(pos, page, shift)
             pg = int64(table[seq, j])
-            if pg < 0 or pg >= n_pages:
-                return int64(-1)
-            return pg * page + off
-        return slot_row + int64(pos)
+            if pg >= 0 and pg < n_pages:
+                return pg * page + off
+        return int64(-1)
 
-    row_index = device_fn(row_index)
+    pos_row = device_fn(pos_row)
 
     def next_chunk(row, c, row_step, chunk_step, per_row):
         # the chunk NTH chunks on from (row, c) in rows of per_row chunks
@@ -369,15 +380,14 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # k_pe buffer nb (rows at or past end, or of a bad page entry: zeros); the
         # thread's code chunks are (row, c), then NTH chunks on each time: per token,
         # scn[a] gets chunk a's row scale (0 for a zero row)
+        tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
         row = tid // CPRN
         c = tid % CPRN
         for a in range(COPIES_N):
             if KT * CPRN % NTH == 0 or row < KT:
                 dst = STG0B + nb * STGB + row * RANK + 16 * c
                 pos = tile0 + row
-                ri = int64(-1)
-                if pos < end:
-                    ri = row_index(table, seq, pos, page, shift, n_pages, slot_row)
+                ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
                     copy(smem, sbase + dst, lat, ri * WRB + 4 * c)
                     if PER_TOKEN:
@@ -400,9 +410,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 dst = (ROPE0B + nb * ROPEB + (c >> 3) * KBLK + row * 128
                        + (((c & 7) ^ key) << 4))
                 pos = tile0 + row
-                ri = int64(-1)
-                if pos < end:
-                    ri = row_index(table, seq, pos, page, shift, n_pages, slot_row)
+                ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
                     copy(smem, sbase + dst, lat, ri * WRB + RANK // 4 + 4 * c)
                 else:
@@ -471,7 +479,6 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
         # -- the sequence's length and rows (the device guard) --
         length = lens[seq]
-        row0 = int64(0)
         slot_row = int64(0)
         cap = page
         if PAGED:
@@ -481,7 +488,6 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             if slot < 0 or slot >= n_pages:
                 length = 0
                 slot = 0
-            row0 = int64(slot) * page * WR
             slot_row = int64(slot) * page
         if length < 0 or length > cap or (s_q > 1 and 0 < length < s_q):
             length = 0
@@ -499,8 +505,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row,
                        start, end, 0, tid)
             else:
-                issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0, start, end,
-                      LAT0B, crow, cc)
+                issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, start,
+                      end, LAT0B, crow, cc)
         commit()
 
         # -- Q [16 RG, W] rounded to 16 bits into its tile (rows past R: zeros) --
@@ -554,7 +560,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 kdelta = ROPE0B + (it % 2) * ROPEB - NOPE0B - NCBN * KBLK
             else:
                 if it + 1 < n_tiles:
-                    issue(smem, sbase, lat, table, seq, page, shift, n_pages, row0,
+                    issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row,
                           start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB, crow, cc)
                 commit()
                 kb = LAT0B + (it % 2) * LATB

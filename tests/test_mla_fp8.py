@@ -152,11 +152,13 @@ def test_fp8_decode_gives_the_fp16_cache_bits_token_contiguous():
 
 
 @pytest.mark.device
-def test_fp8_decode_gives_the_fp16_cache_bits_tensor_paged():
-    """Per tensor, pages of 16 (shuffled), lengths 37, 0 and 16, one query."""
+@pytest.mark.parametrize("page,mode", [(16, "tensor"), (64, "token")])
+def test_fp8_decode_gives_the_fp16_cache_bits_paged(page, mode):
+    """Pages of 16 (shuffled; a page-table read a row) per tensor and of 64 (one
+    read a 64-row tile) per token, lengths 37, 0 and 16, one query."""
     rng = np.random.default_rng(2)
-    c = _case(rng, [37, 0, 16], mode="tensor", cap=40)
-    (out, lse), (out16, lse16) = _decode_both(c, paged=16, rng=rng)
+    c = _case(rng, [37, 0, 16], mode=mode, cap=40)
+    (out, lse), (out16, lse16) = _decode_both(c, paged=page, rng=rng)
     np.testing.assert_array_equal(out, out16)
     np.testing.assert_array_equal(lse, lse16)
     assert not out[1].any() and np.isneginf(lse[1]).all()

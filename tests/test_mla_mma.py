@@ -195,8 +195,10 @@ def test_two_column_blocks_and_two_row_groups():
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("page", [16, 5])
+@pytest.mark.parametrize("page", [16, 5, 64])
 def test_paged_matches_the_oracle(page):
+    """Pages of 16 and 5 rows: a page-table read a row; 64 (a multiple of the 64-row
+    tile): one read a tile (``tile_row``), its rows consecutive in one page."""
     from tests.test_mla_paged import assert_hostile, paged_case
 
     c = paged_case(page, F16, dims=DIMS, lengths=[0, 2, page, 2 * page + 3], seed=3, s_q=2)
