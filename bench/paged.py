@@ -119,7 +119,7 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                        "GBps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3),
                        "vs_contiguous": None if vs is None else round(vs, 3),
                        "n_split": None if pl is None else pl.n_split,
-                       "chunk": None if pl is None else pl.fast_plan["chunk"],
+                       "chunk": None if pl is None else pl.kernel_plan.get("chunk"),
                        "max_abs_diff": diff, "note": note}
                 rows.append(row)
                 log(f"  {name:<28} {dname:<9} B={b:<3} L={seq:<6} {ms * 1e3:8.1f} us "
