@@ -633,9 +633,11 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
 
     Host cost: every call checks, plans, allocates its outputs and scratch and
     launches through numba (on the H200's host, B 64 / 128 heads / L 4096,
-    method "mma": 3.19 ms a call against 0.56 ms of device time,
-    reports/bench/mla_mma). A decode loop should build an
-    ``mla.decode_graph.MLADecodeGraph`` once and replay it.
+    method "mma": 2.90 ms a call against 0.56 ms of device time, the
+    ``mma_public`` row of reports/bench/mla_mma.csv). A decode loop should
+    build an ``mla.decode_graph.MLADecodeGraph`` once and replay it (8 us of
+    host time a replay with method "mma", 16 us with the GEMM path:
+    reports/bench/host.csv).
 
     Multi-token decode reads each sequence's latent rows once for all its
     queries: the ``s_q * nh`` (query, head) rows of a sequence are the rows of

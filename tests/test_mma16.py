@@ -184,8 +184,17 @@ def test_accumulation_probe_separates_the_models():
     from tests.conftest import MODE
     from validation.mma_accum_probe import MODELS, probe
 
-    hits, split = probe("f16", 6)
+    keep = {}
+    hits, split = probe("f16", 6, keep=keep)
     assert split > 0
     if MODE == "sim":
         assert hits["exact_rz"][0] == hits["exact_rz"][1]
         assert all(hits[m][0] < hits[m][1] for m in MODELS if m != "exact_rz")
+    # the kept operands and outputs give back the counts offline
+    from validation.mma_accum_probe import model_step
+
+    a, b, c, d = (np.stack(keep[n]) for n in "abcd")
+    assert a.shape == (6, 16, 16) and d.shape == (6, 16, 8)
+    for m in MODELS:
+        pred = np.stack([model_step(a[i], b[i], c[i], m) for i in range(6)])
+        assert int((pred.view(np.uint32) == d.view(np.uint32)).sum()) == hits[m][0]

@@ -21,7 +21,8 @@ of the 128 outputs is compared bit for bit with host models of one k step (``MOD
   did not; this probe is the direct test of that inference.
 
 It prints, per 16-bit type and model, how many outputs match bit for bit, and with
-``--out`` writes ``mma_accum_probe.json`` with provenance. On the simulator the mma is
+``--out`` writes ``mma_accum_probe.json`` with provenance and
+``mma_accum_probe_bits.npz`` (each case's operands and the device's outputs). On the simulator the mma is
 emulated with ``exact_rz``, so there the probe checks itself: ``exact_rz`` matches
 every output and the operands are shown to separate the models (``tests/test_mma16.py``).
 """
@@ -92,16 +93,22 @@ def run_case(kind, a, b, c):
     return np.asarray(to_host(d_c))
 
 
-def probe(kind, cases, seed=0):
+def probe(kind, cases, seed=0, keep=None):
     """{model: [matching outputs, outputs]} over ``cases`` probe cases, and the
     number of outputs where the models do not all agree (what the probe can
-    tell apart)."""
+    tell apart). ``keep``: a dict that receives the operands and the device's
+    outputs (``a`` [cases, 16, 16], ``b`` [cases, 16, 8] as float32 holding the
+    16-bit values, ``c`` and ``d`` [cases, 16, 8] float32), so that other
+    accumulation models can be fitted offline."""
     rng = np.random.default_rng([seed, KINDS.index(kind)])
     hits = {m: [0, 0] for m in MODELS}
     split = 0
     for case in range(cases):
         a, b, c = operands(rng, kind, case)
         got = run_case(kind, a, b, c).view(np.uint32)
+        if keep is not None:
+            for name, x in zip("abcd", (a, b, c, got.view(np.float32))):
+                keep.setdefault(name, []).append(np.asarray(x, np.float32))
         preds = {m: model_step(a, b, c, m).view(np.uint32) for m in MODELS}
         for m, p in preds.items():
             hits[m][0] += int((p == got).sum())
@@ -122,9 +129,11 @@ def main(argv=None):
     if not (gpu_available() or SIMULATOR):
         print("mma_accum_probe: needs a CUDA GPU (or NUMBA_ENABLE_CUDASIM=1)", file=sys.stderr)
         return 2
-    rows = {}
+    rows, kept = {}, {}
     for kind in KINDS:
-        hits, split = probe(kind, args.cases, args.seed)
+        keep = {}
+        hits, split = probe(kind, args.cases, args.seed, keep)
+        kept.update({f"{kind}_{name}": np.stack(x) for name, x in keep.items()})
         rows[kind] = {"outputs": hits[MODELS[0]][1], "models_disagree": split,
                       "matches": {m: h[0] for m, h in hits.items()}}
         line = "  ".join(f"{m} {h[0]}/{h[1]}" for m, h in hits.items())
@@ -138,6 +147,9 @@ def main(argv=None):
             json.dump({"provenance": provenance(), "cases": args.cases, "seed": args.seed,
                        "simulator": bool(SIMULATOR), "results": rows}, f, indent=1)
         print(f"wrote {path}")
+        # the operands and the device's outputs, bit for bit (float32 holds every
+        # 16-bit value exactly), for fitting other models offline
+        np.savez_compressed(os.path.join(args.out, "mma_accum_probe_bits.npz"), **kept)
     return 0
 
 
