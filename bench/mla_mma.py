@@ -25,9 +25,12 @@ per token, every shape above): the same cache quantized on the device by
 (device time). ``GBps`` counts the bytes it reads: B L (512 + 2 x 64) per
 row, plus 4 a row of per-token scales. Its ``max_err`` is against the oracle
 on the fp16 cache, so it includes the format's quantization error (the
-validation summary's table); ``vs_einsum`` as above; ``vs_mma_fp16`` is the
-fp16 cache's ``mma`` row's time over the fp8 row's (above 1: the fp8 cache
-is faster).
+validation summary's table); ``err_vs_dequantized`` is the kernel's own error,
+against the float64 oracle over the dequantized cache (``mla.fp8.dequantize``
+of the first ``check_seqs`` sequences' codes and scales), beside
+``numpy_fp32_err_dequantized`` (numpy float32 over those values);
+``vs_einsum`` as above; ``vs_mma_fp16`` is the fp16 cache's ``mma`` row's time
+over the fp8 row's (above 1: the fp8 cache is faster).
 
 Accuracy (``max_err``): max |out - float64 oracle| over ``check_seqs``
 sequences (``bench.run.mla_decode_batch``: the absorbed decode on the fp16
@@ -53,7 +56,8 @@ import numpy as np
 COMPUTE = dict(batch=64, heads=128, latent=512, rope=64, nope=128, v_dim=128, seq=4096)
 MEMORY = (dict(COMPUTE, heads=16), dict(COMPUTE, batch=1, heads=16, seq=32768))
 COLUMNS = ("kernel", "batch", "heads", "seq_len", "ms", "TFLOPs", "frac_of_peak", "vs_einsum",
-           "vs_mma_fp16", "GBps", "frac_of_copy", "max_err", "numpy_fp32_err", "note")
+           "vs_mma_fp16", "GBps", "frac_of_copy", "max_err", "numpy_fp32_err",
+           "err_vs_dequantized", "numpy_fp32_err_dequantized", "note")
 
 
 def _shape_note(c):
@@ -61,15 +65,17 @@ def _shape_note(c):
 
 
 class _Check:
-    """float64 oracle and float32 numpy outputs of the first ``n`` sequences."""
+    """float64 oracle and float32 numpy outputs of the first ``n`` sequences;
+    ``rows`` (host [n, L, W]): the cache values they read instead of ``inputs``'
+    cache (the fp8 rows: the dequantized cache)."""
 
-    def __init__(self, inputs, lat, n):
+    def __init__(self, inputs, lat, n, rows=None):
         from .run import _host, mla_decode_batch
 
         q_nope, q_pe, cache, _, w_uk, w_uv = inputs
         self.n = n
-        args = (_host(q_nope)[:n], _host(q_pe)[:n], _host(cache)[:n], _host(w_uk),
-                _host(w_uv), lat)
+        rows = _host(cache)[:n] if rows is None else rows
+        args = (_host(q_nope)[:n], _host(q_pe)[:n], rows, _host(w_uk), _host(w_uv), lat)
         self.ref = mla_decode_batch(*args, np.float64)
         self.base_err = float(np.abs(mla_decode_batch(*args, np.float32) - self.ref).max())
 
@@ -121,9 +127,21 @@ def _fp8_prepared(inputs, mode, stream):
         fp8_append_latent(rows, codes, None, np.zeros(n_b, np.int32), scales=d_scale,
                           stream=stream)
     scale = 1.0 / math.sqrt(int(q_nope.shape[2]) + d_rope)
-    return MM.prepare(q_nope, q_pe, w_uk, w_uv, codes, np.arange(n_b, dtype=np.int32),
-                      np.asarray(lengths, np.int32), scale, d_rope=d_rope, w_uk_layout="mla",
-                      stream=stream, fp8=mode, d_scale=d_scale)
+    p = MM.prepare(q_nope, q_pe, w_uk, w_uv, codes, np.arange(n_b, dtype=np.int32),
+                   np.asarray(lengths, np.int32), scale, d_rope=d_rope, w_uk_layout="mla",
+                   stream=stream, fp8=mode, d_scale=d_scale)
+    return p, codes, d_scale
+
+
+def _dequantized(codes, d_scale, n, rank):
+    """The first ``n`` sequences' fp8 rows as the float64 values the kernel reads
+    (``mla.fp8.dequantize``: e4m3(c) s exactly, k_pe as stored)."""
+    from mla.fp8 import dequantize
+
+    from .run import _host
+
+    sc = _host(d_scale)
+    return dequantize(_host(codes)[:n], sc if sc.size == 1 else sc[:n], rank)
 
 
 def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=4,
@@ -192,7 +210,7 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
                note=f"(prepared launches: device time; RG {pl['row_groups']}, KT "
                     f"{pl['tile']}, {pl['n_split']} splits)")
         for mode in ("tensor", "token") if fp8 else ():
-            p8 = _fp8_prepared(inputs, mode, st)
+            p8, codes, d_scale = _fp8_prepared(inputs, mode, st)
             MM.launch_prepared(p8, st)
             st.synchronize()
             ms = timer.time(lambda: MM.launch_prepared(p8, st), reps=10, warmup=2)
@@ -200,9 +218,17 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
             row8 = record("mma_fp8" + ("_tok" if mode == "token" else ""), c, ms, check,
                    out=p8["out"], nbytes=rows8 * (c["latent"] + 2 * c["rope"]
                                                   + (4 if mode == "token" else 0)),
-                   note=f"(fp8 latent cache, scale per {mode}: prepared launches; err "
-                        f"includes the quantization's)")
+                   note=f"(fp8 latent cache, scale per {mode}: prepared launches; max err "
+                        f"includes the quantization's, err vs dequantized does not)")
             row8["vs_mma_fp16"] = round(ms16 / ms, 3)
+            # the kernel's own error: against the oracle over the values it reads
+            deq = _Check(inputs, c["latent"], check_seqs,
+                         rows=_dequantized(codes, d_scale, check_seqs, c["latent"]))
+            row8["err_vs_dequantized"] = float(f"{deq.error(p8['out']):.3g}")
+            row8["numpy_fp32_err_dequantized"] = float(f"{deq.base_err:.3g}")
+            log(f"    {row8['kernel']}: err vs the oracle over the dequantized cache "
+                f"{row8['err_vs_dequantized']} (numpy fp32 {deq.base_err:.3g})")
+            codes = d_scale = p8 = None  # free the fp8 cache before the next shape
         if c is not COMPUTE:
             continue
 
@@ -252,13 +278,17 @@ def bench_mla_mma(timer, torch=None, copy_gbps=None, bf16_peak=None, check_seqs=
 def summary_lines(rows):
     """Markdown lines for the bench summary."""
     out = ["| kernel | shape | ms | TFLOP/s | of bf16 peak | vs fp16 einsum | vs fp16 cache "
-           "mma | GB/s | of copy | max err | fp32 numpy err |", "|" + "---|" * 11]
+           "mma | GB/s | of copy | max err | fp32 numpy err | fp8: err vs dequantized "
+           "(fp32 numpy) |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['kernel']} | B {r['batch']} / {r['heads']} heads / L {r['seq_len']} "
                    f"| {r['ms']} | {r['TFLOPs']} | {r['frac_of_peak']} | {r['vs_einsum']} | "
                    f"{r.get('vs_mma_fp16')} | "
                    f"{r['GBps']} | {r['frac_of_copy']} | {r['max_err']} | "
-                   f"{r['numpy_fp32_err']} |")
+                   f"{r['numpy_fp32_err']} | "
+                   + ("-" if r.get("err_vs_dequantized") is None else
+                      f"{r['err_vs_dequantized']} ({r['numpy_fp32_err_dequantized']})")
+                   + " |")
     return out
 
 

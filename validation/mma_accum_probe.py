@@ -22,9 +22,10 @@ of the 128 outputs is compared bit for bit with host models of one k step (``MOD
 
 It prints, per 16-bit type and model, how many outputs match bit for bit, and with
 ``--out`` writes ``mma_accum_probe.json`` with provenance and
-``mma_accum_probe_bits.npz`` (each case's operands and the device's outputs). On the simulator the mma is
-emulated with ``exact_rz``, so there the probe checks itself: ``exact_rz`` matches
-every output and the operands are shown to separate the models (``tests/test_mma16.py``).
+``mma_accum_probe_bits.npz`` (each case's operands and the device's outputs).
+On the simulator the mma is emulated with ``exact_rz``, so there the probe
+checks itself: ``exact_rz`` matches every output and the operands are shown to
+separate the models (``tests/test_mma16.py``).
 """
 
 from __future__ import annotations
