@@ -488,6 +488,12 @@ def test_quantization_rows_are_units_and_a_missed_one_says_why():
     assert kind == "quant" and cli._unit_status(kind, rec) == "not computed"
     text = "\n".join(report.quantization_section({"quantization": [rec]}))
     assert f"| {us[0].shape} | {us[0].fixture} (not computed: not run: the --deadline" in text
+    # an MLA row: both scale modes' errors, finite and not zero (e4m3 rounds the rows)
+    row = next(u for u in us if u.kind == "mla" and u.fixture == "normal").run()
+    for mode in ("tensor", "token"):
+        assert 0 < row[f"{mode}_mean"] <= row[f"{mode}_max"] < row["max_out"]
+    assert "### MLA: the fp8 latent cache" in "\n".join(
+        report.quantization_section({"quantization": [row]}))
 
 
 # ---------------------------------------------------------------------------

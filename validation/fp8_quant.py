@@ -10,9 +10,9 @@ No kernel runs here (the rows are host work units of the validation run,
 sweep's ``decode_fp8`` / ``decode_fp8_tok``), and this table says what the
 format itself costs.
 
-``mla_table`` is the same for the fp8 latent cache (``mla.fp8``; the sweep's
-``mla_fp8`` / ``mla_fp8_tok``): per MLA shape the fp8 entries run and fixture,
-the float64 MLA attention over the quantized and dequantized c_kv (and k_pe
+The MLA rows (``QuantUnit`` kind "mla") are the same for the fp8 latent cache
+(``mla.fp8``; the sweep's ``mla_fp8`` / ``mla_fp8_tok``): per MLA shape the fp8
+entries run and fixture, the float64 MLA attention over the quantized and dequantized c_kv (and k_pe
 stored as float16, the format's RoPE part) against the float64 attention over
 the float32 inputs, per tensor and per token side by side.
 """
@@ -44,7 +44,7 @@ class QuantUnit:
         return f"fp8_quant/{self.kind}/{self.shape}/{self.fixture}"
 
     def run(self):
-        """The row (the dict of ``table`` / ``mla_table``)."""
+        """The row: ``table``'s dict, or for "mla" the same with ``token_*`` keys."""
         shape = registry.find_shape(self.kind, self.shape, self.small)
         return (_decode_row if self.kind == "decode" else _mla_row)(shape, self.fixture,
                                                                     self.seed)
@@ -76,13 +76,6 @@ def table(*, small, seed=0, quick=False):
     """[{kind: "decode", shape, fixture, max_out, tensor_max, tensor_mean,
     token_head_max, token_head_mean}]: one row a (decode shape, fixture)."""
     return [u.run() for u in units(decode=True, mla=False, small=small, seed=seed,
-                                   quick=quick)]
-
-
-def mla_table(*, small, seed=0, quick=False):
-    """[{kind: "mla", shape, fixture, max_out, tensor_max, tensor_mean, token_max,
-    token_mean}]: one row a (MLA shape the fp8 entries run, fixture)."""
-    return [u.run() for u in units(decode=False, mla=True, small=small, seed=seed,
                                    quick=quick)]
 
 

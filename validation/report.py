@@ -518,7 +518,7 @@ def _quant_fixture(row):
 
 def mla_quantization_lines(rows):
     """Markdown lines of the fp8 latent cache's quantization-error table
-    (``validation.fp8_quant.mla_table``; none without rows)."""
+    (``validation.fp8_quant.QuantUnit`` rows of kind "mla"; none without rows)."""
     if not rows:
         return []
     L = ["### MLA: the fp8 latent cache (mla.fp8)", ""]
