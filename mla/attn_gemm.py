@@ -84,7 +84,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from attention.gemm import sgemm
+from attention.gemm import sgemm, skinny
 
 from attention.gemm import tgemm
 from attention.core import checks
@@ -638,15 +638,29 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
                 ready=p["smem_ready"], defect=defect)
 
 
+def _weight_gemm(p, a, b, c, n_ext, k_ext, n_len, k_len, b_order, stream, defect):
+    """c = a @ op(b) batched over heads, one weight a head: ``skinny`` where it
+    applies (few rows a head, or a small ``sgemm`` grid; the same bits), else
+    ``sgemm``, which also carries the planted switches (``defect``)."""
+    m_len, nh = int(a.shape[0]), p["nh"]
+    if defect is None and skinny.use_skinny(m_len, n_len, k_len, nh):
+        skinny.launch(a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn",
+                      n_len=n_len, k_len=k_len, n_batch=nh, stream=stream,
+                      ready=p["smem_ready"])
+    else:
+        sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
+                     c_order="mzn", max_n=n_len, n_batch=nh, stream=stream,
+                     ready=p["smem_ready"], defect=defect)
+
+
 def launch_absorb(p, stream, defect=None):
     """qc[:, :, :r] = q_nope W_UK (an fp32 FMA GEMM batched over heads) and
     qc[:, :, r:] = q_pe: the ``p`` keys q_nope, w_uk, uk_order, qc, heads,
     h_rank, h_nope, q_pe, n_q, nh, rank, d_rope, smem_ready (``prepare``'s).
     ``defect``: the sgemm switch or None."""
     n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
-    sgemm.launch(p["q_nope"], p["w_uk"], p["qc"], p["heads"], p["h_rank"], p["h_nope"], 1.0,
-                 a_order="mzk", b_order=p["uk_order"], c_order="mzn", max_n=rank,
-                 n_batch=nh, stream=stream, ready=p["smem_ready"], defect=defect)
+    _weight_gemm(p, p["q_nope"], p["w_uk"], p["qc"], p["h_rank"], p["h_nope"], rank,
+                 int(p["q_nope"].shape[2]), p["uk_order"], stream, defect)
     if d_rope:
         total = n_q * nh * d_rope
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
@@ -654,10 +668,9 @@ def launch_absorb(p, stream, defect=None):
 
 def launch_decompress(p, stream, defect=None):
     """out = o_lat W_UV^T (batched over heads): the ``p`` keys o_lat, w_uv, out,
-    heads, h_dv, h_rank, d_v, nh, smem_ready."""
-    sgemm.launch(p["o_lat"], p["w_uv"], p["out"], p["heads"], p["h_dv"], p["h_rank"], 1.0,
-                 a_order="mzk", b_order="znk", c_order="mzn", max_n=p["d_v"], n_batch=p["nh"],
-                 stream=stream, ready=p["smem_ready"], defect=defect)
+    heads, h_dv, h_rank, d_v, nh, rank, smem_ready."""
+    _weight_gemm(p, p["o_lat"], p["w_uv"], p["out"], p["h_dv"], p["h_rank"], p["d_v"],
+                 p["rank"], "znk", stream, defect)
 
 
 def launch_prepared(p, stream):

@@ -39,7 +39,8 @@ and P is rounded to the 16-bit type before P.V.
 * **End.** The row sums are added over the quad and the 4 warps (in that fixed
   order); one split writes ``o_lat = O / l`` and ``lse = m + log l``; more
   splits write the unnormalised partial (acc, m, l) in
-  ``attention.decode.fast``'s layout, merged by its combine kernel.
+  ``attention.decode.fast``'s layout, merged by its combine kernel in column
+  slices (``combine_slices``).
 
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
@@ -774,9 +775,21 @@ def launch(pl, d_qc, d_latent, d_lens, d_table, nh, scale, d_o_lat, d_lse, d_par
                           pl.setdefault("smem_ready", set()))
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
-        comb = fast.combine_kernel(-(-pl["rank"] // WARP))
-        comb[(n_rows, n_seq), fast.combine_warps(pl["n_split"]) * WARP, stream](
+        chunks, slices = combine_slices(pl["rank"], n_rows * n_seq)
+        comb = fast.combine_kernel(chunks)
+        comb[(n_rows, n_seq, slices), fast.combine_warps(pl["n_split"]) * WARP, stream](
             d_part_acc, d_part_ml, d_o_lat, d_lse)
+
+
+def combine_slices(rank, rows):
+    """(chunks, slices) of the split combine (``fast.combine_kernel``) over ``rows``
+    rows of ``rank`` columns: the widest column slices (4, 2 or 1 chunks of 32)
+    that still give about a block an SM (``fast.N_SMS``)."""
+    full = -(-int(rank) // WARP)
+    for chunks in (4, 2, 1):
+        slices = -(-full // chunks)
+        if int(rows) * slices >= fast.N_SMS or chunks == 1:
+            return chunks, slices
 
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,

@@ -385,6 +385,33 @@ def test_compile_combine_ptx(head_dim):
     assert_accurate_epilogue(ptx)
 
 
+@pytest.mark.device
+def test_combine_column_slices_give_the_same_bits():
+    """The combine over column slices (a third grid axis, ``mla.mma.combine_slices``)
+    writes the bits of the whole-row combine: D 96 (3 chunks) as 3 slices of one
+    chunk, 20 splits (3 warps), one split empty; rows past D untouched."""
+    from attention.core.device import to_device
+    from attention.decode import fast as F
+
+    rng = np.random.default_rng(3)
+    m, h, ns, d = 2, 3, 20, 96
+    acc = rng.standard_normal((m, h, ns, d)).astype(np.float32)
+    ml = np.stack([rng.standard_normal((m, h, ns)) * 3, rng.uniform(0.5, 4, (m, h, ns))],
+                  -1).astype(np.float32)
+    ml[0, 1, 4] = (-np.inf, 0.0)  # an empty split drops out
+    outs = []
+    for chunks, grid in ((3, (h, m)), (1, (h, m, 3))):
+        out = to_device(np.full((m, h, d), 9.0, np.float32))
+        lse = to_device(np.full((m, h), 9.0, np.float32))
+        F.combine_kernel(chunks)[grid, F.combine_warps(ns) * F.WARP, 0](
+            to_device(acc), to_device(ml), out, lse)
+        outs.append((out.copy_to_host(), lse.copy_to_host()))
+    (o_row, l_row), (o_sl, l_sl) = outs
+    np.testing.assert_array_equal(o_sl, o_row)
+    np.testing.assert_array_equal(l_sl, l_row)
+    assert np.isfinite(o_row).all() and (o_row != 9.0).all() and (l_row != 9.0).all()
+
+
 def assert_accurate_epilogue(ptx):
     """The epilogue's 1 / l and log l are the accurate ones
     (``attention.core.warp.softmax_finish``), not fast-math's ``div.approx`` /

@@ -1735,9 +1735,16 @@ def combine_warps(n_split):
 
 @functools.lru_cache(maxsize=None)
 def combine_kernel(chunks, pdl=False, defect=None):
-    """Merge split-KV partials: grid ``(H, M)``, block ``32 * combine_warps(n_split)``.
+    """Merge split-KV partials: grid ``(H, M[, S])``, block ``32 * combine_warps(n_split)``.
 
-    chunks: ``ceil(D / 32)`` (lane ``j`` of a warp holds ``d = j + 32 c``).
+    chunks: the columns of a block over 32 (lane ``j`` of a warp holds ``d = 32
+    chunks z + 32 c + j``, ``z`` = ``blockIdx.z``): ``ceil(D / 32)`` with a 2-D
+    grid; with a third grid axis of ``S = ceil(D / (32 chunks))`` slices each
+    block merges its slice of the columns (the same bits: a column's arithmetic
+    does not depend on the slicing; every slice reads the (max, sum) pairs, and
+    slice 0 writes the lse). Wide rows take slices (MLA's D 512 at B 1: 16
+    blocks of 256 KB of partials each took 37 us on the H200, notes/bench.md
+    run 23).
     part_acc [M, H, n_split, D] f32, part_ml [M, H, n_split, 2] f32 (max, sum);
     out [M, H, D] f32, lse [M, H] f32. Empty partials (m=-inf, l=0) drop out;
     all empty gives zeros and -inf.
@@ -1819,6 +1826,7 @@ def combine_kernel(chunks, pdl=False, defect=None):
         if DROP_SPLIT:
             n_split -= 1
         head_dim = part_acc.shape[3]
+        col0 = cuda.blockIdx.z * ROW  # this block's columns: col0 .. col0 + ROW
         per = (n_split + n_warps - 1) // n_warps
         first = warp * per
         last = min(first + per, n_split)
@@ -1841,7 +1849,7 @@ def combine_kernel(chunks, pdl=False, defect=None):
                     m_buf[j] = part_ml[seq, head, s0 + j, 0]
                     l_buf[j] = part_ml[seq, head, s0 + j, 1]
                     for c in range(CHD):
-                        d = c * WARP + lane
+                        d = col0 + c * WARP + lane
                         if d < head_dim:
                             a_buf[j * CHD + c] = part_acc[seq, head, s0 + j, d]
             m_all, l_all = fold(m_buf, l_buf, a_buf, m_all, l_all, acc)
@@ -1874,10 +1882,10 @@ def combine_kernel(chunks, pdl=False, defect=None):
         if warp == 0:
             inv, lse_h = softmax_finish(m_all, l_all)  # accurate 1 / l and log l
             for c in range(CHD):
-                d = c * WARP + lane
+                d = col0 + c * WARP + lane
                 if d < head_dim:
                     out[seq, head, d] = acc[c] * inv
-            if lane == 0:
+            if lane == 0 and col0 == 0:
                 lse[seq, head] = lse_h
                 if LSE_FP16:
                     lse[seq, head] = round_fp16(lse[seq, head])
