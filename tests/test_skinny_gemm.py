@@ -104,11 +104,11 @@ def test_gpu_plan_compiles_without_local_memory(b_order, k_len, m_len):
 
 
 def test_routing():
-    # the decompress at 16 heads (sgemm: 16 blocks) and B 1 at 128 heads take it
-    assert skinny.use_skinny(64, 128, 512, 16)
-    assert skinny.use_skinny(1, 128, 512, 128)
-    # B 64 at 128 heads keeps sgemm's register tiles (512 blocks of the absorb,
-    # 128 of the decompress)
-    assert not skinny.use_skinny(64, 512, 128, 128)
-    assert not skinny.use_skinny(64, 128, 512, 128)
-    assert not skinny.use_skinny(1, 128, skinny.MAX_K + 1, 16)  # K past 16 parts
+    """The measured choices (``skinny``'s constants): B 1 at 16 heads takes it
+    for both GEMMs; B 1 at 128 heads and B 64 keep sgemm; K past 16 parts."""
+    assert skinny.use_skinny(1, 128, 512, 16)  # decompress: 16 sgemm blocks
+    assert skinny.use_skinny(1, 512, 128, 16)  # absorb: 64
+    assert not skinny.use_skinny(1, 128, 512, 128)  # 128 blocks
+    assert not skinny.use_skinny(1, 512, 128, 128)
+    assert not skinny.use_skinny(64, 128, 512, 16)  # M 64
+    assert not skinny.use_skinny(1, 128, skinny.MAX_K + 1, 16)

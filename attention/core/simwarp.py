@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["install", "installed", "WarpSyncError"]
+__all__ = ["gather", "install", "installed", "WarpSyncError"]
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -59,13 +59,21 @@ _ACTIVE = "active"  # key of the activemask() round
 
 
 class _Round:
-    __slots__ = ("members", "values", "done", "error")
+    __slots__ = ("members", "values", "done", "error", "waiters")
 
     def __init__(self, members):
         self.members = members
         self.values = {}
         self.done = False
         self.error = None
+        self.waiters = []  # the conditions of the lanes waiting for it
+
+
+def _wake(waiters):
+    """(lock held) wake the threads waiting on these conditions."""
+    for cond in waiters:
+        cond.notify()
+    waiters.clear()
 
 
 class _Block:
@@ -76,12 +84,19 @@ class _Block:
     completes pending ``activemask()`` rounds with the lanes that reached them
     (lanes of a divergent branch); if there are none, it is a deadlock (the
     hardware would hang) and every waiter raises ``WarpSyncError``.
+
+    Each thread waits on its own condition (over the block's one lock), and a
+    completed round or barrier wakes only the threads that wait for it; a
+    thread's exit, a stall and an abort wake every waiter. (One shared
+    condition woke the whole block at every warp collective: the simulated
+    tensor-core kernels spent most of their time there.)
     """
 
     def __init__(self, n_threads):
         self.cv = threading.Condition()
         self.live = n_threads
-        self.waiting = {}  # thread -> predicate that ends its wait
+        self.waiting = {}  # thread -> (predicate that ends its wait, its condition)
+        self.conds = {}  # thread -> its condition (over cv's lock)
         self.aborted = False
         self.deadlock = None
         self.barrier = _BlockBarrier(self)
@@ -96,21 +111,32 @@ class _Block:
         if self.deadlock:
             raise WarpSyncError(self.deadlock)
 
-    def wait_for(self, done):
-        """Block (lock held) until ``done()``; detects stalls."""
+    def wait_for(self, done, waiters):
+        """Block (lock held) until ``done()``; detects stalls. ``waiters``: the
+        list of whatever ends the wait (a round, the barrier), which gets this
+        thread's condition to wake it by."""
         me = threading.current_thread()
+        cond = self.conds.get(me)
+        if cond is None:
+            cond = self.conds[me] = threading.Condition(self.cv._lock)
         while not done():
             self.check()
-            self.waiting[me] = done
+            self.waiting[me] = (done, cond)
             try:
                 if len(self.waiting) == self.live and not any(
-                        d() for d in self.waiting.values()):
+                        d() for d, _ in self.waiting.values()):
                     self._resolve_stall()
                     continue
-                self.cv.wait()
+                waiters.append(cond)
+                cond.wait()
             finally:
                 del self.waiting[me]
         self.check()
+
+    def wake_all(self):
+        """(lock held) wake every waiting thread."""
+        for _, cond in self.waiting.values():
+            cond.notify()
 
     def _resolve_stall(self):
         completed = False
@@ -124,7 +150,7 @@ class _Block:
                 "collective that the others never reach (divergent syncthreads or a "
                 "mask naming lanes that took another path)"
             )
-        self.cv.notify_all()
+        self.wake_all()
 
     def leave(self, thread_id):
         """A thread returned from the kernel."""
@@ -132,12 +158,12 @@ class _Block:
             self.live -= 1
             self.warps[thread_id // WARP].leave(thread_id % WARP)
             self.barrier.leave()
-            self.cv.notify_all()
+            self.wake_all()
 
     def abort(self):
         with self.cv:
             self.aborted = True
-            self.cv.notify_all()
+            self.wake_all()
 
 
 class _Rendezvous:
@@ -153,33 +179,39 @@ class _Rendezvous:
         self.lanes = frozenset(lanes)
         self.live = set(lanes)
         self.pending = {}
+        self.members = {}  # mask -> the warp's lanes it names
 
     def arrive(self, lane, mask, value):
         block = self.block
         with block.cv:
             block.check()
-            members = frozenset(x for x in self.lanes if (mask >> x) & 1)
+            members = self.members.get(mask)
+            if members is None:
+                members = self.members[mask] = frozenset(
+                    x for x in self.lanes if (mask >> x) & 1)
             if lane not in members:
                 raise WarpSyncError(
                     f"lane {lane} executes a warp collective with mask "
                     f"{mask:#010x} that does not name it"
                 )
-            exited = members - self.live
-            if exited:
-                raise WarpSyncError(
-                    f"warp collective with mask {mask:#010x} names lanes "
-                    f"{sorted(exited)} that have already exited"
-                )
+            if len(self.live) < len(self.lanes):  # a lane has exited
+                exited = members - self.live
+                if exited:
+                    raise WarpSyncError(
+                        f"warp collective with mask {mask:#010x} names lanes "
+                        f"{sorted(exited)} that have already exited"
+                    )
             rnd = self.pending.get(mask)
             if rnd is None:
                 rnd = self.pending[mask] = _Round(members)
             rnd.values[lane] = value
-            if rnd.members <= rnd.values.keys():
+            # a lane arrives once a round (it waits for the round to end)
+            if len(rnd.values) == len(rnd.members):
                 del self.pending[mask]
                 rnd.done = True
-                block.cv.notify_all()
+                _wake(rnd.waiters)
             else:
-                block.wait_for(lambda: rnd.done or rnd.error is not None)
+                block.wait_for(lambda: rnd.done or rnd.error is not None, rnd.waiters)
             if rnd.error:
                 raise WarpSyncError(rnd.error)
             return rnd.values
@@ -198,7 +230,7 @@ class _Rendezvous:
                 rnd = self.pending[_ACTIVE] = _Round(None)
             rnd.values[lane] = True
             self._complete_active()
-            block.wait_for(lambda: rnd.done)
+            block.wait_for(lambda: rnd.done, rnd.waiters)
             return sum(1 << other for other in rnd.values)
 
     def _complete_active(self):
@@ -206,7 +238,7 @@ class _Rendezvous:
         if rnd is not None and self.live <= rnd.values.keys():
             del self.pending[_ACTIVE]
             rnd.done = True
-            self.block.cv.notify_all()
+            _wake(rnd.waiters)
 
     def leave(self, lane):
         """(lock held) ``lane`` has returned from the kernel."""
@@ -228,6 +260,7 @@ class _BlockBarrier:
         self.block = block
         self.arrived = 0
         self.generation = 0
+        self.waiters = []
 
     def wait(self):
         block = self.block
@@ -238,12 +271,12 @@ class _BlockBarrier:
             if self.arrived == block.live:
                 self._release()
             else:
-                block.wait_for(lambda: self.generation != gen)
+                block.wait_for(lambda: self.generation != gen, self.waiters)
 
     def _release(self):
         self.arrived = 0
         self.generation += 1
-        self.block.cv.notify_all()
+        _wake(self.waiters)
 
     def leave(self):
         """(lock held) one thread fewer to wait for."""
@@ -263,6 +296,14 @@ def _collective(mask, value):
     t = _current()
     lane, warp = _lane_and_warp(t)
     return lane, warp.arrive(lane, int(mask) & FULL_MASK, value)
+
+
+def gather(value, mask=FULL_MASK):
+    """One warp collective over the lanes of ``mask``: ``{lane: value}`` of the
+    round. For the simulator's stand-ins of instructions that read other lanes'
+    registers (``mma``, ``ldmatrix``): one rendezvous returns what a shuffle
+    from each source lane would, where a shuffle a value took one each."""
+    return _collective(mask, value)[1]
 
 
 # -- the intrinsics, as methods of the simulator's FakeCUDAModule ------------

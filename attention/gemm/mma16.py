@@ -51,6 +51,7 @@ from numba import cuda, types, uint32
 
 from attention.core import checks
 from attention.core.device import BFLOAT16, SIMULATOR, as_device_view, device_fn, ptx_statement
+from attention.core.simwarp import gather
 
 WARP = 32
 KINDS = ("f16", "bf16")
@@ -225,20 +226,21 @@ def _sim_ops(kind):
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         lane = cuda.threadIdx.x % WARP
         g, t = lane // 4, lane % 4
-        full = 0xFFFFFFFF
+        own = (a0, a1, a2, a3, b0, b1)
+        regs = gather(own)  # every lane's fragment registers, one rendezvous
         rows = [[0.0] * 16, [0.0] * 16]  # A rows g, g + 8
         cols = [[0.0] * 16, [0.0] * 16]  # B columns 2t, 2t + 1
         for tp in range(4):
-            src = 4 * g + tp
-            for r, (lo_w, hi_w) in enumerate(((a0, a2), (a1, a3))):
-                x = _halves(cuda.shfl_sync(full, lo_w, src), kind)
-                y = _halves(cuda.shfl_sync(full, hi_w, src), kind)
+            src = regs.get(4 * g + tp, own)
+            for r, (lo_i, hi_i) in enumerate(((0, 2), (1, 3))):
+                x = _halves(src[lo_i], kind)
+                y = _halves(src[hi_i], kind)
                 rows[r][2 * tp], rows[r][2 * tp + 1] = x
                 rows[r][2 * tp + 8], rows[r][2 * tp + 9] = y
             for h in range(2):
-                src = 4 * (2 * t + h) + tp
-                x = _halves(cuda.shfl_sync(full, b0, src), kind)
-                y = _halves(cuda.shfl_sync(full, b1, src), kind)
+                src = regs.get(4 * (2 * t + h) + tp, own)
+                x = _halves(src[4], kind)
+                y = _halves(src[5], kind)
                 cols[h][2 * tp], cols[h][2 * tp + 1] = x
                 cols[h][2 * tp + 8], cols[h][2 * tp + 9] = y
         out = []
@@ -260,8 +262,8 @@ def _sim_ops(kind):
 def _sim_ldmatrix():
     def rows_of(word, count):
         # each lane's row address, gathered: addr[j][r] = row r of matrix j
-        full = 0xFFFFFFFF
-        return [[cuda.shfl_sync(full, word, 8 * j + r) for r in range(8)] for j in range(count)]
+        words = gather(word)
+        return [[words.get(8 * j + r, word) for r in range(8)] for j in range(count)]
 
     def x4(tile, word):
         lane = cuda.threadIdx.x % WARP
@@ -356,9 +358,10 @@ def _sim_x4_trans(tile, word):
     lane = cuda.threadIdx.x % WARP
     g, t = lane // 4, lane % 4
     out = []
+    words = gather(word)
     for j in range(4):
-        a0 = int(cuda.shfl_sync(0xFFFFFFFF, word, 8 * j + 2 * t))
-        a1 = int(cuda.shfl_sync(0xFFFFFFFF, word, 8 * j + 2 * t + 1))
+        a0 = int(words.get(8 * j + 2 * t, word))
+        a1 = int(words.get(8 * j + 2 * t + 1, word))
         w0 = int(tile[a0 + g // 2])
         w1 = int(tile[a1 + g // 2])
         shift = 16 * (g % 2)

@@ -14,7 +14,9 @@ slices each, 44-50 us at B 1 and B 64 for 4 MB of weights; notes/bench.md run
 23). Here a block stages its whole ``[MT, K]`` of ``a`` and ``[NT, K]`` of
 ``b`` in shared memory in one pass (every load in flight at once), and the
 ``K`` range is cut over threads, so the grid has ``Z ceil(N / NT) ceil(M /
-MT)`` blocks of short sums.
+MT)`` blocks of short sums. It replaces ``sgemm`` only where it measured
+faster (``use_skinny``: few rows and a small ``sgemm`` grid; at 64 rows a head
+or 128 heads ``sgemm``'s register tiles win).
 
 The sums are ``sgemm``'s, bit for bit: a partial over ``PART_K`` (64)
 consecutive ``k``, started by its first product and continued by fused
@@ -55,8 +57,13 @@ NT = 4 if SIMULATOR else 16  # columns of c a block
 THREADS_TARGET = 16 if SIMULATOR else 256
 MAX_K = 16 * PART_K  # at most 16 parts
 MAX_MG = 8  # rows of a thread
-# ``use_skinny``: sgemm's grid at or above this many blocks keeps sgemm, unless
-# M is at most SKINNY_ROWS (its 64-row tiles then mostly multiply zeros)
+# ``use_skinny``: M at most SKINNY_ROWS and sgemm's grid under SGEMM_BLOCKS_ENOUGH
+# blocks. H200, device time of one GEMM (sgemm -> skinny), fp16 latent MLA shapes
+# (notes/bench.md run 26): B 1 / 16 heads: decompress (16 sgemm blocks) 50.0 ->
+# 9.9 us, absorb (64 blocks) 18.9 -> 15.3 us; slower where sgemm's grid is
+# larger or M is: B 1 / 128 heads decompress (128 blocks) 50.7 -> 54.7 us and
+# absorb (512) 57.7 -> 76.0 us, B 64 / 16 heads (M 64) absorb 18.7 -> 35.0 us
+# and decompress 44.1 -> 49.5 us.
 SGEMM_BLOCKS_ENOUGH = 128
 SKINNY_ROWS = 16
 
@@ -79,14 +86,12 @@ def shared_words(k_len, nt, parts, groups, mg):
 
 def use_skinny(m_len, n_len, k_len, n_batch, sgemm_tile=(64, 128)):
     """True when this kernel should replace ``sgemm`` for the shape: ``K`` fits
-    (``MAX_K``) and either ``M <= SKINNY_ROWS`` or ``sgemm``'s grid would have
-    fewer than ``SGEMM_BLOCKS_ENOUGH`` blocks (``sgemm_tile``: its ``c`` tile
-    at this ``M``), where its slice-by-slice blocks leave the GPU waiting on
-    memory."""
-    if k_len > MAX_K or k_len <= 0:
+    (``MAX_K``), ``M <= SKINNY_ROWS`` and ``sgemm``'s grid would have fewer
+    than ``SGEMM_BLOCKS_ENOUGH`` blocks (``sgemm_tile``: its ``c`` tile at this
+    ``M``), where its slice-by-slice blocks leave the GPU waiting on memory
+    (the measurements above)."""
+    if k_len > MAX_K or k_len <= 0 or int(m_len) > SKINNY_ROWS:
         return False
-    if int(m_len) <= SKINNY_ROWS:
-        return True
     bm, bn = sgemm_tile
     blocks = -(-int(n_len) // bn) * -(-int(m_len) // bm) * int(n_batch)
     return blocks < SGEMM_BLOCKS_ENOUGH

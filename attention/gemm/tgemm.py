@@ -88,6 +88,7 @@ from numba import cuda, float32, types, uint32, uint64
 
 from attention.gemm import sgemm
 from attention.core.device import SIMULATOR, device_fn, ensure_dynamic_shared, jit, ptx_statement
+from attention.core.simwarp import gather
 
 B_DTYPES = ("float32", "float16")
 WARP = 32
@@ -206,19 +207,16 @@ def _sim_intrinsics():
         # b[t+4][g]; its outputs are d[g][2t], d[g][2t+1], d[g+8][2t], d[g+8][2t+1]
         lane = cuda.threadIdx.x % WARP
         g, t = lane // 4, lane % 4
-        full = 0xFFFFFFFF
+        own = (a0, a1, a2, a3, b0, b1)
+        regs = gather(own)  # every lane's fragment registers, one rendezvous
         rows = [[0.0] * 8, [0.0] * 8]  # a rows g, g + 8
         cols = [[0.0] * 8, [0.0] * 8]  # b columns 2t, 2t + 1
         for tp in range(4):
-            src = 4 * g + tp
-            rows[0][tp] = cuda.shfl_sync(full, a0, src)
-            rows[1][tp] = cuda.shfl_sync(full, a1, src)
-            rows[0][tp + 4] = cuda.shfl_sync(full, a2, src)
-            rows[1][tp + 4] = cuda.shfl_sync(full, a3, src)
+            src = regs.get(4 * g + tp, own)
+            rows[0][tp], rows[1][tp], rows[0][tp + 4], rows[1][tp + 4] = src[:4]
             for h in range(2):
-                src = 4 * (2 * t + h) + tp
-                cols[h][tp] = cuda.shfl_sync(full, b0, src)
-                cols[h][tp + 4] = cuda.shfl_sync(full, b1, src)
+                src = regs.get(4 * (2 * t + h) + tp, own)
+                cols[h][tp], cols[h][tp + 4] = src[4], src[5]
         out = []
         for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
             acc = (c0, c1, c2, c3)[2 * r + c]
