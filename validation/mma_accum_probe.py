@@ -10,7 +10,7 @@ a wide range, accumulators larger and smaller than the products, cancellation). 
 of the 128 outputs is compared bit for bit with host models of one k step (``MODELS``):
 
 * ``exact_rz``: the 16 exact products and C summed, the sum truncated to fp32 (the
-  rule ``validation.baselines.mma16_scores`` and the simulator's emulation use; the
+  rule ``validation.baselines.mma16_scores`` uses; the
   sum is taken in float64, whose rounding, 2^-53 of the sum, sits 29 bits below the
   truncation);
 * ``align_e<E>``: the 16 products and C aligned to the largest exponent among the 17
@@ -33,9 +33,10 @@ of the 128 outputs is compared bit for bit with host models of one k step (``MOD
 It prints, per 16-bit type and model, how many outputs match bit for bit, and with
 ``--out`` writes ``mma_accum_probe.json`` with provenance and
 ``mma_accum_probe_bits.npz`` (each case's operands and the device's outputs).
-On the simulator the mma is emulated with ``exact_rz``, so there the probe
-checks itself: ``exact_rz`` matches every output and the operands are shown to
-separate the models (``tests/test_mma16.py``).
+On the simulator the mma is emulated with the fitted rule
+(``attention.gemm.mma16.k_step_sum``, written apart from ``ops_e2`` here), so
+there the probe checks itself: ``ops_e2`` matches every output and the
+operands are shown to separate the models (``tests/test_mma16.py``).
 """
 
 from __future__ import annotations

@@ -33,11 +33,13 @@ elements, ``c`` even) through the swizzle.
 ``pack(lo, hi)`` rounds two float32 to one f16x2 / bf16x2 word (``cvt.rn``:
 to nearest even), as P is rounded before P.V.
 
-On the simulator ``mma`` is a warp collective of shuffles (each lane gathers
-its rows of A and columns of B) whose sum is exact then truncated to fp32
-(``attention.gemm.tgemm.round_rz``, the model the H200's tf32 errors fit); the
-products of 16-bit operands are exact in fp32 on both. ``ldmatrix`` reads the
-shared words the addressed rows hold, ``pack`` rounds through numpy.
+On the simulator ``mma`` is one warp collective (each lane gathers its rows of
+A and columns of B) followed by the H200's k step (``k_step_sum``, the rule
+``validation.mma_accum_probe`` fitted to every output the H200 gave it: each
+product aligned by its operands' exponent sum, C by its own, every term
+truncated 2 bits below fp32's last place at the largest of those exponents, the
+sum truncated to fp32); the products of 16-bit operands are exact. ``ldmatrix``
+reads the shared words the addressed rows hold, ``pack`` rounds through numpy.
 
 ``kind``: "f16" or "bf16" (``ops(kind)`` returns ``(mma, pack)`` for it).
 """
@@ -45,6 +47,7 @@ shared words the addressed rows hold, ``pack`` rounds through numpy.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda, types, uint32
@@ -220,9 +223,40 @@ def _halves(word, kind):
             float(np.uint32(int(hi) << 16).view(np.float32)))
 
 
-def _sim_ops(kind):
+def _exponent(x):
+    # floor(log2 |x|) of a nonzero float (Python float)
+    return math.frexp(x)[1] - 1
+
+
+def k_step_sum(c, a_vals, b_vals):
+    """One ``mma.m16n8k16`` output as the H200 forms it (host / simulator):
+    ``c`` (float32 value) plus the products ``a_vals[k] * b_vals[k]`` (16-bit
+    values as floats). Each product is aligned by ``e(a) + e(b)`` (``e`` =
+    floor(log2 |x|); the product itself may reach one bit above), C by
+    ``e(c)``; with ``top`` the largest, every term is truncated toward zero to
+    a multiple of ``2^(top - 25)`` and the kept terms are added exactly, the
+    sum truncated to float32. Zeros take no part in ``top``; subnormal
+    operands use their own exponent (not probed on the hardware). Non-finite
+    terms give the exact sum's IEEE result."""
     from attention.gemm.tgemm import round_rz
 
+    c = float(c)
+    prods = [float(x) * float(y) for x, y in zip(a_vals, b_vals)]
+    exact = c + math.fsum(prods)
+    if not math.isfinite(exact) or not all(math.isfinite(p) for p in prods):
+        return round_rz(exact)
+    leads = [_exponent(float(x)) + _exponent(float(y))
+             for x, y, p in zip(a_vals, b_vals, prods) if p != 0.0]
+    if c != 0.0:
+        leads.append(_exponent(c))
+    if not leads:
+        return round_rz(exact)
+    grid = math.ldexp(1.0, max(leads) - 25)
+    kept = math.trunc(c / grid) + sum(math.trunc(p / grid) for p in prods)
+    return round_rz(kept * grid)
+
+
+def _sim_ops(kind):
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         lane = cuda.threadIdx.x % WARP
         g, t = lane // 4, lane % 4
@@ -245,9 +279,7 @@ def _sim_ops(kind):
                 cols[h][2 * tp + 8], cols[h][2 * tp + 9] = y
         out = []
         for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
-            acc = (c0, c1, c2, c3)[2 * r + c]
-            exact = float(acc) + sum(rows[r][k] * cols[c][k] for k in range(16))
-            out.append(round_rz(exact))
+            out.append(k_step_sum((c0, c1, c2, c3)[2 * r + c], rows[r], cols[c]))
         return tuple(out)
 
     def pack(lo, hi):
