@@ -248,3 +248,28 @@ def test_accumulation_probe_separates_the_models():
     for m in MODELS:
         pred = np.stack([model_step(a[i], b[i], c[i], m) for i in range(6)])
         assert int((pred.view(np.uint32) == d.view(np.uint32)).sum()) == hits[m][0]
+
+
+def test_baseline_scores_under_the_fitted_rule():
+    """``baselines.mma16_scores(rule="ops_e2")`` (the judge's future rule) gives the
+    probe model's bits over several k steps, and the simulator's k step's; the
+    default rule is still ``exact_rz`` and differs on these operands."""
+    from validation.baselines import mma16_scores
+    from validation.mma_accum_probe import operands
+
+    rng = np.random.default_rng(4)
+    a1, b1, _ = operands(rng, "f16", 4)  # cancelling products: the rules differ
+    a2, b2, _ = operands(rng, "f16", 2)
+    q = np.concatenate([a1, a2], axis=1).astype(np.float32)  # [16, 32]: two k steps
+    k = np.concatenate([b1, b2], axis=0).T.astype(np.float32)  # [8, 32]
+    got = mma16_scores(q, k, rule="ops_e2")
+    want = model(q, k.T, np.zeros((16, 8), np.float32))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    sim = np.zeros((16, 8), np.float32)
+    for k0 in (0, 16):
+        sim = np.array([[mma16.k_step_sum(sim[i, j], q[i, k0:k0 + 16], k[j, k0:k0 + 16])
+                         for j in range(8)] for i in range(16)], np.float32)
+    assert np.array_equal(sim.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(mma16_scores(q, k), got)
+    with pytest.raises(ValueError, match="rule"):
+        mma16_scores(q, k, rule="rn")

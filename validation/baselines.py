@@ -692,16 +692,53 @@ def _truncate32(x):
     return y
 
 
-def mma16_scores(qh, kh):
+def mma16_scores(qh, kh, rule="exact_rz"):
     """``qh @ kh.T`` ([R, D] @ [D, S] -> [R, S] float32) accumulated as
-    ``mma.m16n8k16`` does it in this model: each 16-wide k step's products
-    summed exactly and added to the fp32 accumulator, the sum truncated
-    (``tests/test_mma16.py``'s model; on the H200 it differs by an ulp in places)."""
+    ``mma.m16n8k16`` does it, one 16-wide k step at a time, under ``rule``:
+
+    * "exact_rz" (the judge's, every tensor-core verdict so far): the step's
+      products summed exactly and added to the fp32 accumulator, the sum
+      truncated;
+    * "ops_e2" (the rule fitted to every H200 output of
+      ``validation.mma_accum_probe``, notes/validation.md): each product
+      aligned by its operands' exponent sum and the accumulator by its own,
+      every term truncated toward zero 2 bits below fp32's last place at the
+      largest of those exponents, the kept terms added exactly, the sum
+      truncated. Not the registry's rule yet: changing it is a criterion
+      change, to be made beside a GPU run that reports each case it moves."""
+    if rule not in ("exact_rz", "ops_e2"):
+        raise ValueError(f"rule: expected 'exact_rz' or 'ops_e2', got {rule!r}")
     acc = np.zeros((qh.shape[0], kh.shape[0]), F32)
     for k0 in range(0, qh.shape[1], 16):
-        part = qh[:, k0:k0 + 16].astype(F64) @ kh[:, k0:k0 + 16].astype(F64).T
-        acc = _truncate32(acc.astype(F64) + part)
+        qs, ks = qh[:, k0:k0 + 16].astype(F64), kh[:, k0:k0 + 16].astype(F64)
+        if rule == "exact_rz":
+            acc = _truncate32(acc.astype(F64) + qs @ ks.T)
+        else:
+            acc = _ops_e2_step(acc, qs, ks)
     return acc
+
+
+def _exponent(x):
+    """floor(log2 |x|) of float64 ``x`` elementwise, -inf for zeros."""
+    _, e = np.frexp(np.where(x != 0, x, 1.0))
+    return np.where(x != 0, e - 1.0, -np.inf)
+
+
+def _ops_e2_step(acc, qs, ks, rows=64):
+    """One k step of ``mma16_scores``' "ops_e2": acc [R, S] float32, qs [R, k],
+    ks [S, k] float64 (16-bit values) -> [R, S] float32 (``rows`` rows at a
+    time, to bound the [rows, S, k] products)."""
+    out = np.empty_like(acc)
+    e_k = _exponent(ks)  # [S, k]
+    for r0 in range(0, qs.shape[0], rows):
+        q, c = qs[r0:r0 + rows], acc[r0:r0 + rows].astype(F64)
+        prods = q[:, None, :] * ks[None, :, :]  # [r, S, k], exact
+        leads = _exponent(q)[:, None, :] + e_k[None, :, :]
+        top = np.maximum(leads.max(axis=-1), _exponent(c))
+        grid = np.exp2(np.where(np.isfinite(top), top, 0.0) - 25)
+        kept = np.trunc(prods / grid[..., None]).sum(axis=-1) + np.trunc(c / grid)
+        out[r0:r0 + rows] = _truncate32(kept * grid)
+    return out
 
 
 def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=256,
