@@ -273,3 +273,14 @@ def test_baseline_scores_under_the_fitted_rule():
     assert not np.array_equal(mma16_scores(q, k), got)
     with pytest.raises(ValueError, match="rule"):
         mma16_scores(q, k, rule="rn")
+
+
+def test_simulator_k_step_passes_infinities_and_nan_through():
+    """Non-finite operands (an fp8 defect's overflow, NaN in unused cache rows)
+    give the IEEE sum's inf / NaN, not an exception."""
+    inf = float("inf")
+    a = [inf, 1.0] + [0.0] * 14
+    b = [1.0, 1.0] + [0.0] * 14
+    assert mma16.k_step_sum(0.0, a, b) == inf
+    assert np.isnan(mma16.k_step_sum(0.0, [inf, -inf] + [0.0] * 14, [1.0, 1.0] + [0.0] * 14))
+    assert np.isnan(mma16.k_step_sum(float("nan"), [1.0] * 16, [1.0] * 16))

@@ -242,9 +242,9 @@ def k_step_sum(c, a_vals, b_vals):
 
     c = float(c)
     prods = [float(x) * float(y) for x, y in zip(a_vals, b_vals)]
+    if not math.isfinite(c) or not all(math.isfinite(p) for p in prods):
+        return round_rz(c + sum(prods))  # inf / NaN as IEEE sums give them
     exact = c + math.fsum(prods)
-    if not math.isfinite(exact) or not all(math.isfinite(p) for p in prods):
-        return round_rz(exact)
     leads = [_exponent(float(x)) + _exponent(float(y))
              for x, y, p in zip(a_vals, b_vals, prods) if p != 0.0]
     if c != 0.0:
