@@ -639,9 +639,11 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
 
 
 def _weight_gemm(p, a, b, c, n_ext, k_ext, n_len, k_len, b_order, stream, defect):
-    """c = a @ op(b) batched over heads, one weight a head: ``skinny`` where it
-    applies (few rows a head, or a small ``sgemm`` grid; the same bits), else
-    ``sgemm``, which also carries the planted switches (``defect``)."""
+    """c = a @ op(b) batched over heads, one weight a head (``p["heads"]`` is
+    ``arange(nh)``, N and K the same for every head): ``skinny`` where it
+    applies (``skinny.use_skinny``: few rows a head and a small ``sgemm``
+    grid; the same bits), else ``sgemm``, which also carries the planted
+    switches (``defect``)."""
     m_len, nh = int(a.shape[0]), p["nh"]
     if defect is None and skinny.use_skinny(m_len, n_len, k_len, nh):
         skinny.launch(a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn",

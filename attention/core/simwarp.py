@@ -93,10 +93,11 @@ class _Block:
     """
 
     def __init__(self, n_threads):
-        self.cv = threading.Condition()
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)  # ``with block.cv`` holds the lock
         self.live = n_threads
         self.waiting = {}  # thread -> (predicate that ends its wait, its condition)
-        self.conds = {}  # thread -> its condition (over cv's lock)
+        self.conds = {}  # thread -> its condition (over the block's lock)
         self.aborted = False
         self.deadlock = None
         self.barrier = _BlockBarrier(self)
@@ -118,7 +119,7 @@ class _Block:
         me = threading.current_thread()
         cond = self.conds.get(me)
         if cond is None:
-            cond = self.conds[me] = threading.Condition(self.cv._lock)
+            cond = self.conds[me] = threading.Condition(self.lock)
         while not done():
             self.check()
             self.waiting[me] = (done, cond)
