@@ -251,8 +251,9 @@ def test_accumulation_probe_separates_the_models():
 
 
 def test_baseline_scores_under_the_fitted_rule():
-    """``baselines.mma16_scores(rule="ops_e2")`` (the judge's future rule) gives the
-    probe model's bits over several k steps, and the simulator's k step's; the
+    """``baselines.mma16_scores(rule="ops_e2")`` (the judge's future rule; the
+    probe's ``ops_e2`` model is its one step) over two k steps gives the bits of
+    the simulator's k step, written apart from it (``mma16.k_step_sum``); the
     default rule is still ``exact_rz`` and differs on these operands."""
     from validation.baselines import mma16_scores
     from validation.mma_accum_probe import operands

@@ -48,7 +48,7 @@ import sys
 
 import numpy as np
 
-from validation.baselines import _truncate32
+from validation.baselines import _ops_e2_step, _truncate32
 
 F32, F64 = np.float32, np.float64
 MODELS = ("exact_rz", "align_e1", "align_e2", "align_e3", "ops_e2")
@@ -62,12 +62,8 @@ def model_step(a, b, c, model):
     terms = np.concatenate([c.astype(F64)[..., None], prods], axis=-1)  # [16, 8, 17]
     if model == "exact_rz":
         return _truncate32(terms.sum(axis=-1))
-    if model == "ops_e2":
-        ea, eb, ec = _exponent(a.astype(F64)), _exponent(b.astype(F64)), _exponent(c.astype(F64))
-        leads = np.concatenate([ec[..., None], ea[:, None, :] + eb.T[None, :, :]], axis=-1)
-        top = leads.max(axis=-1, keepdims=True)
-        grid = np.exp2(np.where(np.isfinite(top), top, 0.0) - 25)
-        return _truncate32(np.trunc(terms / grid).sum(axis=-1) * grid[..., 0])
+    if model == "ops_e2":  # the baselines' step of the rule (mma16_scores' "ops_e2")
+        return _ops_e2_step(c.astype(F32), a.astype(F64), b.astype(F64).T)
     if not model.startswith("align_e"):
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     extra = int(model[len("align_e"):])
@@ -76,12 +72,6 @@ def model_step(a, b, c, model):
     grid = np.exp2(lead - 23 - extra)
     kept = np.trunc(terms / grid)  # each term toward zero on the grid
     return _truncate32(kept.sum(axis=-1) * grid[..., 0])
-
-
-def _exponent(x):
-    """floor(log2 |x|) elementwise (float64), -inf for zeros."""
-    _, e = np.frexp(np.where(x != 0, x, 1.0))
-    return np.where(x != 0, e - 1.0, -np.inf)
 
 
 def score_bits(path):

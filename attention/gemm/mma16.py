@@ -244,13 +244,12 @@ def k_step_sum(c, a_vals, b_vals):
     prods = [float(x) * float(y) for x, y in zip(a_vals, b_vals)]
     if not math.isfinite(c) or not all(math.isfinite(p) for p in prods):
         return round_rz(c + sum(prods))  # inf / NaN as IEEE sums give them
-    exact = c + math.fsum(prods)
     leads = [_exponent(float(x)) + _exponent(float(y))
              for x, y, p in zip(a_vals, b_vals, prods) if p != 0.0]
     if c != 0.0:
         leads.append(_exponent(c))
-    if not leads:
-        return round_rz(exact)
+    if not leads:  # every term zero
+        return round_rz(c + math.fsum(prods))
     grid = math.ldexp(1.0, max(leads) - 25)
     kept = math.trunc(c / grid) + sum(math.trunc(p / grid) for p in prods)
     return round_rz(kept * grid)
