@@ -1,6 +1,7 @@
 """Prefill benchmark: the fused product kernel (``attention.prefill.kernels``), the
-batched and per-head reference paths (``attention.reference.prefill_paths``) and
-torch SDPA.
+float32 tensor-core kernel (``attention.prefill.tf32``, split tf32 operands,
+``prefill_attention(method="tf32")``), the batched and per-head reference paths
+(``attention.reference.prefill_paths``) and torch SDPA.
 
 Shapes: T in {512, 2048, 4096}, H 32, H_kv 8, D 128, causal, float32.
 FLOP count: the two matrix products Q.K^T and P.V, 2 * 2 * T * T * H * D for
@@ -27,7 +28,8 @@ import math
 import numpy as np
 
 PREFILL_SHAPES = [(512, 32, 8, 128), (2048, 32, 8, 128), (4096, 32, 8, 128)]
-METHODS = ("fused", "batched", "per_head")  # fused: the product; the others: reference paths
+# fused and tf32: the product's two kernels; the others: reference paths
+METHODS = ("fused", "tf32", "batched", "per_head")
 COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "causal", "ms",
            "TFLOPs", "frac_of_fma_peak"]
 
@@ -45,8 +47,8 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
 
     from .gpu import random_array
 
-    entry = {"fused": prefill_attention, "batched": prefill_attention_reference,
-             "per_head": prefill_attention_reference}
+    entry = {"fused": prefill_attention, "tf32": prefill_attention,
+             "batched": prefill_attention_reference, "per_head": prefill_attention_reference}
 
     for t_len, h, kv, d in PREFILL_SHAPES:
         flops = prefill_flops(t_len, h, d)
@@ -118,10 +120,18 @@ def summary_lines(rows):
              "before each repeat. torch gets K/V unexpanded with `enable_gqa` as ours do "
              "(`torch_sdpa[backend]`: the backend that ran); `torch_sdpa_expanded[efficient]`: "
              "K/V expanded to all H heads before timing, memory-efficient backend.",
-             "", "| kernel | T | H | H_kv | D | ms | TFLOP/s | of fp32 FMA peak |",
-             "|---|---|---|---|---|---|---|---|"]
+             "The `tf32` row's TFLOP/s counts the attention's FLOPs, not the three or four "
+             "tf32 mmas it spends a product. Speed vs torch: the `torch_sdpa` row's ms over "
+             "the row's, at the same T.",
+             "", "| kernel | T | H | H_kv | D | ms | TFLOP/s | of fp32 FMA peak | "
+             "speed vs torch_sdpa |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    torch_ms = {r["seq_len"]: r["ms"] for r in rows
+                if str(r["kernel"]).startswith("torch_sdpa[")}
     for r in rows:
+        ref = torch_ms.get(r["seq_len"])
+        ratio = f"{ref / r['ms']:.2f}x" if ref and r["ms"] else "-"
         lines.append(f"| {r['kernel']} | {r['seq_len']} | {r['heads']} | {r['kv_heads']} | "
                      f"{r['head_dim']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
-                     f"{r['frac_of_fma_peak']:.3f} |")
+                     f"{r['frac_of_fma_peak']:.3f} | {ratio} |")
     return lines

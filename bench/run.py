@@ -28,8 +28,8 @@ never fatal):
      for the fp16 einsum; and each row's max error against a float64 decode
      of every sequence of the batch (vectorised numpy) beside numpy float32's
   4. decode step host cost: plain numba launches vs the replayed CUDA graph
-  5. prefill: the fused attention.prefill path, the two reference paths and torch SDPA at T 512 / 2048 /
-     4096, H 32, H_kv 8, D 128, causal (bench/prefill.py; every row timed with
+  5. prefill: the fused attention.prefill path, the float32 tensor-core one (method "tf32"),
+     the two reference paths and torch SDPA at T 512 / 2048 / 4096, H 32, H_kv 8, D 128, causal (bench/prefill.py; every row timed with
      its host work, GQA as in decode)
   6. decode host time a call (run first): ``DecodePlan.run`` with numba device
      arrays and with torch tensors, torch SDPA's call (backend named), and the

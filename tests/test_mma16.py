@@ -250,6 +250,27 @@ def test_accumulation_probe_separates_the_models():
         assert int((pred.view(np.uint32) == d.view(np.uint32)).sum()) == hits[m][0]
 
 
+@pytest.mark.device
+def test_tf32_probe_moves_the_fragments_and_separates_the_models():
+    """The tf32 probe (one ``mma.m16n8k8``, ``tgemm.tile_mma_kernel``): its
+    operands are tf32 values and tell the models apart; on the simulator, whose
+    tf32 mma sums exactly and truncates, ``exact_rz`` matches every output (so
+    the kernel's fragment loads and stores are right); on a GPU the counts are
+    the measurement."""
+    from tests.conftest import MODE
+    from validation.mma_accum_probe import probe, tf32_round
+
+    keep = {}
+    hits, split = probe("tf32", 6, keep=keep)
+    assert split > 0
+    a, b = np.stack(keep["a"]), np.stack(keep["b"])
+    assert a.shape == (6, 16, 8) and b.shape == (6, 8, 8)
+    assert np.array_equal(tf32_round(a), a) and np.array_equal(tf32_round(b), b)
+    if MODE == "sim":
+        assert hits["exact_rz"][0] == hits["exact_rz"][1]
+        assert hits["ops_e2"][0] < hits["ops_e2"][1]
+
+
 def test_baseline_scores_under_the_fitted_rule():
     """``baselines.mma16_scores(rule="ops_e2")`` (the judge's future rule; the
     probe's ``ops_e2`` model is its one step) over two k steps gives the bits of

@@ -180,7 +180,9 @@ def test_reference_paths_carry_the_product_defects():
 
     assert reference_mod.DEFECTS == PREFILL_DEFECTS == SOFTMAX_DEFECTS
     assert set(METHODS) == {"fused", "batched", "per_head"}
-    assert prefill_mod.METHODS == ("fused",)
+    # "tf32" (attention.prefill.tf32) carries its own switches and suite
+    # (validation/suite_prefill_tf32.py), not these two
+    assert prefill_mod.METHODS == ("fused", "tf32")
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,4 +1,5 @@
-"""Which fp32 accumulation does ``mma.m16n8k16`` (16-bit operands) perform? A probe.
+"""Which fp32 accumulation does ``mma.m16n8k16`` (16-bit operands) perform, and
+``mma.m16n8k8`` with tf32 operands? A probe.
 
 Run (on a GPU): ``python -m validation.mma_accum_probe [--cases 200] [--out DIR]``;
 score saved outputs offline: ``python -m validation.mma_accum_probe --from-bits NPZ``.
@@ -30,7 +31,16 @@ of the 128 outputs is compared bit for bit with host models of one k step (``MOD
   and normal (C is zero in a quarter of the cases); how zeros and subnormals
   set the exponent is not tested.
 
-It prints, per 16-bit type and model, how many outputs match bit for bit, and with
+tf32 (kind ``"tf32"``): one ``mma.m16n8k8`` (``attention.gemm.tgemm.tile_mma_kernel``),
+A [16, 8] and B [8, 8] float32 values rounded to tf32, 8 products a k step; the same
+models with 8 products in place of 16. Not fitted yet: the question is whether the
+tf32 path follows the 16-bit one (``ops_e2``) or ``exact_rz``, the model
+``attention.gemm.tgemm``'s simulator mma and the judge's ``tcP`` sums use. The two
+differ where a tiny term of the opposite sign meets a large one: ``exact_rz`` then
+truncates the sum one unit below the large term, ``ops_e2`` drops the tiny term
+(the float32 tensor-core prefill's one-hot rows, notes/validation.md).
+
+It prints, per operand type and model, how many outputs match bit for bit, and with
 ``--out`` writes ``mma_accum_probe.json`` with provenance and
 ``mma_accum_probe_bits.npz`` (each case's operands and the device's outputs).
 On the simulator the mma is emulated with the fitted rule
@@ -52,12 +62,12 @@ from validation.baselines import _ops_e2_step, _truncate32
 
 F32, F64 = np.float32, np.float64
 MODELS = ("exact_rz", "align_e1", "align_e2", "align_e3", "ops_e2")
-KINDS = ("f16", "bf16")
+KINDS = ("f16", "bf16", "tf32")
 
 
 def model_step(a, b, c, model):
-    """One k step of ``model``: ``a`` [16, 16], ``b`` [16, 8] (16-bit values),
-    ``c`` [16, 8] float32 -> d [16, 8] float32."""
+    """One k step of ``model``: ``a`` [16, K], ``b`` [K, 8] (16-bit values, K 16,
+    or tf32 values, K 8), ``c`` [16, 8] float32 -> d [16, 8] float32."""
     prods = a.astype(F64)[:, None, :] * b.astype(F64).T[None, :, :]  # [16, 8, 16], exact
     terms = np.concatenate([c.astype(F64)[..., None], prods], axis=-1)  # [16, 8, 17]
     if model == "exact_rz":
@@ -81,6 +91,8 @@ def score_bits(path):
     data = np.load(path)
     rows = {}
     for kind in KINDS:
+        if f"{kind}_a" not in data:  # a run from before the kind was probed
+            continue
         a, b, c, d = (data[f"{kind}_{x}"] for x in "abcd")
         got = d.view(np.uint32)
         rows[kind] = {m: int(sum((model_step(a[i], b[i], c[i], m).view(np.uint32)
@@ -90,20 +102,31 @@ def score_bits(path):
     return rows
 
 
+def tf32_round(x):
+    """float32 ``x`` rounded to tf32 on its bit pattern (``attention.gemm.tgemm.split``'s
+    ``hi``: add half a unit, clear the low 13 bits), as float32."""
+    bits = (np.asarray(x, F32).view(np.uint32).astype(np.uint64) + 0x1000) & 0xFFFFE000
+    return bits.astype(np.uint32).view(F32)
+
+
 def operands(rng, kind, case):
-    """(a [16, 16], b [16, 8] 16-bit, c [16, 8] float32) of probe case ``case``:
-    cycling over spreads of the products' exponents and accumulator sizes."""
+    """(a [16, K], b [K, 8] 16-bit (K 16) or tf32 in float32 (K 8), c [16, 8]
+    float32) of probe case ``case``: cycling over spreads of the products'
+    exponents and accumulator sizes."""
     from validation.fixtures import resolve_dtype
 
-    dt = resolve_dtype("float16" if kind == "f16" else "bfloat16")
+    k = 8 if kind == "tf32" else 16
     spread = (2, 6, 12)[case % 3]  # exponent range of the operands
     c_scale = (0.0, 1.0, 2.0 ** 8, 2.0 ** -8)[(case // 3) % 4]
 
     def draw(shape):
         mant = rng.uniform(1.0, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
-        return (mant * np.exp2(rng.integers(-spread, spread + 1, shape))).astype(dt)
+        x = mant * np.exp2(rng.integers(-spread, spread + 1, shape))
+        if kind == "tf32":
+            return tf32_round(x.astype(F32))
+        return x.astype(resolve_dtype("float16" if kind == "f16" else "bfloat16"))
 
-    a, b = draw((16, 16)), draw((16, 8))
+    a, b = draw((16, k)), draw((k, 8))
     exact = a.astype(F64) @ b.astype(F64)
     c = (rng.uniform(-1.0, 1.0, (16, 8)) * c_scale * np.abs(exact).max()).astype(F32)
     if case % 5 == 4:  # cancellation: C nearly minus the products' sum
@@ -112,11 +135,16 @@ def operands(rng, kind, case):
 
 
 def run_case(kind, a, b, c):
-    """D from the device (``mma16.tile_gemm_kernel`` at K 16)."""
+    """D from the device (``mma16.tile_gemm_kernel`` at K 16; tf32:
+    ``tgemm.tile_mma_kernel``)."""
     from attention.core.device import to_device, to_host
-    from attention.gemm import mma16
+    from attention.gemm import mma16, tgemm
 
     d_c = to_device(c.copy())
+    if kind == "tf32":
+        tgemm.tile_mma_kernel()[1, 32](to_device(np.ascontiguousarray(a, F32)),
+                                       to_device(np.ascontiguousarray(b, F32)), d_c)
+        return np.asarray(to_host(d_c))
     kern = mma16.tile_gemm_kernel(kind, False)
     kern[1, 32](to_device(mma16.pack_rows(a, kind)),
                 to_device(mma16.pack_rows(np.ascontiguousarray(b.T), kind)), d_c, np.int32(16))
@@ -127,8 +155,8 @@ def probe(kind, cases, seed=0, keep=None):
     """{model: [matching outputs, outputs]} over ``cases`` probe cases, and the
     number of outputs where the models do not all agree (what the probe can
     tell apart). ``keep``: a dict that receives the operands and the device's
-    outputs (``a`` [cases, 16, 16], ``b`` [cases, 16, 8] as float32 holding the
-    16-bit values, ``c`` and ``d`` [cases, 16, 8] float32), so that other
+    outputs (``a`` [cases, 16, K], ``b`` [cases, K, 8] as float32 holding the
+    16-bit or tf32 values, ``c`` and ``d`` [cases, 16, 8] float32), so that other
     accumulation models can be fitted offline."""
     rng = np.random.default_rng([seed, KINDS.index(kind)])
     hits = {m: [0, 0] for m in MODELS}

@@ -534,6 +534,23 @@ def _run_mma_prefill(fn, x, **kw):
     return {"out": np.asarray(out), "lse": np.asarray(lse)}
 
 
+def _run_tf32_prefill(fn, x, **kw):
+    """Run wrapper of the float32 tensor-core prefill (``attention.prefill.tf32.
+    prefill_attention_tf32``, ``fn``): q, k, v [T, H*D] / [T, H_kv*D] float32.
+    A head dim that is not a multiple of 8 (up to 256) raises
+    ``unsupported_case()`` (the kernel's tiles); 16-bit inputs raise the kernel's
+    ``checks.DTypeError`` (the sweep reports them unsupported)."""
+    from attention.prefill import tf32 as module
+
+    n_heads = int(x["n_heads"])
+    head_dim = int(x["q"].shape[1]) // n_heads if n_heads else 0
+    if n_heads and not module.supported_head_dim(head_dim):
+        raise unsupported_case()(f"head dim {head_dim}: {module.__name__} has tiles for "
+                                 f"multiples of 8 up to {module.MAX_HEAD_DIM} only")
+    out, lse = fn(x["q"], x["k"], x["v"], n_heads, x["n_kv_heads"], causal=x["causal"], **kw)
+    return {"out": np.asarray(out), "lse": np.asarray(lse)}
+
+
 def _mla_mma_case(x, rank, what):
     """The checks ``mla.mma`` puts on a registry MLA case (``rank``: its r;
     ``what``: the cache's name in the messages), before any launch: a latent
@@ -737,6 +754,13 @@ KERNELS = (
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
+    # the float32 tensor-core prefill (split tf32, three mmas a product, a fresh
+    # partial a k step): held to the fused prefill's baseline and rule unchanged
+    KernelSpec("prefill_tf32", "prefill_tf32", "prefill", "attention.prefill.tf32",
+               "prefill_attention_tf32", _run_tf32_prefill, ("k", "v"),
+               "float32 prefill on tensor cores (mma.m16n8k8, operands split in tf32 "
+               "halves), causal or not, GQA; head dims multiples of 8 up to 256",
+               "fma/before/recip_after"),
     KernelSpec("prefill_batched", "prefill", "prefill", "attention.reference.prefill_paths",
                "prefill_attention_reference", _run_prefill("batched"), ("k", "v"),
                "reference path, all heads per launch: transpose, GEMM, softmax, GEMM",
@@ -766,6 +790,7 @@ KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 # ``mutant_applies`` is asked about, or None for the module's own tuple)
 MUTANT_SOURCES = {
     "decode_fast": ("attention.decode.fast", None),
+    "prefill_tf32": ("attention.prefill.tf32", None),
     "mla_gemm": ("mla.attn_gemm", "gemm"),
     "mla_gemm_fma": ("mla.attn_gemm", "gemm_fma"),
 }

@@ -40,10 +40,13 @@ predicate loads and stores, never the collective itself.
   ``math.log`` to ``lg2.approx``: both cost an ulp or two on every output of a
   head (the validation's mean rule saw it, notes/validation.md), for one
   division and one log a head, so the epilogues take the accurate ones.
-* ``fragment_softmax_step(s, o, n_o, m0, m1, l0, l1, new0, new1)``: the same
-  step on the C fragments of a 16-row ``mma.m16n8k16`` tile (two rows a lane,
-  two n tiles of scores): P in place of the scores, the accumulators rescaled,
-  the lane's parts of the row sums returned (the 16-bit tensor-core kernels).
+* ``fragment_softmax_tiles(s, n_s, o, n_o, m0, m1, l0, l1, new0, new1)``: the
+  same step on the C fragments of a 16-row mma tile (two rows a lane, ``n_s /
+  4`` n tiles of scores): P in place of the scores, the accumulators rescaled,
+  the lane's parts of the row sums returned (the tensor-core kernels);
+  ``fragment_softmax_step`` is its two-tile form; ``fragment_mask``,
+  ``fragment_row_max`` and ``fragment_store_rows``: the masking, the rows'
+  maxima and the epilogue's stores on the same layout (the tensor-core prefills).
 * ``compensated_rescale_add(total, comp, alpha, y)``: ``total * alpha + y``
   with Kahan compensation, for accumulators summed over many positions in
   sequence (the warp-per-head decode). The true sum is ``total - comp``. A
@@ -187,36 +190,100 @@ def batch_reference(m_max):
 
 
 @cuda.jit(device=True, inline="always")
-def fragment_softmax_step(s, o, n_o, m0, m1, l0, l1, new0, new1):
-    """One online-softmax step on a 16-row mma tile's fragments (the 16-bit
-    tensor-core kernels: ``attention.decode.mma``, ``mla.mma``).
+def fragment_softmax_tiles(s, n_s, o, n_o, m0, m1, l0, l1, new0, new1):
+    """One online-softmax step on a 16-row mma tile's fragments (the tensor-core
+    kernels: ``attention.decode.mma``, ``attention.prefill.tf32``, ``mla.mma``).
 
-    ``s`` [8] float32: a lane's scaled, masked scores of two 8-position n tiles,
-    ``s[4 h + e]`` of row ``g = lane // 4`` and ``s[4 h + 2 + e]`` of row ``g + 8``
-    (``mma.m16n8k16``'s C layout, ``h`` the n tile); ``o`` [n_o] float32: the
-    lane's P.V accumulators in the same layout (``o[4 nd + 0, 1]`` row g, ``+ 2,
-    3`` row g + 8); ``m0, m1``: the rows' running maxima; ``l0, l1``: this lane's
-    parts of the row sums; ``new0, new1``: the rows' new maxima (the caller
-    takes them over the quad, or over warps). An all-masked row (new max
-    ``-inf``) takes reference 0, so its weights are ``exp(-inf) = 0``, never
-    NaN. ``s`` becomes ``P = exp(s - new)`` and ``o`` is rescaled by
-    ``exp(m - new)``; returns ``(l0, l1)`` with this tile's P added."""
+    ``s`` [n_s] float32 (``n_s = 4 x`` the n tiles): a lane's scaled, masked
+    scores of ``n_s / 4`` 8-position n tiles, ``s[4 h + e]`` of row ``g = lane //
+    4`` and ``s[4 h + 2 + e]`` of row ``g + 8`` (the mma's C layout, ``h`` the n
+    tile); ``o`` [n_o] float32: the lane's P.V accumulators in the same layout
+    (``o[4 nd + 0, 1]`` row g, ``+ 2, 3`` row g + 8); ``m0, m1``: the rows' running
+    maxima; ``l0, l1``: this lane's parts of the row sums; ``new0, new1``: the
+    rows' new maxima (the caller takes them over the quad, or over warps). An
+    all-masked row (new max ``-inf``) takes reference 0, so its weights are
+    ``exp(-inf) = 0``, never NaN. ``s`` becomes ``P = exp(s - new)`` and ``o`` is
+    rescaled by ``exp(m - new)``; returns ``(l0, l1)`` with this tile's P added
+    (a lane's pairs summed first, then the n tiles in order:
+    ``((p0 + p1) + (p4 + p5)) + ...``)."""
     ref0 = new0 if new0 > float32(-3.0e38) else float32(0.0)
     ref1 = new1 if new1 > float32(-3.0e38) else float32(0.0)
     alpha0 = float32(math.exp(m0 - ref0))
     alpha1 = float32(math.exp(m1 - ref1))
-    for h in range(2):
+    for h in range(n_s // 4):
         for e in range(2):
             s[4 * h + e] = float32(math.exp(s[4 * h + e] - ref0))
             s[4 * h + 2 + e] = float32(math.exp(s[4 * h + 2 + e] - ref1))
-    l0 = float32(l0 * alpha0 + ((s[0] + s[1]) + (s[4] + s[5])))
-    l1 = float32(l1 * alpha1 + ((s[2] + s[3]) + (s[6] + s[7])))
+    sum0 = float32(s[0] + s[1])
+    sum1 = float32(s[2] + s[3])
+    for h in range(1, n_s // 4):
+        sum0 = float32(sum0 + (s[4 * h] + s[4 * h + 1]))
+        sum1 = float32(sum1 + (s[4 * h + 2] + s[4 * h + 3]))
+    l0 = float32(l0 * alpha0 + sum0)
+    l1 = float32(l1 * alpha1 + sum1)
     for nd in range(n_o // 4):
         o[4 * nd] *= alpha0
         o[4 * nd + 1] *= alpha0
         o[4 * nd + 2] *= alpha1
         o[4 * nd + 3] *= alpha1
     return l0, l1
+
+
+@cuda.jit(device=True, inline="always")
+def fragment_mask(s, n_s, pos0, lim0, lim1):
+    """Mask a lane's scores (``s`` [n_s], the C layout of ``fragment_softmax_tiles``)
+    to -inf where the position is not below its row's limit: ``s[4 h + e]`` is
+    row g's score of position ``pos0 + 8 h + e`` (``pos0``: the tile's first
+    position plus ``2 (lane % 4)``), limit ``lim0``; ``s[4 h + 2 + e]`` row g + 8's,
+    limit ``lim1`` (the tensor-core prefills)."""
+    for h in range(n_s // 4):
+        for e in range(2):
+            pos = pos0 + 8 * h + e
+            if pos >= lim0:
+                s[4 * h + e] = float32(-math.inf)
+            if pos >= lim1:
+                s[4 * h + 2 + e] = float32(-math.inf)
+
+
+@cuda.jit(device=True, inline="always")
+def fragment_row_max(s, n_s):
+    """(row g's, row g + 8's) largest of a lane's scores ``s`` [n_s] (the C
+    layout of ``fragment_softmax_tiles``); the caller takes them over the quad."""
+    top0 = s[0]
+    top1 = s[2]
+    for h in range(n_s // 4):
+        top0 = max(top0, max(s[4 * h], s[4 * h + 1]))
+        top1 = max(top1, max(s[4 * h + 2], s[4 * h + 3]))
+    return top0, top1
+
+
+@cuda.jit(device=True, inline="always")
+def fragment_store_rows(out, lse, head, o, n_o, r0, col0, t_len, tq, inv0, inv1, lse0, lse1):
+    """Write a lane's part of two finished rows of a 16-row tile: ``out[r, col0 +
+    8 nd + e] = o[4 nd + e] * inv0`` for row ``r0`` and ``o[4 nd + 2 + e] * inv1``
+    for row ``r0 + 8`` (``o`` [n_o], the C layout), rows at or past ``t_len``
+    skipped; the quad's first lane (``tq == 0``) writes ``lse[head, r]`` (the
+    tensor-core prefills: out [T, H*D], lse [H, T])."""
+    if r0 < t_len:
+        for nd in range(n_o // 4):
+            out[r0, col0 + 8 * nd] = o[4 * nd] * inv0
+            out[r0, col0 + 8 * nd + 1] = o[4 * nd + 1] * inv0
+        if tq == 0:
+            lse[head, r0] = lse0
+    r1 = r0 + 8
+    if r1 < t_len:
+        for nd in range(n_o // 4):
+            out[r1, col0 + 8 * nd] = o[4 * nd + 2] * inv1
+            out[r1, col0 + 8 * nd + 1] = o[4 * nd + 3] * inv1
+        if tq == 0:
+            lse[head, r1] = lse1
+
+
+@cuda.jit(device=True, inline="always")
+def fragment_softmax_step(s, o, n_o, m0, m1, l0, l1, new0, new1):
+    """``fragment_softmax_tiles`` of two n tiles (``s`` [8]): the 16-bit
+    tensor-core decodes' step."""
+    return fragment_softmax_tiles(s, 8, o, n_o, m0, m1, l0, l1, new0, new1)
 
 
 @cuda.jit(device=True, inline="always")

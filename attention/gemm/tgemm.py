@@ -116,6 +116,11 @@ def _gpu_intrinsics():
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     i8p = ir.IntType(8).as_pointer()
 
+    def rnd(builder, v):
+        # v rounded to tf32 on its bit pattern: add half an ulp, clear 13 bits
+        bits = builder.add(builder.bitcast(v, i32), ir.Constant(i32, 0x1000))
+        return builder.bitcast(builder.and_(bits, ir.Constant(i32, 0xFFFFE000 - (1 << 32))), f32)
+
     @intrinsic
     def split(typingctx, x):
         """(hi, lo) tf32 halves of float32 ``x``: ``hi`` = x rounded to 10
@@ -124,15 +129,25 @@ def _gpu_intrinsics():
         sig = types.UniTuple(types.float32, 2)(types.float32)
 
         def codegen(context, builder, sig, args):
-            half, mask = ir.Constant(i32, 0x1000), ir.Constant(i32, 0xFFFFE000 - (1 << 32))
-
-            def rnd(v):
-                bits = builder.add(builder.bitcast(v, i32), half)
-                return builder.bitcast(builder.and_(bits, mask), f32)
-
-            hi = rnd(args[0])
-            lo = rnd(builder.fsub(args[0], hi))
+            hi = rnd(builder, args[0])
+            lo = rnd(builder, builder.fsub(args[0], hi))
             return context.make_tuple(builder, sig.return_type, [hi, lo])
+
+        return sig, codegen
+
+    @intrinsic
+    def split3(typingctx, x):
+        """(hi, mid, lo) with ``x == hi + mid + lo`` exactly for finite x: ``hi``,
+        ``mid`` as ``split``'s halves, ``lo = (x - hi) - mid`` (both subtractions
+        exact, no fast-math flags; at most 3 significant bits, so a tf32 value)."""
+        sig = types.UniTuple(types.float32, 3)(types.float32)
+
+        def codegen(context, builder, sig, args):
+            hi = rnd(builder, args[0])
+            rest = builder.fsub(args[0], hi)
+            mid = rnd(builder, rest)
+            lo = builder.fsub(rest, mid)
+            return context.make_tuple(builder, sig.return_type, [hi, mid, lo])
 
         return sig, codegen
 
@@ -181,7 +196,7 @@ def _gpu_intrinsics():
 
         return sig, codegen
 
-    return split, mma, cp_async16
+    return split, split3, mma, cp_async16
 
 
 def round_rz(x):
@@ -194,13 +209,19 @@ def round_rz(x):
 
 
 def _sim_intrinsics():
-    def split(x):
-        def rnd(v):
-            bits = (int(np.float32(v).view(np.uint32)) + 0x1000) & 0xFFFFE000
-            return np.uint32(bits).view(np.float32)
+    def rnd(v):
+        bits = (int(np.float32(v).view(np.uint32)) + 0x1000) & 0xFFFFE000
+        return np.uint32(bits).view(np.float32)
 
+    def split(x):
         hi = rnd(x)
         return hi, rnd(np.float32(np.float32(x) - hi))
+
+    def split3(x):
+        hi = rnd(x)
+        rest = np.float32(np.float32(x) - hi)
+        mid = rnd(rest)
+        return hi, mid, np.float32(rest - mid)
 
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         # lane 4 g + t holds a[g][t], a[g+8][t], a[g][t+4], a[g+8][t+4], b[t][g],
@@ -231,7 +252,7 @@ def _sim_intrinsics():
         for i in range(16 // itemsize):
             dst[at + i] = arr[int(flat) + i] if i < valid else 0
 
-    return split, mma, cp_async16
+    return split, split3, mma, cp_async16
 
 
 def _nothing():
@@ -239,10 +260,10 @@ def _nothing():
 
 
 if SIMULATOR:  # copies complete at once: nothing to commit or wait for
-    split, mma, cp_async16 = (device_fn(f) for f in _sim_intrinsics())
+    split, split3, mma, cp_async16 = (device_fn(f) for f in _sim_intrinsics())
     commit = device_fn(_nothing)
 else:
-    split, mma, cp_async16 = _gpu_intrinsics()
+    split, split3, mma, cp_async16 = _gpu_intrinsics()
     commit = ptx_statement("cp.async.commit_group;")
 
 
@@ -251,6 +272,25 @@ def _wait(stages):
     """``cp.async.wait_group stages - 2``: this thread's copies of all but the
     newest ``stages - 2`` slices have landed (nothing on the simulator)."""
     return commit if SIMULATOR else ptx_statement(f"cp.async.wait_group {stages - 2};")
+
+
+@functools.lru_cache(maxsize=None)
+def tile_mma_kernel():
+    """One warp, one ``mma.m16n8k8``: ``d[16, 8] = a[16, 8] @ b[8, 8] + c`` with
+    ``a`` and ``b`` float32 arrays holding tf32 values (the mma reads a
+    register's top 19 bits; give it values whose low 13 bits are zero), ``c``
+    float32, written in place (the accumulation probe,
+    ``validation.mma_accum_probe``)."""
+    def kernel(a, b, c):
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        d0, d1, d2, d3 = mma(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[t, g],
+                             b[t + 4, g], c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
+                             c[g + 8, 2 * t + 1])
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1] = d0, d1, d2, d3
+
+    kernel.__name__ = "tgemm_tile_mma"
+    return cuda.jit(kernel)
 
 
 # ---------------------------------------------------------------------------

@@ -28,8 +28,9 @@ transpose, GEMM, scale, softmax, GEMM launches over materialised ``[T, T]``
 scores) live in ``attention.reference.prefill_paths``
 (``prefill_attention_reference(..., method="batched" | "per_head")``); they
 share this module's argument checks and planted defects, and nothing here
-imports them. ``prefill_attention(method=...)`` takes only ``"fused"``; a
-reference method name raises ``checks.RangeError`` naming that entry point.
+imports them. ``prefill_attention(method=...)`` takes ``"fused"`` (this
+kernel) and ``"tf32"`` (the float32 tensor-core kernel, ``attention.prefill.tf32``);
+a reference method name raises ``checks.RangeError`` naming that entry point.
 
 ``prefill_attention`` takes numpy arrays (copied; numpy results) or device
 arrays (numba, ``__cuda_array_interface__``, DLPack; device results) and an
@@ -80,9 +81,10 @@ from attention.prefill.debug import (  # noqa: F401 - DEBUG_ENV, debug_enabled: 
     trace_inputs,
     trace_probabilities,
 )
+from attention.prefill.frame import int_arg
 
 WARP = 32
-METHODS = ("fused",)
+METHODS = ("fused", "tf32")
 # the designs kept in attention.reference.prefill_paths, reachable only from there
 REFERENCE_METHODS = ("batched", "per_head")
 REFERENCE_ENTRY = "attention.reference.prefill_paths.prefill_attention_reference"
@@ -282,19 +284,13 @@ def fused_rows_per_block(head_dim):
 # validation
 # ---------------------------------------------------------------------------
 
-def _int_arg(name, value):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise checks.DTypeError(f"{name}: expected an int, got {type(value).__name__}")
-    return int(value)
-
-
 def check_prefill(q, k, v, n_heads, n_kv_heads=None):
     """Validate a prefill call; returns ``(T, H, H_kv, D)``.
 
     Errors are ``checks.*`` (ValueError) naming the argument and the sizes.
     """
-    n_heads = _int_arg("n_heads", n_heads)
-    n_kv = n_heads if n_kv_heads is None else _int_arg("n_kv_heads", n_kv_heads)
+    n_heads = int_arg("n_heads", n_heads)
+    n_kv = n_heads if n_kv_heads is None else int_arg("n_kv_heads", n_kv_heads)
     checks.check_heads(n_heads, n_kv, q_name="q", kv_name="n_kv_heads")
     t_len, width = checks.check_array("q", q, (("T", None), (f"H*D (H={n_heads})", None)),
                                       dtypes=(np.float32,))
@@ -361,17 +357,27 @@ def prefill_attention(q, k, v, n_heads, *, n_kv_heads=None, causal=False, scale=
                 default H; must divide H)
     causal:     query t attends keys 0..t (else all T)
     scale:      default 1/sqrt(D)
-    method:     "fused" (the only one here); "batched" and "per_head" raise
-                ``checks.RangeError`` naming
+    method:     "fused" (this module's kernel, any D) or "tf32" (the
+                tensor-core kernel on split tf32 operands,
+                ``attention.prefill.tf32``: D a multiple of 8 up to 256);
+                "batched" and "per_head" raise ``checks.RangeError`` naming
                 ``attention.reference.prefill_paths.prefill_attention_reference``
     stream:     numba stream; None synchronises before returning, a stream
                 only enqueues
     return_lse: also return lse [H, T] (natural log)
-    defect:     planted defect for the falsification suite (None in use)
+    defect:     planted defect for the falsification suite (None in use): one
+                of ``PREFILL_DEFECTS`` ("fused") or of
+                ``attention.prefill.tf32.SWITCHES`` ("tf32")
     Returns out [T, H*D] (and lse [H, T]): numpy when q is numpy, else device
     arrays. T == 0 gives empty arrays. Raises ``checks.*`` errors (ValueError)
     before any copy or launch.
     """
+    if method == "tf32":
+        from attention.prefill.tf32 import prefill_attention_tf32
+
+        out, lse = prefill_attention_tf32(q, k, v, n_heads, n_kv_heads, causal=causal,
+                                          scale=scale, stream=stream, defect=defect)
+        return (out, lse) if return_lse else out
     if method in REFERENCE_METHODS:
         raise checks.RangeError(
             f"method: {method!r} is a reference path, not part of the product kernel; "

@@ -96,19 +96,24 @@ from numba import cuda, float32, int64, uint32
 from attention.core import checks
 from attention.core.device import (
     BFLOAT16,
-    device_empty,
     device_fn,
     ensure_dynamic_shared,
-    finish,
     fma,
     is_host_array,
     jit,
     launch_stream,
-    output_array,
     to_device,
 )
-from attention.core.warp import group_max, group_sum, softmax_finish
+from attention.core.warp import (
+    fragment_mask,
+    fragment_row_max,
+    fragment_store_rows,
+    group_max,
+    group_sum,
+    softmax_finish,
+)
 from attention.gemm import mma16
+from attention.prefill import frame
 
 WARP = 32
 ROWS = 16  # query rows of a warp: one m16 tile
@@ -405,20 +410,10 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
                 # -- mask: s[4 nt + e] row g, s[4 nt + 2 + e] row g + 8, position
                 # k0 + 8 nt + 2 tq + e (raw scores: scale > 0 keeps their order) --
                 if k0 + BN > t_len or (CAUSAL and k0 + BN - 1 > wrow0):
-                    for nt in range(NTS):
-                        for e in range(2):
-                            pos = k0 + 8 * nt + 2 * tq + e
-                            if pos >= lim0:
-                                s[4 * nt + e] = NEG_INF
-                            if pos >= lim1:
-                                s[4 * nt + 2 + e] = NEG_INF
+                    fragment_mask(s, N_S, k0 + 2 * tq, lim0, lim1)
 
                 # -- online softmax of the two rows (max over the quad) --
-                top0 = s[0]
-                top1 = s[2]
-                for nt in range(NTS):
-                    top0 = max(top0, max(s[4 * nt], s[4 * nt + 1]))
-                    top1 = max(top1, max(s[4 * nt + 2], s[4 * nt + 3]))
+                top0, top1 = fragment_row_max(s, N_S)
                 new0 = max(m0, group_max(top0, 4))
                 new1 = max(m1, group_max(top1, 4))
                 # exp(scale (x - m)) = 2^(x scale2 - m scale2): one fma a score; a row
@@ -483,21 +478,8 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
         # (0, -inf) for a row that saw nothing; the max scaled as the scores were
         inv0, lse0 = softmax_finish(float32(m0 * scale), l0)
         inv1, lse1 = softmax_finish(float32(m1 * scale), l1)
-        r0 = wrow0 + g
-        r1 = r0 + 8
-        col0 = head * D + 2 * tq
-        if r0 < t_len:
-            for nd in range(NTO):
-                out[r0, col0 + 8 * nd] = o[4 * nd] * inv0
-                out[r0, col0 + 8 * nd + 1] = o[4 * nd + 1] * inv0
-            if tq == 0:
-                lse[head, r0] = lse0
-        if r1 < t_len:
-            for nd in range(NTO):
-                out[r1, col0 + 8 * nd] = o[4 * nd + 2] * inv1
-                out[r1, col0 + 8 * nd + 1] = o[4 * nd + 3] * inv1
-            if tq == 0:
-                lse[head, r1] = lse1
+        fragment_store_rows(out, lse, head, o, N_O, wrow0 + g, head * D + 2 * tq, t_len, tq,
+                            inv0, inv1, lse0, lse1)
 
     name = f"prefill_mma_{kind}_d{D}_{'causal' if CAUSAL else 'full'}_w{NW}_n{BN}"
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
@@ -525,18 +507,12 @@ def plan(t_len, n_heads, head_dim, kind, causal, *, warps=WARPS, block_n=None, d
     }
 
 
-def _int_arg(name, value):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise checks.DTypeError(f"{name}: expected an int, got {type(value).__name__}")
-    return int(value)
-
-
 def check_inputs(q, k, v, n_heads, n_kv_heads=None, warps=WARPS, block_n=None):
     """Validate a call before anything is copied or launched; returns
     ``(T, H, H_kv, D, kind)``. Errors (``checks.*``, ValueError) name the
     argument and the expected shape, dtype or range."""
-    n_heads = _int_arg("n_heads", n_heads)
-    n_kv = n_heads if n_kv_heads is None else _int_arg("n_kv_heads", n_kv_heads)
+    n_heads = frame.int_arg("n_heads", n_heads)
+    n_kv = n_heads if n_kv_heads is None else frame.int_arg("n_kv_heads", n_kv_heads)
     checks.check_heads(n_heads, n_kv, q_name="q", kv_name="n_kv_heads")
     t_len, width = checks.check_array("q", q, (("T", None), (f"H*D (H={n_heads})", None)),
                                       dtypes=DTYPES)
@@ -555,26 +531,9 @@ def check_inputs(q, k, v, n_heads, n_kv_heads=None, warps=WARPS, block_n=None):
                            dtypes=DTYPES)
     checks.check_same_dtype([("q", q), ("k", k), ("v", v)])
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_aligned(name, x)
-    warps = _int_arg("warps", warps)
-    checks.check_range("warps", warps, 1, MAX_WARPS, what="warps a block")
-    if block_n is not None:
-        block_n = _int_arg("block_n", block_n)
-        if block_n not in BLOCK_NS:
-            raise checks.RangeError(f"block_n: expected one of {BLOCK_NS} or None, got {block_n}")
+        frame.check_aligned(name, x)
+    frame.check_tiles(warps, block_n, MAX_WARPS, BLOCK_NS)
     return t_len, n_heads, n_kv, head_dim, kind
-
-
-def _check_aligned(name, x):
-    """A device array must start on 16 bytes (``cp.async`` copies 16-byte chunks);
-    torch tensors answer through ``data_ptr`` (a bfloat16 one has no usable
-    ``__cuda_array_interface__``)."""
-    if type(x).__module__.startswith("torch"):
-        if x.is_cuda and x.data_ptr() % 16:
-            raise checks.LayoutError(f"{name}: expected a device address aligned to 16 bytes "
-                                     f"(cp.async copies), got {x.data_ptr():#x}")
-        return
-    checks.check_aligned(name, x, 16)
 
 
 def _words(x, stream=None):
@@ -622,31 +581,12 @@ def prefill_attention_mma(q, k, v, n_heads, n_kv_heads=None, *, causal=True, sca
     scale = checks.check_scale(scale, head_dim)
     check_defect(defect)
     host = is_host_array(q)
-    o_shape, s_shape = (t_len, n_heads * head_dim), (n_heads, t_len)
-    for name, given, shape in (("out", out, o_shape), ("lse", lse, s_shape)):
-        if given is not None:
-            checks.check_array(name, given, (("T" if name == "out" else "H", shape[0]),
-                                             ("H*D" if name == "out" else "T", shape[1])),
-                               dtypes=(np.float32,))
+    o_shape, s_shape = frame.check_outputs(out, lse, t_len, n_heads, head_dim)
     if t_len == 0:
-        if host:
-            return np.zeros(o_shape, np.float32), np.zeros(s_shape, np.float32)
-        return device_empty(o_shape, np.float32, stream), device_empty(s_shape, np.float32, stream)
+        return frame.empty_results(host, o_shape, s_shape, stream)
     pl = plan(t_len, n_heads, head_dim, kind, causal, warps=warps, block_n=block_n,
               defect=defect)
-    d_out = output_array("out", out, o_shape, stream)
-    d_lse = output_array("lse", lse, s_shape, stream)
+    d_out, d_lse = frame.outputs(out, lse, o_shape, s_shape, stream)
     d_q, d_k, d_v = (_words(x, stream) for x in (q, k, v))
     launch(pl, d_q, d_k, d_v, t_len, n_kv, scale, d_out, d_lse, launch_stream(stream))
-    result = (d_out, d_lse)
-    if host:
-        result = tuple(d.copy_to_host(ary=given, stream=stream or 0) if is_host_array(given)
-                       else d.copy_to_host(stream=stream or 0)
-                       for d, given in ((d_out, out), (d_lse, lse)))
-    elif is_host_array(out) or is_host_array(lse):
-        result = tuple(d.copy_to_host(ary=given, stream=stream or 0) if is_host_array(given)
-                       else d for d, given in ((d_out, out), (d_lse, lse)))
-    finish(stream)
-    return result
-
-
+    return frame.deliver(host, d_out, d_lse, out, lse, stream)
