@@ -14,6 +14,9 @@
     ncu --clock-control none -k regex:decode_fast --launch-skip 2 --launch-count 1 \
         python3 -m bench.profile paged float16 4096 16 HND
 
+    ncu --clock-control none -k regex:prefill_ --launch-skip 1 --launch-count 1 \
+        python3 -m bench.profile prefill float16|bfloat16|float32 [T]
+
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
 twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
@@ -27,7 +30,10 @@ two calls to warm up, then one between ``cudaProfilerStart`` and
 ``scaled_dot_product_attention`` (GQA) at the decode shape, for the kernel the
 fp16/bf16 targets are measured against (skipped, with a message, without torch).
 The fifth runs the fast decode over a paged cache (pages of P, HND or NHD, a
-shuffled page table) at B 32, q in the cache's dtype, three times.
+shuffled page table) at B 32, q in the cache's dtype, three times. The sixth
+runs a tensor-core prefill twice at the prefill benchmark's shape (T 4096, H 32,
+H_kv 8, D 128, causal): ``attention.prefill.mma`` for float16 / bfloat16,
+``attention.prefill.tf32`` for float32 (skip 1, count 1: the second launch).
 """
 
 import math
@@ -122,7 +128,28 @@ def paged(dname, seq, page, layout, b=32):
     print("paged plan", layout, "P", page, {k_: v_ for k_, v_ in pl.items() if k_ != "kernel"})
 
 
+def prefill(dname, seq=4096):
+    """A tensor-core prefill at T ``seq``, H 32, H_kv 8, D 128, causal, two
+    launches of its default plan (16-bit: ``attention.prefill.mma``; float32:
+    ``attention.prefill.tf32``)."""
+    h, kv, d = 32, 8, 128
+    dt = np_dtype(dname)
+    q = random_array((seq, h * d), dt, 1)
+    k, v = random_array((seq, kv * d), dt, 2), random_array((seq, kv * d), dt, 3)
+    if dt == np.float32:
+        from attention.prefill.tf32 import prefill_attention_tf32 as run
+    else:
+        from attention.prefill.mma import prefill_attention_mma as run
+    for _ in range(2):
+        run(q, k, v, h, kv, causal=True, stream=cuda.default_stream())
+    cuda.synchronize()
+    print("prefill", dname, "T", seq, run.__module__)
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "prefill":  # prefill DTYPE [T]
+        return prefill(sys.argv[2] if len(sys.argv) > 2 else "float16",
+                       int(sys.argv[3]) if len(sys.argv) > 3 else 4096)
     if len(sys.argv) > 1 and sys.argv[1] == "paged":  # paged DTYPE L PAGE LAYOUT
         return paged(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     if len(sys.argv) > 1 and sys.argv[1] == "mla":
