@@ -70,7 +70,8 @@ Speed (the model; not yet measured on a GPU): three tf32 mmas a product of S
 and four of P V, and per 8 x 8 block of S two shared loads, two splits and four
 adds besides them; at T 4096, H 32, D 128 causal that is 0.48 TFLOP of tf32 mma
 work for 0.137 TFLOP of attention. ptxas (sm_90, 4 warps): 178 registers at D
-128, no spills; D 256 spills about 200 bytes (O alone is 128 registers a lane).
+128 and 208 at D 192, no spills; D 256 spills 100 to 200 bytes (O alone is 128
+registers a lane).
 
 Planted switches (compile-time, ``defect=``; the kernel's name is suffixed
 with the switch, and without one the kernel is unchanged):
