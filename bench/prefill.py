@@ -31,7 +31,7 @@ PREFILL_SHAPES = [(512, 32, 8, 128), (2048, 32, 8, 128), (4096, 32, 8, 128)]
 # fused and tf32: the product's two kernels; the others: reference paths
 METHODS = ("fused", "tf32", "batched", "per_head")
 COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "causal", "ms",
-           "TFLOPs", "frac_of_fma_peak"]
+           "TFLOPs", "frac_of_fma_peak", "frac_of_bf16_peak"]
 
 
 def prefill_flops(t_len, heads, head_dim, causal=True):
@@ -39,7 +39,11 @@ def prefill_flops(t_len, heads, head_dim, causal=True):
     return full / 2 if causal else full
 
 
-def bench_prefill(timer, fma_tflops, torch, rows, log):
+def bench_prefill(timer, fma_tflops, torch, rows, log, bf16_tflops=None):
+    """Prefill rows into ``rows``: each method of ``METHODS`` and torch SDPA at
+    ``PREFILL_SHAPES``; ``fma_tflops``: the fp32 FMA peak of the run,
+    ``bf16_tflops``: its bf16 tensor-core peak (None: not measured, the column
+    left empty)."""
     from numba import cuda
 
     from attention.prefill.kernels import prefill_attention
@@ -60,7 +64,9 @@ def bench_prefill(timer, fma_tflops, torch, rows, log):
             tf = flops / (ms * 1e-3) / 1e12
             rows.append({"kernel": name, "dtype": "float32", "seq_len": t_len, "heads": h,
                          "kv_heads": kv, "head_dim": d, "causal": True, "ms": round(ms, 4),
-                         "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3)})
+                         "TFLOPs": round(tf, 2), "frac_of_fma_peak": round(tf / fma_tflops, 3),
+                         "frac_of_bf16_peak": round(tf / bf16_tflops, 3) if bf16_tflops
+                         else None})
             log(f"  prefill {name:<10} T={t_len:<5} {ms:9.3f} ms {tf:7.2f} TFLOP/s {note}")
 
         st = cuda.default_stream()
@@ -124,14 +130,16 @@ def summary_lines(rows):
              "tf32 mmas it spends a product. Speed vs torch: the `torch_sdpa` row's ms over "
              "the row's, at the same T.",
              "", "| kernel | T | H | H_kv | D | ms | TFLOP/s | of fp32 FMA peak | "
-             "speed vs torch_sdpa |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "of bf16 tensor-core peak | speed vs torch_sdpa |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     torch_ms = {r["seq_len"]: r["ms"] for r in rows
                 if str(r["kernel"]).startswith("torch_sdpa[")}
     for r in rows:
         ref = torch_ms.get(r["seq_len"])
         ratio = f"{ref / r['ms']:.2f}x" if ref and r["ms"] else "-"
+        bf16 = r.get("frac_of_bf16_peak")
         lines.append(f"| {r['kernel']} | {r['seq_len']} | {r['heads']} | {r['kv_heads']} | "
                      f"{r['head_dim']} | {r['ms']:.3f} | {r['TFLOPs']:.2f} | "
-                     f"{r['frac_of_fma_peak']:.3f} | {ratio} |")
+                     f"{r['frac_of_fma_peak']:.3f} | {'-' if bf16 is None else f'{bf16:.3f}'} | "
+                     f"{ratio} |")
     return lines

@@ -979,7 +979,8 @@ def main(argv=None):
                          timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
                      ("step", lambda: bench_step(timer, step_rows)),
                      ("mla_long", lambda: bench_long_mla(timer, long_rows)),
-                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log)),
+                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log,
+                                                       peaks["bf16_tc"])),
                      ("paged", lambda: bench_paged(timer, copy_gbps, torch, paged_rows, log)),
                      ("mla_multi", lambda: mla_multi_rows.extend(
                          bench_mla_multi(timer, verbose=True)))):
