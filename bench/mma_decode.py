@@ -1,7 +1,7 @@
 """Tensor-core decode (``attention.decode.mma``) against the product decode plan.
 
     python3 -m bench.mma_decode [--reps 50] [--shape 32,32,8,128,4096] [--tune]
-                                [--dtypes float16,bfloat16]
+                                [--dtypes float16,bfloat16] [--fp8]
 
 A GPU is needed. For each cache dtype (fp16, bf16; q in the cache's dtype),
 cache (``pooled`` [B, H_kv, L, D] with slot m = sequence m; ``paged_hnd_p16``:
@@ -32,6 +32,13 @@ Bytes counted a call: K and V of the attended positions read once
 share the rows), q read (``B * T * H * D * 2``) and out written
 (``B * T * H * D * 4``); lse (``B * T * H * 4``) and the page table (4
 bytes a page, 1/1024 of a page's K and V at D 128) are left out.
+
+``--fp8``: an fp8 e4m3 pooled cache with per-tensor scales (random codes, no
+NaN code; q float16), T_q 1 and 4: ``mma`` (the tensor-core kernel converting
+the codes to f16 in shared memory) against ``fast`` (``DecodePlan`` with
+``method="fast"``, the product's fp8 path today); bytes as above with one byte
+an element of K and V (and the two 4-byte scales). Its issue target: 0.90 of
+copy at T_q 1.
 
 ``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
 (fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
@@ -183,6 +190,59 @@ def compare(timer, shape, reps, copy_gbps, log, dtypes=DTYPES):
                 f"plan (auto) {p4 / p1:5.2f}")
 
 
+def compare_fp8(timer, shape, reps, copy_gbps, log):
+    """The fp8 rows (``--fp8``, module docstring)."""
+    from numba import cuda
+
+    from attention.decode import fast, mma
+    from attention.decode.plan import DecodePlan
+    from bench.gpu import random_array
+
+    b, h, kv, d, seq = shape
+    rng = np.random.default_rng(7)
+    codes = []
+    for _ in range(2):
+        c = rng.integers(0, 256, (b, kv, seq, d), dtype=np.uint8)
+        c[(c & 0x7F) == 0x7F] = 0  # no NaN code
+        codes.append(cuda.to_device(c))
+    k, v = codes
+    k_scale = cuda.to_device(np.array([0.01], np.float32))
+    v_scale = cuda.to_device(np.array([0.02], np.float32))
+    lens = cuda.to_device(np.full(b, seq, np.int32))
+    slots = cuda.to_device(np.arange(b, dtype=np.int32))
+    scale = 1.0 / math.sqrt(d)
+    for t_q in T_QS:
+        q = random_array((b, t_q, h, d), np.float16, 40 + t_q)
+        nbytes = moved_bytes(b, h, kv, d, seq, t_q, 1) + b * t_q * h * d + 8  # q: 2 bytes
+        pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q)
+        out = cuda.device_array((b, t_q, h, d), np.float32)
+        lse = cuda.device_array((b, t_q, h), np.float32)
+        pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
+
+        def run_mma():
+            mma.launch(pl, q, k, v, lens, slots, scale, out, lse, pa, pm, 0,
+                       d_k_scale=k_scale, d_v_scale=v_scale)
+
+        ms_m = timer.time(run_mma, reps=reps, warmup=5)
+        plan = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=np.float16,
+                          t_q=t_q, method="fast")
+        qq = q if t_q > 1 else q.reshape(b, h, d)
+
+        def run_fast():
+            plan.run(qq, k, v, lens, slots, k_scale=k_scale, v_scale=v_scale)
+
+        ms_f = timer.time(run_fast, reps=reps, warmup=5)
+        plan.check()
+        diff = float(np.abs(out.copy_to_host()
+                            - plan.out.copy_to_host().reshape(b, t_q, h, d)).max())
+        gb_m, gb_f = (nbytes / (ms * 1e-3) / 1e9 for ms in (ms_m, ms_f))
+        log(f"pooled_fp8     e4m3      T_q={t_q}  mma {ms_m * 1e3:7.1f} us {gb_m:7.1f} GB/s "
+            f"({gb_m / copy_gbps:5.3f} of copy)  fast {ms_f * 1e3:7.1f} us {gb_f:7.1f} GB/s "
+            f"({gb_f / copy_gbps:5.3f} of copy)  fast/mma x{ms_f / ms_m:5.2f}  diff {diff:.1e}  "
+            f"splits mma {pl['n_split']} fast {plan.n_split}  regs mma "
+            f"{registers(pl['kernel'])}  bytes {nbytes}")
+
+
 def tune(timer, shape, reps, log):
     from attention.decode import mma
 
@@ -215,6 +275,8 @@ def main(argv=None):
     parser.add_argument("--tune", action="store_true", help="also sweep warps x stages")
     parser.add_argument("--dtypes", default=",".join(DTYPES),
                         help="cache dtypes, comma list (default: float16,bfloat16)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also the fp8 e4m3 cache (per-tensor scales): mma against fast")
     args = parser.parse_args(argv)
     from attention.core.device import device_name, gpu_available
 
@@ -237,6 +299,10 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     compare(timer, shape, reps, copy_gbps, print, dtypes)
+    if args.fp8:
+        print("")
+        print("fp8 e4m3 cache, per-tensor scales (q float16):")
+        compare_fp8(timer, shape, reps, copy_gbps, print)
     if args.tune:
         print("")
         print("mma warps x stages (fp16, pooled):")

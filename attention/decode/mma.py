@@ -64,6 +64,20 @@ Layouts (C-contiguous; device arrays, or numpy arrays staged by ``mma_decode``):
     part_acc    [M, T * H, n_split, D] float32, part_ml [M, T * H, n_split, 2]
                 (split-KV scratch, ``fast.scratch``: row i * H + h)
 
+fp8 e4m3 caches (kind ``FP8_KIND``, ``mma_decode(..., k_scale=, v_scale=)``:
+uint8 codes, per-tensor scales, q float16; sm_89 and later on a GPU): a ring
+stage holds a tile's codes as they are (``cp.async``, a quarter of the bytes);
+once they land each lane converts its share into the warp's one f16 K / V tile
+pair (``cvt.rn.f16x2.e4m3x2``: exact, every e4m3 value is an f16 value; the
+same swizzle, the same planted switches), and the tile is multiplied as a
+16-bit one. S is multiplied by ``k_scale`` after ``scale`` (two roundings, the
+fast kernel's order) and the output by ``v_scale`` (before ``1 / l``; a split's
+partial before the combine). With both scales 1 the result is the 16-bit
+kernel's over an f16 cache holding the codes' values, bit for bit
+(``tests/test_decode_mma_fp8.py``). Not yet behind ``DecodePlan`` (whose fp8
+path is the CUDA-core kernel) nor in the validation registry: its speed
+against that path is ``python3 -m bench.mma_decode --fp8``'s to measure.
+
 Head dims 32, 64 and 128 (a row is a power of two of 16-byte chunks, as the
 tile swizzle wants). The kernel sees the arrays as uint32 words (two 16-bit
 elements a word): q ``[M, T, H, D / 2]``, caches flat ``[N * D / 2]``.
@@ -128,8 +142,10 @@ SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an
 RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
-KINDS = ("f16", "bf16")  # the cache kinds (``fast.dtype_kind``'s names) the kernel takes
+KINDS = ("f16", "bf16")  # the 16-bit cache kinds (``fast.dtype_kind``'s names)
+FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), per-tensor scales, q float16
 LAYOUTS = ("HND", "NHD")
+FP8_DTYPE = np.dtype(np.uint8)  # fp8 e4m3 caches: the codes
 
 
 def dtype_kind(dt):
@@ -196,11 +212,59 @@ def _copy_ops(stages):
             ptx_statement(f"cp.async.wait_group {stages - 1};"))
 
 
-def smem_words(head_dim, warps, stages):
+@functools.lru_cache(maxsize=None)
+def _codes_f16x2():
+    """Device ``codes_f16x2(word) -> (lo, hi)``: the four fp8 e4m3 codes of a
+    uint32 word (low byte first) as two f16x2 words, codes 0-1 in ``lo`` and 2-3
+    in ``hi``, each code's value in the half of its position (exact: every e4m3
+    value is an f16 value). GPU: ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later) on
+    each 16-bit half; simulator: a table of the codes' f16 bits."""
+    if SIMULATOR:
+        from attention.cache.fp8 import E4M3_VALUES
+
+        bits = E4M3_VALUES.astype(np.float16).view(np.uint16).astype(np.uint32)
+
+        def codes_f16x2(word):
+            w = int(word)
+            lo = int(bits[w & 255]) | (int(bits[(w >> 8) & 255]) << 16)
+            hi = int(bits[(w >> 16) & 255]) | (int(bits[(w >> 24) & 255]) << 16)
+            return uint32(lo), uint32(hi)
+
+        return device_fn(codes_f16x2)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def codes_f16x2(typingctx, word):
+        sig = types.UniTuple(types.uint32, 2)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i16, i32 = ir.IntType(16), ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i16]), "cvt.rn.f16x2.e4m3x2 $0, $1;",
+                               "=r,h")
+            lo = builder.call(asm, [builder.trunc(args[0], i16)])
+            hi = builder.call(asm, [builder.trunc(builder.lshr(args[0], ir.Constant(i32, 16)),
+                                                  i16)])
+            return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+        return sig, codegen
+
+    return codes_f16x2
+
+
+def smem_words(head_dim, warps, stages, fp8=False):
     """uint32 words of a block's dynamic shared memory: the Q tile and the
-    warps' rings, or (reusing them at the end) the warps' states."""
+    warps' rings, or (reusing them at the end) the warps' states. fp8: a ring
+    stage holds the tile's codes (a quarter word an element), and each warp has
+    one K and one V tile of f16 values besides (the codes converted)."""
     tile = KT * head_dim // 2
-    main = TILE_ROWS * head_dim // 2 + warps * stages * 2 * tile
+    if fp8:
+        ring = stages * 2 * (KT * head_dim // 4) + 2 * tile
+    else:
+        ring = stages * 2 * tile
+    main = TILE_ROWS * head_dim // 2 + warps * ring
     merge = warps * (TILE_ROWS * head_dim + 2 * TILE_ROWS + TILE_ROWS) + TILE_ROWS
     return max(main, merge)
 
@@ -210,7 +274,9 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                       defect=None, checked=False):
     """The tensor-core decode kernel (module docstring).
 
-    kind: "f16" / "bf16"; head_dim: D (32, 64, 128); group: G = H / H_kv;
+    kind: "f16" / "bf16", or ``FP8_KIND`` (e4m3 codes, q f16: two more
+    arguments at the end, ``k_sc`` and ``v_sc`` float32 [1]); head_dim: D (32,
+    64, 128); group: G = H / H_kv;
     t_q: T (G * T <= 16); warps: NW; stages: ring stages a warp (>= 1);
     paging: None (pooled cache, slot table as ``[M, 1]``), "HND" or "NHD";
     defect: None or one of ``DEFECTS``; checked: the plan's range check in the
@@ -251,28 +317,36 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         raise ValueError(f"paging: expected None, 'HND' or 'NHD', got {paging!r}")
     check_defect(defect)
     CHECKED = bool(checked)
+    FP8 = kind == FP8_KIND
+    if kind not in KINDS and not FP8:
+        raise ValueError(f"kind: expected one of {KINDS + (FP8_KIND,)}, got {kind!r}")
     PAGED = paging is not None
     NHD = paging == "NHD"
     NO_TRANS = defect == "ldmatrix_no_trans"
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
     CAUSAL_EDGE = defect == "causal_tile_edge"
 
-    WR = D // 2  # words a row
-    TW = KT * WR  # words a tile of 16 rows
-    CPR = D // 8  # 16-byte chunks a row
+    WR = D // 2  # words a row of a 16-bit tile
+    TW = KT * WR  # words a 16-bit tile of 16 rows
+    CW = D // 4 if FP8 else WR  # words a cache row (fp8: four codes a word)
+    TWC = KT * CW  # words a staged tile
+    CPR = CW // 4  # 16-byte chunks a cache row
     KS = D // 16  # k steps of S = Q K^T
     NT = D // 8  # n tiles of O = P V
     COPIES = KT * CPR // WARP  # chunks of a tile a lane copies (K and V each)
     RING0 = TILE_ROWS * WR  # the rings start after the Q tile (words)
-    STAGE = 2 * TW  # a stage: the K tile, then the V tile
+    STAGE = 2 * TWC  # a stage: the K tile, then the V tile (fp8: their codes)
+    # fp8: each warp's K and V tiles of f16 values (converted from a stage's codes)
+    RING = S * STAGE + (2 * TW if FP8 else 0)  # words of a warp's ring
     N_QA, N_O = 4 * KS, 4 * NT
     # the warps' states at the end (float32 words from 0, over the Q tile and rings)
     M_ML = NW * TILE_ROWS * D  # (m, l) a row a warp
     M_WT = M_ML + NW * 2 * TILE_ROWS  # the merge's weight of a warp a row
     M_INV = M_WT + NW * TILE_ROWS  # 1 / l a row (one split)
 
-    mma, pack = mma16.ops(kind)
+    mma, pack = mma16.ops("f16" if FP8 else kind)
     copy, commit, wait = _copy_ops(S)
+    codes_f16x2 = _codes_f16x2() if FP8 else None
 
     def k_slot(row, col):
         # word of (row, col) in a K tile (the planted switch: the next row's swizzle)
@@ -299,9 +373,9 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             if pg < 0 or pg >= n_pages:
                 return int64(-1)
             if NHD:
-                return ((pg * page + off) * n_kv + kv_head) * WR
-            return ((pg * n_kv + kv_head) * page + off) * WR
-        return row0 + int64(pos) * WR
+                return ((pg * page + off) * n_kv + kv_head) * CW
+            return ((pg * n_kv + kv_head) * page + off) * CW
+        return row0 + int64(pos) * CW
 
     row_word = device_fn(row_word)
 
@@ -313,14 +387,18 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         first = int64(-1)
         if whole and tile0 < end:
             first = row_word(kc, table, seq, tile0, kv_head, n_kv, page, shift, n_pages, row0)
-        step = WR * n_kv if NHD else WR  # words between a page's consecutive rows
+        step = CW * n_kv if NHD else CW  # words between a page's consecutive rows
         for a in range(COPIES):
             ci = lane + WARP * a
             row = ci // CPR
             c = ci % CPR
             pos = tile0 + row
-            dk = kb + k_slot(row, 8 * c)
-            dv = kb + TW + mma16.tile_index(row, 8 * c, D)
+            if FP8:  # the codes as they are (converted into the warp's tiles later)
+                dk = kb + row * CW + 4 * c
+                dv = dk + TWC
+            else:
+                dk = kb + k_slot(row, 8 * c)
+                dv = kb + TW + mma16.tile_index(row, 8 * c, D)
             src = int64(-1)
             if pos < end:
                 if not whole:
@@ -348,8 +426,23 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     row_limit = device_fn(row_limit)
 
+    def convert(smem, kb, conv, lane):
+        # fp8: the staged codes at word kb (K, then V) into the warp's f16 tiles at
+        # word conv (K, then V; swizzled as a 16-bit stage's)
+        for x in range(lane, TWC, WARP):
+            row = x // CW
+            col = 4 * (x % CW)
+            lo, hi = codes_f16x2(smem[kb + x])
+            smem[conv + k_slot(row, col)] = lo
+            smem[conv + k_slot(row, col + 2)] = hi
+            lo, hi = codes_f16x2(smem[kb + TWC + x])
+            smem[conv + TW + mma16.tile_index(row, col, D)] = lo
+            smem[conv + TW + mma16.tile_index(row, col + 2, D)] = hi
+
+    convert = device_fn(convert)
+
     def body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-             out, lse, part_acc, part_ml, limit, err):
+             out, lse, part_acc, part_ml, limit, err, kscale, vscale):
         split = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
         seq = cuda.blockIdx.z
@@ -377,7 +470,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 slot = 0
                 if CHECKED:
                     bad_slot = 1
-            row0 = (int64(slot) * n_kv + kv_head) * page * WR
+            row0 = (int64(slot) * n_kv + kv_head) * page * CW
         bad_len = False
         if CHECKED:
             bad_len = length < 0 or length > cap or (TQ > 1 and 0 < length < TQ) or (
@@ -439,7 +532,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         # -- the warp's tiles: w, w + NW, ... of the chunk, through its ring --
         n_tiles = (end - start + KT - 1) // KT if end > start else 0
         n_mine = (n_tiles - warp + NW - 1) // NW if n_tiles > warp else 0
-        ring = RING0 + warp * S * STAGE
+        ring = RING0 + warp * RING
         for a in range(S - 1):
             if a < n_mine:
                 issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
@@ -455,8 +548,15 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             wait()  # this lane's copies of tile it have landed
             cuda.syncwarp()  # ... and every lane's are visible to the warp
             kb = ring + (it % S) * STAGE
-            ktile = smem[kb:kb + TW]
-            vtile = smem[kb + TW:kb + STAGE]
+            if FP8:
+                kb_c = ring + S * STAGE
+                convert(smem, kb, kb_c, lane)
+                cuda.syncwarp()  # the warp's f16 tiles are complete
+                ktile = smem[kb_c:kb_c + TW]
+                vtile = smem[kb_c + TW:kb_c + 2 * TW]
+            else:
+                ktile = smem[kb:kb + TW]
+                vtile = smem[kb + TW:kb + STAGE]
             tile0 = start + (warp + it * NW) * KT
 
             # -- S = Q K^T: one x4 load gives both 8-position halves' B fragments --
@@ -477,10 +577,14 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 for e in range(2):
                     pos = tile0 + 8 * h + 2 * tq + e
                     x = float32(s[4 * h + e] * scale)
+                    if FP8:  # the K scale on the score (the fast kernel's order)
+                        x = float32(x * kscale)
                     if pos >= lim0:
                         x = float32(-math.inf)
                     s[4 * h + e] = x
                     y = float32(s[4 * h + 2 + e] * scale)
+                    if FP8:
+                        y = float32(y * kscale)
                     if pos >= lim1:
                         y = float32(-math.inf)
                     s[4 * h + 2 + e] = y
@@ -554,6 +658,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             for w in range(NW):
                 acc = float32(acc + smf[M_WT + w * TILE_ROWS + r]
                               * smf[w * TILE_ROWS * D + r * D + d])
+            if FP8:  # the V scale on the output (before 1 / l; partials: unnormalised)
+                acc = float32(acc * vscale)
             i = r // GROUP
             head = kv_head * GROUP + r % GROUP
             if single:
@@ -562,16 +668,27 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 part_acc[seq, i * n_heads + head, split, d] = acc
 
     body = device_fn(body)
-    if CHECKED:
+    one = float32(1.0)
+    if CHECKED and FP8:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml, limit, err, k_sc, v_sc):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, limit, err, k_sc[0], v_sc[0])
+    elif CHECKED:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml, limit, err):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, limit, err)
+                 out, lse, part_acc, part_ml, limit, err, one, one)
+    elif FP8:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml, k_sc, v_sc):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, 0, seq_lens, k_sc[0], v_sc[0])
     else:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, 0, seq_lens)
+                 out, lse, part_acc, part_ml, 0, seq_lens, one, one)
 
     name = f"decode_mma_{kind}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_{paging or 'pooled'}"
     kernel.__name__ = kernel.__qualname__ = (name + ("_checked" if CHECKED else "")
@@ -597,7 +714,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     """
     t_q, warps, stages = int(t_q), int(warps), int(stages)
     group = int(n_heads) // int(n_kv)
-    dyn = 4 * smem_words(head_dim, warps, stages)
+    dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND)
     if n_split is None:
         resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
         n_split = fast.split_count(m_count * n_kv, max_len, resident)
@@ -627,7 +744,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
 
 
 def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, d_part_ml,
-           stream=0, limit=None, d_err=None):
+           stream=0, limit=None, d_err=None, d_k_scale=None, d_v_scale=None):
     """Enqueue a planned decode (one launch, or two with the combine); no
     checks, copies or allocations beyond array views.
 
@@ -637,6 +754,9 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     d_part_acc / d_part_ml ``fast.scratch(M, T * H, D, n_split)``. A
     ``checked`` plan: ``limit`` (the longest length served) and ``d_err``
     [fast.ERR_WORDS] int32, the flag the kernel's range check counts into.
+    An fp8 plan (kind ``FP8_KIND``): d_k, d_v hold e4m3 codes (uint8), d_q is
+    float16, and ``d_k_scale`` / ``d_v_scale`` are float32 [1] device arrays
+    (K = code * k_scale), read by the kernel.
     """
     m_count, t_q, n_heads, head_dim = (int(s) for s in d_q.shape)
     if pl["paging"] == "NHD":
@@ -652,6 +772,8 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
             np.float32(scale), np.int32(pl["chunk"]), d_out, d_lse, d_part_acc, d_part_ml)
     if pl.get("checked"):
         args += (np.int32(limit), d_err)
+    if pl["kind"] == FP8_KIND:
+        args += (d_k_scale, d_v_scale)
     ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
                           pl.setdefault("smem_ready", set()))
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
@@ -684,23 +806,28 @@ def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None
         dims = (("num_pages", None), ("H_kv", None), ("P", None), ("D", None))
     else:
         dims = (("num_pages", None), ("P", None), ("H_kv", None), ("D", None))
-    shape = checks.check_array("k_cache", k_cache, dims, dtypes=CACHE_DTYPES)
-    kind = dtype_kind(checks._dtype(k_cache))
+    shape = checks.check_array("k_cache", k_cache, dims, dtypes=CACHE_DTYPES + (FP8_DTYPE,))
+    fp8 = checks._dtype(k_cache) == FP8_DTYPE
+    kind = FP8_KIND if fp8 else dtype_kind(checks._dtype(k_cache))
+    q_dtypes = (np.dtype(np.float16),) if fp8 else CACHE_DTYPES
     n_rows, head_dim = shape[0], shape[3]
     n_kv, page = (shape[2], shape[1]) if layout == "NHD" and paged else (shape[1], shape[2])
     if head_dim not in HEAD_DIMS:
         raise checks.RangeError(f"k_cache: expected head_dim D in {HEAD_DIMS}, got {head_dim}")
     checks.check_array("v_cache", v_cache, tuple((label, s) for (label, _), s in zip(dims, shape)),
-                       dtypes=CACHE_DTYPES)
-    checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache), ("q", q)])
+                       dtypes=CACHE_DTYPES + (FP8_DTYPE,))
+    if fp8:  # e4m3 codes; q float16 (the mma's operand type)
+        checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache)])
+    else:
+        checks.check_same_dtype([("k_cache", k_cache), ("v_cache", v_cache), ("q", q)])
     if len(getattr(q, "shape", ())) == 3:
         m_count, n_heads, q_dim = checks.check_array(
-            "q", q, (("M", None), ("H", None), ("D", head_dim)), dtypes=CACHE_DTYPES)
+            "q", q, (("M", None), ("H", None), ("D", head_dim)), dtypes=q_dtypes)
         tq = 1
     else:
         m_count, tq, n_heads, q_dim = checks.check_array(
             "q", q, (("M", None), ("T", None), ("H", None), ("D", head_dim)),
-            dtypes=CACHE_DTYPES)
+            dtypes=q_dtypes)
     if t_q is not None and int(t_q) != tq:
         raise checks.ShapeError(f"t_q: q holds T={tq} queries a sequence, got t_q={t_q}")
     checks.check_range("q", tq, 1, TILE_ROWS, what="queries a sequence T")
@@ -751,24 +878,48 @@ def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None
 
 
 def _stage(x, stream):
-    """numpy 16-bit arrays to the device (as uint16: bfloat16 travels that way);
-    device arrays as they are (``launch`` views them as words)."""
+    """numpy 16-bit arrays to the device (as uint16: bfloat16 travels that way),
+    fp8 codes as uint8; device arrays as they are (``launch`` views them as words)."""
     if is_host_array(x):
-        return to_device(np.ascontiguousarray(x).view(np.uint16), stream)
+        x = np.ascontiguousarray(x)
+        return to_device(x if x.dtype == FP8_DTYPE else x.view(np.uint16), stream)
     return x
+
+
+def _fp8_scale(name, value):
+    """A per-tensor fp8 scale (a positive finite float, or a float32 [1] array,
+    numpy or device), checked: a float32 [1] numpy array, or the device array."""
+    if value is None:
+        raise checks.AttentionInputError(
+            f"{name}: an fp8 cache (uint8 e4m3 codes) needs its per-tensor scale "
+            f"(K = code * k_scale), got None")
+    if is_host_array(value) or isinstance(value, (float, int, np.floating, np.integer)):
+        arr = np.asarray(value, np.float32).reshape(-1)
+        if arr.shape != (1,) or not np.isfinite(arr[0]) or arr[0] <= 0:
+            raise checks.RangeError(
+                f"{name}: expected one finite positive float32 scale, got {value!r}")
+        return arr
+    checks.check_array(name, value, (("1", 1),), dtypes=(np.float32,))
+    return value
 
 
 def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
                layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
-               stream=None, warps=WARPS, stages=STAGES, defect=None):
-    """Tensor-core decode attention over a pooled or paged 16-bit cache.
+               stream=None, warps=WARPS, stages=STAGES, defect=None, k_scale=None,
+               v_scale=None):
+    """Tensor-core decode attention over a pooled or paged 16-bit or fp8 cache.
 
     q:          [M, T, H, D] (or [M, H, D]: T = 1) float16 / bfloat16, the cache's
-                dtype (numpy bf16 arrays are ``ml_dtypes.bfloat16``)
+                dtype (numpy bf16 arrays are ``ml_dtypes.bfloat16``); float16 with
+                an fp8 cache
     k_cache:    pooled [KV_SLOTS, H_kv, max_seq, D]; with ``page_table``,
                 [num_pages, H_kv, P, D] (``layout="HND"``) or [num_pages, P, H_kv,
                 D] ("NHD"); D in 32, 64, 128; H / H_kv * T <= 16
-    v_cache:    the same shape and dtype
+    v_cache:    the same shape and dtype. fp8 e4m3 codes (uint8,
+                ``attention.cache.fp8``; sm_89 and later on a GPU) with per-tensor
+                scales ``k_scale`` / ``v_scale``: the codes are converted to f16
+                (exact) in shared memory, S is multiplied by ``k_scale`` and the
+                output by ``v_scale``
     seq_lens:   [M] int: 0 or T .. capacity; query i of sequence m attends
                 positions 0 .. seq_lens[m] - T + i
     slot_table: [M] int (pooled; default ``arange(M)``)
@@ -783,12 +934,23 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     stream:     numba stream; None synchronises before returning
     warps, stages: the kernel's warps a block and ring stages a warp
     defect:     None or a planted switch of ``DEFECTS`` (tests only)
+    k_scale, v_scale: fp8 caches only: a positive float, or a float32 [1] array
+                (numpy or device)
     Returns (out, lse): numpy when q is numpy, else device arrays; lse is -inf
     and out zeros where a row attends nothing.
     """
     geo = check_inputs(q, k_cache, v_cache, seq_lens, slot_table, page_table, layout, t_q)
     scale = checks.check_scale(scale, geo["D"])
     check_defect(defect)
+    fp8 = geo["kind"] == FP8_KIND
+    if fp8:  # both checked before either is staged
+        d_ks, d_vs = (to_device(x, stream) if is_host_array(x) else x
+                      for x in (_fp8_scale("k_scale", k_scale), _fp8_scale("v_scale", v_scale)))
+    elif k_scale is not None or v_scale is not None:
+        raise checks.AttentionInputError(
+            "k_scale, v_scale: only fp8 caches (uint8 e4m3 codes) take scales")
+    else:
+        d_ks = d_vs = None
     m_count, tq, n_heads, head_dim = geo["M"], geo["T"], geo["H"], geo["D"]
     if n_split is not None:
         checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
@@ -809,7 +971,8 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     d_pa, d_pm = fast.scratch(m_count, tq * n_heads, head_dim, pl["n_split"], stream)
     launch(pl, d_q.reshape(m_count, tq, n_heads, head_dim), d_k, d_v, d_lens, d_table,
            scale, d_out.reshape(m_count, tq, n_heads, head_dim),
-           d_lse.reshape(m_count, tq, n_heads), d_pa, d_pm, launch_stream(stream))
+           d_lse.reshape(m_count, tq, n_heads), d_pa, d_pm, launch_stream(stream),
+           d_k_scale=d_ks, d_v_scale=d_vs)
     result = (d_out, d_lse)
     if is_host_array(q):
         result = (to_host(d_out, stream), to_host(d_lse, stream))
