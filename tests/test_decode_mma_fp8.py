@@ -12,6 +12,10 @@ Checked here:
   against the float64 oracle over the dequantized cache (code x scale) with the
   16-bit kernels' baseline (``validation.baselines.decode_rounded_p``, the mma
   sums, P rounded to fp16) with real scales;
+* ``DecodePlan(cache_dtype=uint8, q_dtype=float16, method="mma")`` runs the same
+  kernel (its range check compiled in): the bits of ``mma_decode``, pooled and
+  paged; ``method="auto"`` keeps the fast kernel for fp8
+  (``tests/test_decode_plan_mma.py``);
 * a planted defect acts through the conversion: ``swizzle_off_by_one`` (the
   converted K tile stored with the next row's swizzle) fails the rule;
 * host checks: q must be float16, both scales are required with an fp8 cache
@@ -175,3 +179,37 @@ def test_compiles_to_the_e4m3_conversion_and_the_f16_mma():
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx
     assert ptx.count("mma.sync.aligned.m16n8k16") == 128 // 8 + 128 // 8
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("page", [None, 16])
+def test_decode_plan_mma_gives_mma_decode_bits(page):
+    """``DecodePlan(cache_dtype=uint8, q_dtype=float16, method="mma")``: the same
+    kernel behind the plan (its range check compiled in), pooled and HND pages
+    of 16, T_q 2: the bits of ``mma_decode``."""
+    from numba import cuda
+
+    from attention.decode.plan import DecodePlan
+
+    lens = [37, 9]
+    q, kc, vc, ks, vs, slots = fp8_case(9, lens, 2, 2, 2, 32)
+    lens32 = np.asarray(lens, np.int32)
+    if page is None:
+        kp, vp, table, extra = kc, vc, slots, {}
+    else:
+        kp, vp, table = fixtures.paged_from_pooled(kc, vc, lens32, slots, page, "HND",
+                                                   np.random.default_rng(page))
+        extra = {"page_size": page, "layout": "HND"}
+    plan = DecodePlan(2, 4, 2, 32, kp.shape[0], kc.shape[2], cache_dtype=np.uint8,
+                      q_dtype=np.float16, t_q=2, method="mma", **extra)
+    assert plan.method == "mma"
+    d = [cuda.to_device(np.ascontiguousarray(x)) for x in (q, kp, vp, lens32, table)]
+    scales = [cuda.to_device(np.array([x], np.float32)) for x in (ks, vs)]
+    kw = {"page_table": d[4]} if page else {"slot_table": d[4]}
+    out = plan.run(d[0], d[1], d[2], d[3], k_scale=scales[0], v_scale=scales[1], sync=True,
+                   **kw)
+    want = run(q, kc, vc, lens, slots, ks, vs, page, "HND", n_split=plan.n_split)
+    assert np.array_equal(np.asarray(out.copy_to_host()).view(np.uint32),
+                          np.asarray(want[0]).view(np.uint32))
+    assert np.array_equal(plan.lse.copy_to_host().view(np.uint32),
+                          np.asarray(want[1]).view(np.uint32))

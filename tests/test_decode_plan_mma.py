@@ -54,12 +54,18 @@ def test_auto_takes_the_tensor_core_kernel_where_it_can():
     assert method(page_size=16, layout="NHD", kv_slots=9) == "mma"
     assert method(method="fast") == "fast"
     assert method(t_q=1, method="mma") == "mma"
+    # fp8 (per-tensor scales, q float16): the tensor-core path by method="mma" only
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16) == "fast"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16, method="mma") == "mma"
 
 
 def test_mma_method_names_what_it_cannot_take():
     base = dict(m=2, n_heads=8, n_kv_heads=2, head_dim=64, kv_slots=2, max_seq=64, t_q=4,
                 method="mma")
-    for kw, why in (({"cache_dtype": np.float32}, "float16 or bfloat16"),
+    for kw, why in (({"cache_dtype": np.float32}, "float16, bfloat16 or fp8"),
+                    ({"cache_dtype": np.uint8, "q_dtype": np.float32}, "q in float16"),
+                    ({"cache_dtype": np.uint8, "q_dtype": np.float16,
+                      "fp8_scales": "token_head"}, "per-tensor scales"),
                     ({"cache_dtype": np.float16, "q_dtype": np.float32}, "q_dtype"),
                     ({"cache_dtype": np.float16, "head_dim": 96}, "head_dim 96"),
                     ({"cache_dtype": np.float16, "n_heads": 32}, "16 query rows"),

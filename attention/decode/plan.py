@@ -302,6 +302,9 @@ class DecodePlan:
                   T queries x H / H_kv heads of a kv group as the rows of one
                   16-row ``mma`` tile, so K/V are read once for all T queries
                   and T adds no mma): 16-bit caches with q in the cache's dtype,
+                  or fp8 e4m3 caches with per-tensor scales and q float16 (the
+                  codes converted to f16 in shared memory; chosen by "mma"
+                  only, not by "auto", until a GPU run has timed it),
                   D in 32, 64, 128, H / H_kv x T <= 16, not batch-invariant
                   (its split count follows the batch); P is rounded to the
                   cache's dtype before P.V, as FlashAttention and FlashInfer do
@@ -399,7 +402,7 @@ class DecodePlan:
             raise checks.AttentionInputError(
                 f"method: expected one of {METHODS}, got {method!r}")
         why = _mma_unsupported(kind, cdt, qdt, head_dim, n_heads // n_kv, t_q,
-                               batch_invariant, defect, method)
+                               batch_invariant, defect, method, fp8_scales)
         if method == "auto":
             method = "mma" if t_q > 1 and why is None else "fast"
         elif method == "mma" and why is not None:
@@ -631,9 +634,11 @@ class DecodePlan:
         argtypes = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"),
                     A(i32, 2, "C"), i32, i32, i32, i32, f32, i32, A(f32, 4, "C"),
                     A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"), i32, A(i32, 1, "C"))
+        if self.fp8:  # k_scale, v_scale [1]
+            argtypes += (A(f32, 1, "C"), A(f32, 1, "C"))
         self._compile_main(pl, argtypes, 0)
         n_kv = self.n_kv_heads
-        words = int(np.prod(cache_shape)) // 2
+        words = int(np.prod(cache_shape)) // (4 if self.fp8 else 2)
         shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
         t = ArgTemplate()
         at = [t.add_array((m, t_q, h, d // 2), 4), t.add_array((words,), 4),
@@ -648,6 +653,9 @@ class DecodePlan:
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
         t.add(ctypes.c_int32(self.limit))
         t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
+        if self.fp8:  # k_scale, v_scale pointers (set by each run)
+            at.append(t.add_array((1,), 4))
+            at.append(t.add_array((1,), 4))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, table, out, lse: the fast path's order
 
@@ -774,7 +782,9 @@ class DecodePlan:
             MMA.launch(self.mma_plan, d_q.reshape(lead + (self.head_dim,)), d_k, d_v, d_lens,
                        d_table, self.scale, d_out.reshape(lead + (self.head_dim,)),
                        d_lse.reshape(lead), self.part_acc, self.part_ml, st,
-                       limit=self.limit, d_err=self.flag)
+                       limit=self.limit, d_err=self.flag,
+                       d_k_scale=scales[0] if scales else None,
+                       d_v_scale=scales[1] if scales else None)
         else:
             fast.launch(self.fast_plan, *args, self.scale, d_out, d_lse, self.part_acc,
                         self.part_ml, st, err=self.flag, scales=scales)
@@ -796,12 +806,23 @@ class DecodePlan:
                        t_q=self.t_q)
 
 
-def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defect, method):
+def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defect, method,
+                     fp8_scales="tensor"):
     """None when the tensor-core decode can take the plan, else why not (for
-    ``method="auto"`` a planted defect keeps the fast kernel)."""
-    if kind not in MMA.KINDS:
-        return f"cache_dtype {cdt}: it takes float16 or bfloat16 caches"
-    if qdt != cdt:
+    ``method="auto"`` a planted defect keeps the fast kernel, and so does an fp8
+    cache: the tensor-core fp8 path is chosen by ``method="mma"`` only, until a
+    GPU run has timed it against the fast one)."""
+    if kind == MMA.FP8_KIND:
+        if fp8_scales != "tensor":
+            return (f"fp8_scales {fp8_scales!r}: its fp8 path takes per-tensor scales "
+                    f"('tensor')")
+        if qdt != np.dtype(np.float16):
+            return f"q_dtype {qdt}: with an fp8 cache it takes q in float16"
+        if method == "auto":
+            return "an fp8 cache (its fp8 path is chosen by method='mma')"
+    elif kind not in MMA.KINDS:
+        return f"cache_dtype {cdt}: it takes float16, bfloat16 or fp8 e4m3 caches"
+    elif qdt != cdt:
         return f"q_dtype {qdt}: it takes q in the cache's dtype ({cdt})"
     if head_dim not in MMA.HEAD_DIMS:
         return f"head_dim {head_dim}: it takes {MMA.HEAD_DIMS}"
