@@ -115,9 +115,10 @@ PREFILL_SMALL = (
 # (what every kernel of a kind runs, and the fp8 quantization table); in
 # ``all_shapes``, which ``cases`` and ``find_shape`` read.
 FAMILY_SMALL = (
-    # GQA 4 (T_q 4 fills the 16-row tile), lengths across 16-position tiles
-    _decode("mma_gqa4_d64", True, fixtures.SCORE_FIXTURES, ("mma",), m=3, h=8, h_kv=2, d=64,
-            lens=(19, 0, 33), max_seq=40, kv_slots=5),
+    # GQA 4 (T_q 4 fills the 16-row tile), lengths across 16-position tiles; also
+    # the fp8 family's (the tensor-core fp8 decode has no shared shape but zero_len)
+    _decode("mma_gqa4_d64", True, fixtures.SCORE_FIXTURES, ("mma", "decode_fp8"), m=3, h=8,
+            h_kv=2, d=64, lens=(19, 0, 33), max_seq=40, kv_slots=5),
     # GQA 2:1, T past one 16-row tile, causal
     _prefill("mma_gqa2_d64_t20_causal", True, fixtures.SCORE_FIXTURES, ("mma",), t=20, h=2,
              h_kv=1, d=64, causal=True),
@@ -416,6 +417,35 @@ def _run_fp8(scales, page=None, layout="HND"):
     return run
 
 
+def _run_mma_fp8(fn, x, **kw):
+    """Run wrapper of the tensor-core decode over an fp8 cache
+    (``attention.decode.mma.mma_decode``, ``fn``): the case quantized by
+    ``fixtures.fp8_quantize`` with per-tensor scales, pooled, the slot table as
+    the case gives it, q in float16. A q in another dtype, a q that overflows
+    float16 (the 'large' fixture), a head dim without a tile and a GQA group
+    over 16 rows raise ``unsupported_case()``."""
+    from attention.decode import mma as module
+
+    unsupported = unsupported_case()
+    q, kc, vc = x["q"], x["k_codes"], x["v_codes"]
+    if np.dtype(q.dtype) != np.float16:
+        raise unsupported(f"q {np.dtype(q.dtype)}: the fp8 tensor-core decode takes q in "
+                          f"float16")
+    if not np.isfinite(q).all():
+        raise unsupported("q: the case's query does not fit in float16 (inf after the cast)")
+    m, h, d = q.shape
+    if d not in module.HEAD_DIMS:
+        raise unsupported(f"head dim {d}: {module.__name__} has tiles for head dims "
+                          f"{module.HEAD_DIMS} only")
+    if h // kc.shape[1] > module.TILE_ROWS:
+        raise unsupported(f"GQA group {h // kc.shape[1]}: {module.__name__} takes at most "
+                          f"{module.TILE_ROWS} query rows a kv head")
+    out, lse = fn(q, kc, vc, np.asarray(x["seq_lens"], np.int32),
+                  slot_table=np.asarray(x["slot_table"], np.int32), k_scale=x["k_scale"],
+                  v_scale=x["v_scale"], **kw)
+    return {"out": np.asarray(out), "lse": np.asarray(lse)}
+
+
 @functools.lru_cache(maxsize=None)
 def unsupported_case():
     """The exception class a run wrapper raises for a case its kernel cannot take:
@@ -694,6 +724,15 @@ KERNELS = (
                "NHD pages of 3 (codes and scales shuffled alike); judged over the "
                "dequantized cache, q in the case dtype",
                "decode_fast/before/recip_after/ex2", quantize="token_head"),
+    # the tensor-core decode over an fp8 cache (codes converted to f16 in shared
+    # memory, exact): the 16-bit kernels' rounded-P baseline over the dequantized
+    # cache, P rounded to float16 (the label names f16: the case's storage dtype is
+    # the codes' uint8); q float16 only
+    KernelSpec("decode_mma_fp8", "decode_fp8", "decode", "attention.decode.mma", "mma_decode",
+               _run_mma_fp8, ("q",),
+               "the tensor-core decode over an fp8 e4m3 cache, per-tensor scales, q float16 "
+               "(DecodePlan(method='mma')); judged over the dequantized cache",
+               "mma16_pf16/after", quantize="tensor"),
     # the 16-bit tensor-core kernels: P is rounded to the 16-bit type before P.V by
     # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
     # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and
