@@ -172,11 +172,16 @@ def test_qwen_shape_is_a_case_for_the_one_query_decode():
     assert group <= mma.TILE_ROWS < group * 4 and shape.dims["d"] in mma.HEAD_DIMS
 
 
-def test_tensor_core_shapes_are_run_by_the_mma_family_only():
+def test_tensor_core_shapes_are_run_by_their_families_only():
+    """The tensor-core shapes run by the mma family's kernels, and the decode one
+    also by the fp8 family's (which holds the tensor-core fp8 decode)."""
     cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
                            dtypes=["float16"])
+    fp8 = {k.name for k in registry.KERNELS if k.family == "decode_fp8"}
+    assert "decode_mma_fp8" in fp8
+    assert {c.kernel for c in cases if c.shape == PREFILL_SHAPE} <= set(MMA_ENTRIES)
     on_own = {c.kernel for c in cases if c.shape in (DECODE_SHAPE, PREFILL_SHAPE)}
-    assert on_own == set(MMA_ENTRIES)
+    assert on_own == set(MMA_ENTRIES) | fp8
     mma_shapes = {c.shape for c in cases if c.kernel == "decode_mma"}
     assert {DECODE_SHAPE, "zero_len", "gqa9x3_d40"} <= mma_shapes
     # not among the shapes every kernel of the kind runs (nor the fp8 table's)
