@@ -498,7 +498,8 @@ def test_fp8_registry_kernels_and_quantization_table():
 
     specs = {s.name: s for s in registry.KERNELS if s.family == "decode_fp8"}
     assert {n: s.quantize for n, s in specs.items()} == {"decode_fp8": "tensor",
-                                                         "decode_fp8_tok": "token_head"}
+                                                         "decode_fp8_tok": "token_head",
+                                                         "decode_mma_fp8": "tensor"}
     x = _small_case()
     assert baselines.resolve(specs["decode_fp8"].baseline, x, np.uint8) == \
         "lanes16x1/before/recip_after/ex2"  # D 40: scalar rows over 16 lanes

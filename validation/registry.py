@@ -726,13 +726,12 @@ KERNELS = (
                "decode_fast/before/recip_after/ex2", quantize="token_head"),
     # the tensor-core decode over an fp8 cache (codes converted to f16 in shared
     # memory, exact): the 16-bit kernels' rounded-P baseline over the dequantized
-    # cache, P rounded to float16 (the label names f16: the case's storage dtype is
-    # the codes' uint8); q float16 only
+    # cache, P rounded to q's dtype (its storage: float16, the only q it takes)
     KernelSpec("decode_mma_fp8", "decode_fp8", "decode", "attention.decode.mma", "mma_decode",
                _run_mma_fp8, ("q",),
                "the tensor-core decode over an fp8 e4m3 cache, per-tensor scales, q float16 "
                "(DecodePlan(method='mma')); judged over the dequantized cache",
-               "mma16_pf16/after", quantize="tensor"),
+               "mma16_p16/after", quantize="tensor"),
     # the 16-bit tensor-core kernels: P is rounded to the 16-bit type before P.V by
     # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
     # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and

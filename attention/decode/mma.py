@@ -74,9 +74,10 @@ same swizzle, the same planted switches), and the tile is multiplied as a
 fast kernel's order) and the output by ``v_scale`` (before ``1 / l``; a split's
 partial before the combine). With both scales 1 the result is the 16-bit
 kernel's over an f16 cache holding the codes' values, bit for bit
-(``tests/test_decode_mma_fp8.py``). Not yet behind ``DecodePlan`` (whose fp8
-path is the CUDA-core kernel) nor in the validation registry: its speed
-against that path is ``python3 -m bench.mma_decode --fp8``'s to measure.
+(``tests/test_decode_mma_fp8.py``). ``DecodePlan`` takes it with
+``method="mma"`` only (``"auto"`` keeps the CUDA-core kernel for fp8 until
+``python3 -m bench.mma_decode --fp8`` has timed the two on a GPU); registry
+entry ``decode_mma_fp8``.
 
 Head dims 32, 64 and 128 (a row is a power of two of 16-byte chunks, as the
 tile swizzle wants). The kernel sees the arrays as uint32 words (two 16-bit
