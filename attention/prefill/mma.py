@@ -181,6 +181,26 @@ def smem_words(head_dim, warps, block_n):
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def row_limit_fn(causal, block_n, causal_tile_edge=False):
+    """Device ``row_limit(row, t_len)``: the positions below it are seen by query
+    row ``row`` (``row + 1`` capped at T when causal, else T). The planted switch
+    ``causal_tile_edge``: a row whose diagonal is a K tile's first position
+    (``row % block_n == 0``) does not see it. Shared by the tensor-core
+    prefills (this module's and ``attention.prefill.tf32``'s)."""
+    CAUSAL, BN, EDGE = bool(causal), int(block_n), bool(causal_tile_edge)
+
+    def row_limit(row, t_len):
+        if not CAUSAL:
+            return t_len
+        lim = row + 1
+        if EDGE and row % BN == 0:
+            lim = row
+        return min(lim, t_len)
+
+    return device_fn(row_limit)
+
+
+@functools.lru_cache(maxsize=None)
 def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, defect=None):
     """The tensor-core prefill kernel (module docstring).
 
@@ -286,16 +306,7 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
 
     stage_kv = device_fn(stage_kv)
 
-    def row_limit(row, t_len):
-        # positions below this are seen by query row ``row``
-        if not CAUSAL:
-            return t_len
-        lim = row + 1
-        if CAUSAL_EDGE and row % BN == 0:
-            lim = row
-        return min(lim, t_len)
-
-    row_limit = device_fn(row_limit)
+    row_limit = row_limit_fn(CAUSAL, BN, CAUSAL_EDGE)
 
     def kernel(q, kc, vc, t_len, n_kv, scale, out, lse):
         head = cuda.blockIdx.x

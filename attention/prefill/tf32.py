@@ -120,6 +120,7 @@ from attention.core.warp import (
 )
 from attention.gemm import mma16, tgemm
 from attention.prefill import frame
+from attention.prefill.mma import row_limit_fn
 
 WARP = 32
 ROWS = 16  # query rows of a warp: one m16 tile
@@ -299,16 +300,7 @@ def prefill_tf32_kernel(head_dim, causal, warps=WARPS, block_n=None, defect=None
 
     stage_kv = device_fn(stage_kv)
 
-    def row_limit(row, t_len):
-        # positions below this are seen by query row ``row``
-        if not CAUSAL:
-            return t_len
-        lim = row + 1
-        if CAUSAL_EDGE and row % BN == 0:
-            lim = row
-        return min(lim, t_len)
-
-    row_limit = device_fn(row_limit)
+    row_limit = row_limit_fn(CAUSAL, BN, CAUSAL_EDGE)
 
     def kernel(q, kc, vc, t_len, n_kv, scale, out, lse):
         head = cuda.blockIdx.x
