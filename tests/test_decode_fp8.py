@@ -499,7 +499,8 @@ def test_fp8_registry_kernels_and_quantization_table():
     specs = {s.name: s for s in registry.KERNELS if s.family == "decode_fp8"}
     assert {n: s.quantize for n, s in specs.items()} == {"decode_fp8": "tensor",
                                                          "decode_fp8_tok": "token_head",
-                                                         "decode_mma_fp8": "tensor"}
+                                                         "decode_mma_fp8": "tensor",
+                                                         "decode_mma_fp8_tok": "token_head"}
     x = _small_case()
     assert baselines.resolve(specs["decode_fp8"].baseline, x, np.uint8) == \
         "lanes16x1/before/recip_after/ex2"  # D 40: scalar rows over 16 lanes
@@ -533,15 +534,28 @@ def test_fp8_suite_contract():
     assert suite.FAMILY == "decode_fp8"
     assert set(suite.DEFECTS) == {"fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2",
                                   "fp8_scale_wrong_head", "fp8_scale_wrong_token",
-                                  "append_round_to_zero"}
+                                  "fp8_p_unnormalized", "append_round_to_zero"}
     with pytest.raises(ValueError, match="defect"):
         suite.run_suite("no_such_defect")
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("defect", ["fp8_scale_wrong_head", "fp8_scale_wrong_token",
+                                    "fp8_p_unnormalized"])
+def test_the_tensor_core_check_catches_its_switches_alone(defect):
+    """The suite's tensor-core check (``mma_token_head_HND16``) fails on its own
+    for each of the kernel's token_head switches (the fast check also fails for
+    the two both kernels have, so the suite's verdict alone would not show it)."""
+    from validation import suite_decode_fp8 as suite
+
+    assert all(c.passed for c in suite.check_mma_token_head(None))
+    assert not all(c.passed for c in suite.check_mma_token_head(defect))
+
+
+@pytest.mark.device
 @pytest.mark.parametrize("defect", [None, "fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2",
                                     "fp8_scale_wrong_head", "fp8_scale_wrong_token",
-                                    "append_round_to_zero"])
+                                    "fp8_p_unnormalized", "append_round_to_zero"])
 def test_fp8_suite_passes_clean_and_catches_each_defect(defect):
     from validation import suite_decode_fp8 as suite
     from validation.suite import caught

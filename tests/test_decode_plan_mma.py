@@ -65,7 +65,7 @@ def test_mma_method_names_what_it_cannot_take():
     for kw, why in (({"cache_dtype": np.float32}, "float16, bfloat16 or fp8"),
                     ({"cache_dtype": np.uint8, "q_dtype": np.float32}, "q in float16"),
                     ({"cache_dtype": np.uint8, "q_dtype": np.float16,
-                      "fp8_scales": "token_head"}, "per-tensor scales"),
+                      "fp8_scales": "token_head", "head_dim": 96}, "head_dim 96"),
                     ({"cache_dtype": np.float16, "q_dtype": np.float32}, "q_dtype"),
                     ({"cache_dtype": np.float16, "head_dim": 96}, "head_dim 96"),
                     ({"cache_dtype": np.float16, "n_heads": 32}, "16 query rows"),

@@ -73,6 +73,16 @@ SUM (how the products of a dot product are added, ``dot``)
                      rounding of q), then the rounded-P attention over the
                      latent rows and ``o_lat W_UV^T`` in float32
                      (``mla_rounded_p``, below).
+    ``mma16_pvT``    ``mma16_pT`` for the tensor-core decode over an fp8 cache
+                     with a scale a row (``attention.decode.mma``, token_head):
+                     the V scales cannot leave P.V (they vary along its k), so
+                     the kernel rounds ``w / u`` to ``T``, with ``w = P vs``
+                     and ``u`` a row's max of ``w``, and multiplies by ``u``
+                     after (``decode_rounded_p(..., v_scales=)``). The same
+                     precision as rounding P (weights in [0, 1] rounded to
+                     ``T``), other roundings: a changed criterion,
+                     notes/validation.md gives the case that needed it. Decode
+                     cases quantized per (token, kv head) only.
     ``matmul_pT``    the same with S as numpy's float32 ``@``
                      (``decode_rounded_p``'s default; decode only). Not the
                      registry's: at the 'large' fixture (|score| 1e4) the
@@ -153,7 +163,8 @@ LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
 _LANES = re.compile(r"^lanes(\d+)x(\d+)$")
 _BLOCKED = re.compile(r"^(blocked|tc)(\d+)$")
-_ROUNDED_P = re.compile(r"^(matmul|mma16)_p(16|f16|bf16|f32)$")
+# SUM_pT (P rounded to T) or SUM_pvT (P times each row's V scale, normalised, rounded)
+_ROUNDED_P = re.compile(r"^(matmul|mma16)_p(v?)(16|f16|bf16|f32)$")
 
 
 def parse(label):
@@ -170,7 +181,7 @@ def parse(label):
             or exp not in EXPS + ("ex2fma",) or len(parts) > 4):
         raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
                          f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
-                         f"mla_gemm, matmul_pT, mma16_pT, "
+                         f"mla_gemm, matmul_pT, mma16_pT, mma16_pvT, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
     if _ROUNDED_P.match(how) and (where != "after" or norm != "divide"
                                   or exp not in ("exp", "ex2fma")):
@@ -194,8 +205,8 @@ def resolve(label, inputs, dtype):
     how, where, norm, exp = parse(label)
     tail = f"{norm}/{exp}" if exp != "exp" else norm
     rounded = _ROUNDED_P.match(how)
-    if rounded and rounded.group(2) == "16":  # P rounded to the case's 16-bit dtype
-        return f"{rounded.group(1)}_p{rounded_kind(dtype)}/{where}" + (
+    if rounded and rounded.group(3) == "16":  # P rounded to the case's 16-bit dtype
+        return f"{rounded.group(1)}_p{rounded.group(2)}{rounded_kind(dtype)}/{where}" + (
             f"/{norm}/{exp}" if exp != "exp" else "")
     if how == "mla_gemm":
         from attention.gemm import sgemm
@@ -621,18 +632,29 @@ def rounded_p_baseline(kind, inputs, label):
     d_v], through ``mla_rounded_p``, scale 1 / sqrt(d_nope + d_rope)."""
     how, _, _, exp = parse(label)
     rounded = _ROUNDED_P.match(how)
-    if rounded is None or rounded.group(2) == "16":
+    if rounded is None or rounded.group(3) == "16":
         raise ValueError(f"rounded_p_baseline: expected a resolved rounded-P order, got "
                          f"{label!r}")
-    sums, dtype = rounded.group(1), _rounded_dtype(rounded.group(2))
+    sums, dtype = rounded.group(1), _rounded_dtype(rounded.group(3))
+    if rounded.group(2) and (kind != "decode" or inputs.get("fp8_scales") != "token_head"):
+        raise ValueError(f"rounded_p_baseline: {label!r} (V scales into P) takes a decode "
+                         f"case quantized per (token, kv head), got a {kind} case")
     if kind == "decode" and exp == "exp":
         q = np.asarray(inputs["q"], F32)  # [M, H, D]
         slots = np.asarray(inputs["slot_table"])
         k_rows = np.asarray(inputs["k_cache"], F32)[slots]  # [M, H_kv, max_seq, D]
         v_rows = np.asarray(inputs["v_cache"], F32)[slots]
+        v_scales = None
+        if rounded.group(2):  # the codes' values and their row scales
+            from attention.cache.fp8 import decode_e4m3
+
+            with np.errstate(invalid="ignore"):
+                v_rows = decode_e4m3(np.asarray(inputs["v_codes"])[slots]).astype(F32)
+            v_scales = np.asarray(inputs["v_scale"], F32)[slots]
         scale = 1.0 / np.sqrt(q.shape[-1])
         out, lse = decode_rounded_p(q[:, None], k_rows, v_rows,
-                                    np.asarray(inputs["seq_lens"]), scale, dtype, sums)
+                                    np.asarray(inputs["seq_lens"]), scale, dtype, sums,
+                                    v_scales=v_scales)
         return {"out": out[:, 0], "lse": lse[:, 0]}
     if kind == "prefill" and sums == "mma16":
         q = np.asarray(inputs["q"], F32)
@@ -791,7 +813,7 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
     return out, lse
 
 
-def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul"):
+def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_scales=None):
     """float32 decode with the tensor-core kernel's roundings.
 
     q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
@@ -801,7 +823,14 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul"):
     lse [M, T, H]) float32; zeros and -inf for a row that sees nothing.
     ``sums``: how K q is summed: "matmul" (numpy's float32 ``@``) or "mma16"
     (``mma16_scores``: 16-wide k steps added to the fp32 sum with truncation,
-    as the kernel's mma sums them; the validation registry's order)."""
+    as the kernel's mma sums them; the validation registry's order).
+    ``v_scales`` [M, H_kv, L] float32 (the order ``SUM_pvT``: an fp8 cache with
+    a scale a row, ``v_rows`` then the codes' values): the weights are ``w = p
+    vs`` (float32), and ``u = max w`` a row: out = u ((w / u) rounded to
+    ``dtype``) V / l, the tensor-core decode's weights (``attention.decode.mma``,
+    token_head: V scales into P, normalised a row so that the rounded weights
+    lie in [0, 1] whatever the scales' range; its running ``u`` is this one
+    when a row's largest weight comes first)."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
     m_count, t_q, n_heads, head_dim = q.shape
@@ -824,8 +853,15 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul"):
                 top = s.max()
                 p = np.exp(s - top)  # [n] float32
                 total = p.sum(dtype=F32)
-                p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
-                out[m, i, h] = (p16 @ vals) / total
+                if v_scales is None:
+                    p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
+                    out[m, i, h] = (p16 @ vals) / total
+                else:
+                    w = p * v_scales[m, h // group, :seen].astype(F32)
+                    u = w.max()
+                    if u > 0:
+                        p16 = (w / u).astype(dtype).astype(F32)
+                        out[m, i, h] = (u * (p16 @ vals)) / total
                 lse[m, i, h] = top + np.log(total)
     return out, lse
 

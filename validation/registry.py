@@ -420,10 +420,11 @@ def _run_fp8(scales, page=None, layout="HND"):
 def _run_mma_fp8(fn, x, **kw):
     """Run wrapper of the tensor-core decode over an fp8 cache
     (``attention.decode.mma.mma_decode``, ``fn``): the case quantized by
-    ``fixtures.fp8_quantize`` with per-tensor scales, pooled, the slot table as
-    the case gives it, q in float16. A q in another dtype, a q that overflows
-    float16 (the 'large' fixture), a head dim without a tile and a GQA group
-    over 16 rows raise ``unsupported_case()``."""
+    ``fixtures.fp8_quantize`` (per-tensor scales [1], or per (token, kv head)
+    [KV_SLOTS, H_kv, max_seq], which ``mma_decode`` takes as its token_head
+    mode), pooled, the slot table as the case gives it, q in float16. A q in
+    another dtype, a q that overflows float16 (the 'large' fixture), a head dim
+    without a tile and a GQA group over 16 rows raise ``unsupported_case()``."""
     from attention.decode import mma as module
 
     unsupported = unsupported_case()
@@ -732,6 +733,15 @@ KERNELS = (
                "the tensor-core decode over an fp8 e4m3 cache, per-tensor scales, q float16 "
                "(DecodePlan(method='mma')); judged over the dequantized cache",
                "mma16_p16/after", quantize="tensor"),
+    # per-(token, kv head) scales: the V scales go into P, normalised a row, before
+    # the rounding to f16 (``attention.decode.mma``), so the baseline rounds the same
+    # weights (``mma16_pv16``: a changed criterion, notes/validation.md)
+    KernelSpec("decode_mma_fp8_tok", "decode_fp8", "decode", "attention.decode.mma",
+               "mma_decode", _run_mma_fp8, ("q",),
+               "the tensor-core decode over an fp8 e4m3 cache with per-(token, kv head) "
+               "scales, q float16 (DecodePlan(method='mma', fp8_scales='token_head')); "
+               "judged over the dequantized cache",
+               "mma16_pv16/after", quantize="token_head"),
     # the 16-bit tensor-core kernels: P is rounded to the 16-bit type before P.V by
     # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
     # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and

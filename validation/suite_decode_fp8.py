@@ -11,6 +11,11 @@ fails for every planted defect ``d`` in ``DEFECTS``:
   plans only, "fp8_scale_wrong_head" (the scale of kv head ``(h + 1) %
   H_kv``) and "fp8_scale_wrong_token" (the scale of the next position of the
   page);
+* the tensor-core fp8 decode's (``attention.decode.mma.FP8_TOKEN_DEFECTS``,
+  through ``DecodePlan(method="mma", fp8_scales="token_head", defect=d)``):
+  "fp8_scale_wrong_head" and "fp8_scale_wrong_token" (as above, in its ring's
+  scale copies) and "fp8_p_unnormalized" (the V scales folded into P without
+  the row normaliser: ``P vs`` rounded to f16 as it is);
 * the append's (``attention.cache.fp8.FP8_DEFECTS``): "append_round_to_zero"
   (magnitudes rounded toward zero instead of to nearest).
 
@@ -26,6 +31,11 @@ Checks (each named ``<check>[<case>]``):
   head), in NHD pages of 3 (codes and scales shuffled alike, NaN codes and NaN
   scales in spare pages and past each length), D not a multiple of the vector
   width on the simulator (the scalar-load path), against the same oracle;
+* ``out`` / ``lse [mma_token_head_HND16]``: the tensor-core decode over a case
+  quantized per (token, kv head) with V scaled by 1e-4 first (V scales near
+  1e-6, the issue's low end: f16's subnormals without the normaliser), q in
+  float16, HND pages of 16, against the same oracle with the kernel's
+  baseline ``mma16_pvf16/after`` (the registry's ``decode_mma_fp8_tok``);
 * ``append [<layout>_<mode>]``: three new tokens a sequence quantized by
   ``fp8_append`` into HND pages of 4 (per token and head) and NHD pages of 3
   (per tensor), one of them a row of zeros and one past 448 before
@@ -41,6 +51,7 @@ import numpy as np
 from attention.cache import fp8 as fp8_cache
 from attention.core.device import can_execute, to_device, to_host
 from attention.decode import fast as decode_fast
+from attention.decode import mma as decode_mma
 from attention.decode.plan import DecodePlan
 from attention.oracle import decode_attention_ref
 from validation import baselines, fixtures
@@ -48,9 +59,11 @@ from validation.suite import Check
 from validation.tolerance import verdict
 
 FAMILY = "decode_fp8"
-DEFECTS = decode_fast.FP8_DEFECTS + fp8_cache.FP8_DEFECTS
+DEFECTS = decode_fast.FP8_DEFECTS + ("fp8_p_unnormalized",) + fp8_cache.FP8_DEFECTS
 TENSOR_DEFECTS = ("fp8_scale_twice", "fp8_no_k_scale", "fp8_as_e5m2")  # act on tensor plans
 TOKEN_DEFECTS = ("fp8_as_e5m2",) + decode_fast.FP8_TOKEN_DEFECTS  # act on token_head plans
+MMA_TOKEN_DEFECTS = decode_mma.FP8_TOKEN_DEFECTS  # act on the tensor-core token_head plan
+MMA_BASELINE = "mma16_pv16/after"  # the tensor-core token_head decode's (registry)
 CANARY = 0xA5
 BASELINE = "decode_fast/before/recip_after/ex2"  # the fast decode's order (registry)
 
@@ -62,14 +75,19 @@ def _dims(small):
                 kv_slots=6), 111
 
 
-def _judge(tag, x, out, lse):
-    """The ``out`` / ``lse`` checks of a run against the dequantized case."""
+def _judge(tag, x, out, lse, mma=False):
+    """The ``out`` / ``lse`` checks of a run against the dequantized case (the
+    fast decode's baseline, or with ``mma`` the tensor-core decode's)."""
     args = (x["q"], x["k_cache"], x["v_cache"], x["seq_lens"], x["slot_table"])
     ref, ref_lse = decode_attention_ref(*args)
-    label = baselines.resolve(BASELINE, x, np.uint8)
-    base, base_lse = baselines.decode_order(x["q"], x["k_cache"].astype(np.float32),
-                                            x["v_cache"].astype(np.float32), x["seq_lens"],
-                                            x["slot_table"], label)
+    if mma:
+        base = baselines.baseline("decode", x, baselines.resolve(MMA_BASELINE, x, np.float16))
+        base, base_lse = base["out"], base["lse"]
+    else:
+        label = baselines.resolve(BASELINE, x, np.uint8)
+        base, base_lse = baselines.decode_order(x["q"], x["k_cache"].astype(np.float32),
+                                                x["v_cache"].astype(np.float32),
+                                                x["seq_lens"], x["slot_table"], label)
     checks = []
     for name, got, r, b in (("out", out, ref, base), ("lse", lse, ref_lse, base_lse)):
         ok, text = verdict(got, r, b)
@@ -77,7 +95,7 @@ def _judge(tag, x, out, lse):
     return checks
 
 
-def _run(x, mode, defect, page=None, layout="HND"):
+def _run(x, mode, defect, page=None, layout="HND", method="auto"):
     q, kc, vc, ks, vs = x["q"], x["k_codes"], x["v_codes"], x["k_scale"], x["v_scale"]
     m, h, d = q.shape
     lens = np.asarray(x["seq_lens"], np.int32)
@@ -92,7 +110,8 @@ def _run(x, mode, defect, page=None, layout="HND"):
         vs, _ = fixtures.paged_scales(vs, lens, slots, page, layout, np.random.default_rng(seed))
         kw = {"page_table": to_device(table)}
     pl = DecodePlan(m, h, n_kv, d, kc.shape[0], max_seq, cache_dtype="float8_e4m3fn",
-                    fp8_scales=mode, page_size=page, layout=layout, defect=defect)
+                    q_dtype=q.dtype, fp8_scales=mode, page_size=page, layout=layout,
+                    defect=defect, method=method)
     d_lse = to_device(np.zeros((m, h), np.float32))
     out = pl.run(to_device(q), to_device(kc), to_device(vc), to_device(lens), lse=d_lse,
                  k_scale=to_device(ks), v_scale=to_device(vs), sync=True, **kw)
@@ -113,6 +132,16 @@ def check_token_head(defect=None, small=True):
                               "token_head")
     out, lse = _run(x, "token_head", defect if defect in TOKEN_DEFECTS else None, 3, "NHD")
     return _judge("token_head_NHD3", x, out, lse)
+
+
+def check_mma_token_head(defect=None, small=True):
+    dims, _ = _dims(small)
+    x = fixtures.decode_inputs(np.random.default_rng(44), **dims)
+    x = dict(x, v_cache=x["v_cache"] * np.float32(1e-4), q=x["q"].astype(np.float16))
+    x = fixtures.fp8_quantize(x, "token_head")
+    out, lse = _run(x, "token_head", defect if defect in MMA_TOKEN_DEFECTS else None, 16,
+                    "HND", method="mma")
+    return _judge("mma_token_head_HND16", x, out, lse, mma=True)
 
 
 def check_append(defect=None, small=True):
@@ -177,6 +206,8 @@ def run_suite(defect=None, *, small=True):
         results += check_tensor(defect, small)
     if defect is None or defect in TOKEN_DEFECTS:
         results += check_token_head(defect, small)
+    if defect is None or defect in MMA_TOKEN_DEFECTS:
+        results += check_mma_token_head(defect, small)
     if defect is None or defect in fp8_cache.FP8_DEFECTS:
         results += check_append(defect, small)
     return results

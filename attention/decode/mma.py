@@ -79,6 +79,22 @@ kernel's over an f16 cache holding the codes' values, bit for bit
 ``python3 -m bench.mma_decode --fp8`` has timed the two on a GPU); registry
 entry ``decode_mma_fp8``.
 
+Per-(token, kv head) scales (``scales="token_head"``; ``mma_decode`` takes them
+when ``k_scale`` / ``v_scale`` are arrays in the cache's layout without D,
+``DecodePlan(fp8_scales="token_head", method="mma")``): a ring stage also holds
+the tile's 16 K and 16 V scales (lane ``l`` copies row ``l % 16``'s K or V
+scale with a 4-byte ``cp.async``; 0 for a row past the end or behind a bad page
+entry, so a NaN scale of an unused row is never read). A score is multiplied by
+its position's K scale after ``scale``. The V scales cannot leave P.V (they
+vary along its k), so they go into P, and a row normaliser keeps P in f16's
+range: with ``u`` a row's running max of ``P vs`` (rescaled by the softmax's
+``alpha`` as ``O`` is), each tile takes ``u' = max(u alpha, max_tile P vs)``,
+rounds ``P' = P vs / u'`` (in [0, 1]) to f16 for the mma, rescales ``o`` by
+``alpha u / u'`` and keeps ``O = u' o``; ``o`` is multiplied by ``u`` before
+the warps' merge. Without the normaliser (planted ``fp8_p_unnormalized``) V
+scales near 1e-6 put ``P vs`` among f16's subnormals and the rule fails. ``l``
+sums the unscaled fp32 ``P``. Registry entry ``decode_mma_fp8_tok``.
+
 Head dims 32, 64 and 128 (a row is a power of two of 16-byte chunks, as the
 tile swizzle wants). The kernel sees the arrays as uint32 words (two 16-bit
 elements a word): q ``[M, T, H, D / 2]``, caches flat ``[N * D / 2]``.
@@ -91,6 +107,12 @@ the kernel is unchanged, its name has no suffix):
                           (``ldmatrix`` reads them with the right one)
     "causal_tile_edge"    a row whose causal limit ``len - T + 1 + i`` falls on
                           a tile edge (a multiple of 16) sees one more position
+``FP8_TOKEN_DEFECTS`` (token_head scales only):
+    "fp8_scale_wrong_head"  a row's K and V scales read from kv head
+                          ``(h + 1) % H_kv``
+    "fp8_scale_wrong_token" a row's K and V scales read from the next position
+                          of its page (slot), ``(off + 1) % P``
+    "fp8_p_unnormalized"  ``P vs`` rounded to f16 as it is (no row normaliser)
 
 Device guard (the launcher checks on the host first): a length outside
 ``[0, capacity]`` or in ``1 .. T - 1``, or a pooled slot outside the pool, makes
@@ -142,9 +164,15 @@ STAGES = 3  # ring stages a warp (stages - 1 tiles in flight)
 SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an SM's
 RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
+# fp8 per-(token, kv head) scales only: the scales of another kv head or of the next
+# position of the page (the fast kernel's switches of the same names), and the V
+# scales folded into P without the row normaliser (module docstring)
+FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token", "fp8_p_unnormalized")
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+ALL_DEFECTS = DEFECTS + FP8_TOKEN_DEFECTS  # every switch the kernel takes
 KINDS = ("f16", "bf16")  # the 16-bit cache kinds (``fast.dtype_kind``'s names)
-FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), per-tensor scales, q float16
+FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), q float16
+FP8_SCALES = ("tensor", "token_head")  # a K and a V scale, or one a cached row (token, kv head)
 LAYOUTS = ("HND", "NHD")
 FP8_DTYPE = np.dtype(np.uint8)  # fp8 e4m3 caches: the codes
 
@@ -155,8 +183,8 @@ def dtype_kind(dt):
 
 
 def check_defect(defect):
-    if defect is not None and defect not in DEFECTS:
-        raise ValueError(f"defect: expected None or one of {DEFECTS}, got {defect!r}")
+    if defect is not None and defect not in ALL_DEFECTS:
+        raise ValueError(f"defect: expected None or one of {ALL_DEFECTS}, got {defect!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -214,6 +242,48 @@ def _copy_ops(stages):
 
 
 @functools.lru_cache(maxsize=None)
+def _copy4_op():
+    """``copy4(smf, word, src, i)``: start copying float32 ``src[i]`` (4 bytes) to
+    word ``word`` of shared array ``smf`` (``cp.async.ca``, in the ring's current
+    group: the fp8 per-row scales of a tile). The simulator copies at once."""
+    if SIMULATOR:
+        def copy4(smf, word, src, i):
+            smf[word] = src[i]
+
+        return device_fn(copy4)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i8p = ir.IntType(8).as_pointer()
+    i64 = ir.IntType(64)
+
+    def pointer(context, builder, aty, aval, idx):
+        ary = context.make_array(aty)(context, builder, aval)
+        if idx.type.width < 64:
+            idx = builder.sext(idx, i64)
+        return builder.gep(builder.bitcast(ary.data, i8p), [builder.mul(idx, ir.Constant(i64, 4))])
+
+    @intrinsic
+    def copy4(typingctx, smf, word, src, i):
+        sig = types.void(smf, word, src, i)
+
+        def codegen(context, builder, sig, args):
+            sp = pointer(context, builder, sig.args[0], args[0], args[1])
+            gp = pointer(context, builder, sig.args[2], args[2], args[3])
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
+            text = ("{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $0; "
+                    "cvt.u32.u64 sa32, sa64; cp.async.ca.shared.global [sa32], [$1], 4; }")
+            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return copy4
+
+
+@functools.lru_cache(maxsize=None)
 def _codes_f16x2():
     """Device ``codes_f16x2(word) -> (lo, hi)``: the four fp8 e4m3 codes of a
     uint32 word (low byte first) as two f16x2 words, codes 0-1 in ``lo`` and 2-3
@@ -255,14 +325,15 @@ def _codes_f16x2():
     return codes_f16x2
 
 
-def smem_words(head_dim, warps, stages, fp8=False):
+def smem_words(head_dim, warps, stages, fp8=False, token_head=False):
     """uint32 words of a block's dynamic shared memory: the Q tile and the
     warps' rings, or (reusing them at the end) the warps' states. fp8: a ring
     stage holds the tile's codes (a quarter word an element), and each warp has
-    one K and one V tile of f16 values besides (the codes converted)."""
+    one K and one V tile of f16 values besides (the codes converted);
+    ``token_head`` scales: a stage also holds the tile's 16 K and 16 V scales."""
     tile = KT * head_dim // 2
     if fp8:
-        ring = stages * 2 * (KT * head_dim // 4) + 2 * tile
+        ring = stages * (2 * (KT * head_dim // 4) + (2 * KT if token_head else 0)) + 2 * tile
     else:
         ring = stages * 2 * tile
     main = TILE_ROWS * head_dim // 2 + warps * ring
@@ -272,12 +343,13 @@ def smem_words(head_dim, warps, stages, fp8=False):
 
 @functools.lru_cache(maxsize=None)
 def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, paging=None,
-                      defect=None, checked=False):
+                      defect=None, checked=False, scales="tensor"):
     """The tensor-core decode kernel (module docstring).
 
     kind: "f16" / "bf16", or ``FP8_KIND`` (e4m3 codes, q f16: two more
-    arguments at the end, ``k_sc`` and ``v_sc`` float32 [1]); head_dim: D (32,
-    64, 128); group: G = H / H_kv;
+    arguments at the end, ``k_sc`` and ``v_sc``: float32 [1] with ``scales``
+    "tensor", or with "token_head" the flat scales [N], one a cached row, in
+    the cache's layout without D); head_dim: D (32, 64, 128); group: G = H / H_kv;
     t_q: T (G * T <= 16); warps: NW; stages: ring stages a warp (>= 1);
     paging: None (pooled cache, slot table as ``[M, 1]``), "HND" or "NHD";
     defect: None or one of ``DEFECTS``; checked: the plan's range check in the
@@ -321,6 +393,14 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     FP8 = kind == FP8_KIND
     if kind not in KINDS and not FP8:
         raise ValueError(f"kind: expected one of {KINDS + (FP8_KIND,)}, got {kind!r}")
+    if scales not in FP8_SCALES:
+        raise ValueError(f"scales: expected one of {FP8_SCALES}, got {scales!r}")
+    TOK = FP8 and scales == "token_head"  # a K and a V scale a cached row
+    if defect in FP8_TOKEN_DEFECTS and not TOK:
+        raise ValueError(f"defect: {defect!r} needs an fp8 kernel with token_head scales")
+    WRONG_HEAD = defect == "fp8_scale_wrong_head"
+    WRONG_TOKEN = defect == "fp8_scale_wrong_token"
+    UNNORMALIZED = defect == "fp8_p_unnormalized"
     PAGED = paging is not None
     NHD = paging == "NHD"
     NO_TRANS = defect == "ldmatrix_no_trans"
@@ -336,7 +416,10 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     NT = D // 8  # n tiles of O = P V
     COPIES = KT * CPR // WARP  # chunks of a tile a lane copies (K and V each)
     RING0 = TILE_ROWS * WR  # the rings start after the Q tile (words)
-    STAGE = 2 * TWC  # a stage: the K tile, then the V tile (fp8: their codes)
+    # a stage: the K tile, then the V tile (fp8: their codes); token_head: then the
+    # tile's 16 K scales and its 16 V scales (float32, 0 where no row is read)
+    SC0 = 2 * TWC  # the scales' first word in a stage
+    STAGE = SC0 + (2 * KT if TOK else 0)
     # fp8: each warp's K and V tiles of f16 values (converted from a stage's codes)
     RING = S * STAGE + (2 * TW if FP8 else 0)  # words of a warp's ring
     N_QA, N_O = 4 * KS, 4 * NT
@@ -347,6 +430,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     mma, pack = mma16.ops("f16" if FP8 else kind)
     copy, commit, wait = _copy_ops(S)
+    copy4 = _copy4_op()
     codes_f16x2 = _codes_f16x2() if FP8 else None
 
     def k_slot(row, col):
@@ -380,11 +464,36 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     row_word = device_fn(row_word)
 
-    def issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
-              tile0, end, kb, lane, whole):
+    def scale_index(table, seq, slot, pos, kv_head, n_kv, page, shift, n_pages):
+        # token_head: position pos's scale in the flat scales (the cache's layout
+        # without D; pooled [slot, kv head, pos]); -1: a bad page entry. The
+        # planted switches: kv head (h + 1) % H_kv's, the next position of the page
+        g = kv_head
+        if WRONG_HEAD:
+            g = (kv_head + 1) % n_kv
+        if PAGED:
+            j, off = page_split(pos, page, shift)
+            pg = int64(table[seq, j])
+            if pg < 0 or pg >= n_pages:
+                return int64(-1)
+        else:
+            pg = int64(slot)
+            off = pos
+        if WRONG_TOKEN:
+            off = (off + 1) % page  # pooled: page is max_seq
+        if NHD:
+            return (pg * page + off) * n_kv + g
+        return (pg * n_kv + g) * page + off
+
+    scale_index = device_fn(scale_index)
+
+    def issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page, shift,
+              n_pages, row0, tile0, end, kb, lane, whole):
         # start copying the K and V rows of positions tile0 .. tile0+15 into the
-        # stage at word kb (rows at or past end: zeros). ``whole``: a paged cache
-        # whose pages hold whole tiles (P a multiple of 16): one page entry a tile
+        # stage at word kb (rows at or past end: zeros); token_head: lane l the K
+        # (l < 16) or V scale of row l % 16 (0 past end or for a bad page entry).
+        # ``whole``: a paged cache whose pages hold whole tiles (P a multiple of
+        # 16): one page entry a tile
         first = int64(-1)
         if whole and tile0 < end:
             first = row_word(kc, table, seq, tile0, kv_head, n_kv, page, shift, n_pages, row0)
@@ -414,6 +523,17 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 for x in range(4):
                     smem[dk + x] = uint32(0)
                     smem[dv + x] = uint32(0)
+        if TOK:
+            pos = tile0 + lane % KT
+            at = int64(-1)
+            if pos < end:
+                at = scale_index(table, seq, slot, pos, kv_head, n_kv, page, shift, n_pages)
+            if at < 0:
+                smf[kb + SC0 + lane] = float32(0.0)
+            elif lane < KT:
+                copy4(smf, kb + SC0 + lane, ksc, at)
+            else:
+                copy4(smf, kb + SC0 + lane, vsc, at)
 
     issue = device_fn(issue)
 
@@ -443,7 +563,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     convert = device_fn(convert)
 
     def body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-             out, lse, part_acc, part_ml, limit, err, kscale, vscale):
+             out, lse, part_acc, part_ml, limit, err, kscale, vscale, ksc, vsc):
         split = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
         seq = cuda.blockIdx.z
@@ -462,6 +582,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         row0 = int64(0)
         cap = page
         bad_slot = 0
+        slot = 0
         if PAGED:
             cap = table.shape[1] * page
         else:
@@ -525,6 +646,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         m1 = float32(-math.inf)
         l0 = float32(0.0)  # this lane's part of the row sums
         l1 = float32(0.0)
+        u0 = float32(0.0)  # token_head: the rows' V normalisers (O = u o)
+        u1 = float32(0.0)
         o = cuda.local.array(N_O, float32)
         for x in range(N_O):
             o[x] = float32(0.0)
@@ -536,15 +659,16 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         ring = RING0 + warp * RING
         for a in range(S - 1):
             if a < n_mine:
-                issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
-                      start + (warp + a * NW) * KT, end, ring + a * STAGE, lane, whole)
+                issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                      shift, n_pages, row0, start + (warp + a * NW) * KT, end,
+                      ring + a * STAGE, lane, whole)
             commit()
         for it in range(n_mine):
             ahead = it + S - 1
             if ahead < n_mine:
-                issue(smem, kc, vc, table, seq, kv_head, n_kv, page, shift, n_pages, row0,
-                      start + (warp + ahead * NW) * KT, end, ring + (ahead % S) * STAGE, lane,
-                      whole)
+                issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                      shift, n_pages, row0, start + (warp + ahead * NW) * KT, end,
+                      ring + (ahead % S) * STAGE, lane, whole)
             commit()
             wait()  # this lane's copies of tile it have landed
             cuda.syncwarp()  # ... and every lane's are visible to the warp
@@ -574,18 +698,22 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
             # -- scale and mask: s[4 h + e] row g, s[4 h + 2 + e] row g + 8, position
             # tile0 + 8 h + 2 tq + e --
+            sc = kb + SC0  # token_head: the tile's K scales, then its V scales
             for h in range(2):
                 for e in range(2):
                     pos = tile0 + 8 * h + 2 * tq + e
+                    ksc_p = kscale  # the K scale on the score (the fast kernel's order)
+                    if TOK:
+                        ksc_p = smf[sc + 8 * h + 2 * tq + e]
                     x = float32(s[4 * h + e] * scale)
-                    if FP8:  # the K scale on the score (the fast kernel's order)
-                        x = float32(x * kscale)
+                    if FP8:
+                        x = float32(x * ksc_p)
                     if pos >= lim0:
                         x = float32(-math.inf)
                     s[4 * h + e] = x
                     y = float32(s[4 * h + 2 + e] * scale)
                     if FP8:
-                        y = float32(y * kscale)
+                        y = float32(y * ksc_p)
                     if pos >= lim1:
                         y = float32(-math.inf)
                     s[4 * h + 2 + e] = y
@@ -593,7 +721,53 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             # -- online softmax of the two rows (max over the quad) --
             new0 = max(m0, group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4))
             new1 = max(m1, group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4))
-            l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
+            if TOK:
+                # P (l from it), then P' = P vs / u' with u' = max(u alpha, the
+                # tile's max P vs) a row: P' <= 1 whatever the scales' range, and
+                # O = u' o' with o' = o alpha u / u' (o rescaled here, not in the step)
+                ref0 = new0 if new0 > float32(-3.0e38) else float32(0.0)
+                ref1 = new1 if new1 > float32(-3.0e38) else float32(0.0)
+                alpha0 = float32(math.exp(m0 - ref0))
+                alpha1 = float32(math.exp(m1 - ref1))
+                l0, l1 = fragment_softmax_step(s, o, 0, m0, m1, l0, l1, new0, new1)
+                for h in range(2):
+                    for e in range(2):
+                        vsc_p = smf[sc + KT + 8 * h + 2 * tq + e]
+                        s[4 * h + e] = float32(s[4 * h + e] * vsc_p)
+                        s[4 * h + 2 + e] = float32(s[4 * h + 2 + e] * vsc_p)
+                if UNNORMALIZED:  # P vs as it is (u stays 1: O = o)
+                    f0 = alpha0
+                    f1 = alpha1
+                    u0 = float32(1.0)
+                    u1 = float32(1.0)
+                else:
+                    w0 = group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4)
+                    w1 = group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4)
+                    nu0 = max(float32(u0 * alpha0), w0)
+                    nu1 = max(float32(u1 * alpha1), w1)
+                    inv0 = float32(0.0)  # a row with no weight yet: o and P' stay 0
+                    inv1 = float32(0.0)
+                    f0 = alpha0
+                    f1 = alpha1
+                    if nu0 > float32(0.0):
+                        inv0 = float32(1.0) / nu0
+                        f0 = float32(alpha0 * float32(u0 * inv0))
+                    if nu1 > float32(0.0):
+                        inv1 = float32(1.0) / nu1
+                        f1 = float32(alpha1 * float32(u1 * inv1))
+                    for h in range(2):
+                        for e in range(2):
+                            s[4 * h + e] = float32(s[4 * h + e] * inv0)
+                            s[4 * h + 2 + e] = float32(s[4 * h + 2 + e] * inv1)
+                    u0 = nu0
+                    u1 = nu1
+                for nd in range(NT):
+                    o[4 * nd] *= f0
+                    o[4 * nd + 1] *= f0
+                    o[4 * nd + 2] *= f1
+                    o[4 * nd + 3] *= f1
+            else:
+                l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
             m0 = new0
             m1 = new1
 
@@ -612,6 +786,12 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         # -- the warps' states into shared memory (over the Q tile and rings) --
         l0 = group_sum(l0, 4)
         l1 = group_sum(l1, 4)
+        if TOK:  # O = u o (the V scales are in it)
+            for nd in range(NT):
+                o[4 * nd] *= u0
+                o[4 * nd + 1] *= u0
+                o[4 * nd + 2] *= u1
+                o[4 * nd + 3] *= u1
         cuda.syncthreads()  # every warp is done with the Q tile and its ring
         base = warp * TILE_ROWS * D
         for nd in range(NT):
@@ -659,8 +839,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             for w in range(NW):
                 acc = float32(acc + smf[M_WT + w * TILE_ROWS + r]
                               * smf[w * TILE_ROWS * D + r * D + d])
-            if FP8:  # the V scale on the output (before 1 / l; partials: unnormalised)
-                acc = float32(acc * vscale)
+            if FP8 and not TOK:  # the V scale on the output (before 1 / l; partials:
+                acc = float32(acc * vscale)  # unnormalised)
             i = r // GROUP
             head = kv_head * GROUP + r % GROUP
             if single:
@@ -670,28 +850,42 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     body = device_fn(body)
     one = float32(1.0)
-    if CHECKED and FP8:
+    # the arguments past part_ml: (limit, err) when checked, then (k_sc, v_sc) with
+    # fp8; body takes the tensor scales as values and token_head's as arrays (an
+    # unused argument gets a stand-in)
+    if CHECKED and TOK:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml, limit, err, k_sc, v_sc):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, limit, err, k_sc[0], v_sc[0])
+                 out, lse, part_acc, part_ml, limit, err, one, one, k_sc, v_sc)
+    elif CHECKED and FP8:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml, limit, err, k_sc, v_sc):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, limit, err, k_sc[0], v_sc[0], k_sc, v_sc)
     elif CHECKED:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml, limit, err):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, limit, err, one, one)
+                 out, lse, part_acc, part_ml, limit, err, one, one, lse, lse)
+    elif TOK:
+        def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                   out, lse, part_acc, part_ml, k_sc, v_sc):
+            body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
+                 out, lse, part_acc, part_ml, 0, seq_lens, one, one, k_sc, v_sc)
     elif FP8:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml, k_sc, v_sc):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, 0, seq_lens, k_sc[0], v_sc[0])
+                 out, lse, part_acc, part_ml, 0, seq_lens, k_sc[0], v_sc[0], k_sc, v_sc)
     else:
         def kernel(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
                    out, lse, part_acc, part_ml):
             body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
-                 out, lse, part_acc, part_ml, 0, seq_lens, one, one)
+                 out, lse, part_acc, part_ml, 0, seq_lens, one, one, lse, lse)
 
-    name = f"decode_mma_{kind}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_{paging or 'pooled'}"
+    name = (f"decode_mma_{kind}{'t' if TOK else ''}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_"
+            f"{paging or 'pooled'}")
     kernel.__name__ = kernel.__qualname__ = (name + ("_checked" if CHECKED else "")
                                              + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
@@ -702,7 +896,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 # ---------------------------------------------------------------------------
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
-         warps=WARPS, stages=STAGES, paging=None, defect=None, checked=False):
+         warps=WARPS, stages=STAGES, paging=None, defect=None, checked=False,
+         scales="tensor"):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``max_len``: the longest length served (positions the splits cover).
@@ -711,11 +906,16 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     the chunks that hold a position; a chunk is a whole number of rounds of
     the warps' 16-position tiles (``16 * warps``). ``checked``: the kernel
     with the plan's range check (``mma_decode_kernel``; ``launch`` then takes
-    ``limit`` and ``d_err``).
+    ``limit`` and ``d_err``). ``scales``: an fp8 plan's scale mode
+    (``FP8_SCALES``).
     """
     t_q, warps, stages = int(t_q), int(warps), int(stages)
     group = int(n_heads) // int(n_kv)
-    dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND)
+    if scales not in FP8_SCALES or (scales != "tensor" and kind != FP8_KIND):
+        raise ValueError(f"scales: expected 'tensor', or 'token_head' with kind "
+                         f"{FP8_KIND!r}, got {scales!r} (kind {kind!r})")
+    dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND,
+                         token_head=scales == "token_head")
     if n_split is None:
         resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
         n_split = fast.split_count(m_count * n_kv, max_len, resident)
@@ -726,8 +926,9 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
         "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect,
-                                    bool(checked)),
+                                    bool(checked), scales),
         "kind": kind,
+        "scales": scales,
         "head_dim": int(head_dim),
         "group": group,
         "t_q": t_q,
@@ -756,8 +957,9 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     ``checked`` plan: ``limit`` (the longest length served) and ``d_err``
     [fast.ERR_WORDS] int32, the flag the kernel's range check counts into.
     An fp8 plan (kind ``FP8_KIND``): d_k, d_v hold e4m3 codes (uint8), d_q is
-    float16, and ``d_k_scale`` / ``d_v_scale`` are float32 [1] device arrays
-    (K = code * k_scale), read by the kernel.
+    float16, and ``d_k_scale`` / ``d_v_scale`` are float32 device arrays (K =
+    code * k_scale), read by the kernel: [1] (scales "tensor"), or one a cached
+    row in the cache's layout without D ("token_head"; viewed flat here).
     """
     m_count, t_q, n_heads, head_dim = (int(s) for s in d_q.shape)
     if pl["paging"] == "NHD":
@@ -774,6 +976,9 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     if pl.get("checked"):
         args += (np.int32(limit), d_err)
     if pl["kind"] == FP8_KIND:
+        if pl.get("scales") == "token_head":
+            d_k_scale, d_v_scale = (x.reshape(int(np.prod(x.shape)))
+                                    for x in (d_k_scale, d_v_scale))
         args += (d_k_scale, d_v_scale)
     ensure_dynamic_shared(pl["kernel"], args, pl["dyn_smem"], 0, pl["kind"],
                           pl.setdefault("smem_ready", set()))
@@ -904,6 +1109,58 @@ def _fp8_scale(name, value):
     return value
 
 
+def _attended(shape, geo):
+    """bool mask of a scale array in the cache's layout without D (``shape``):
+    the rows some query of the call attends (``check_inputs``'s ``geo``)."""
+    seen = np.zeros(shape, bool)
+    lens, table = geo["lens"], geo["table"]
+    for m, n in enumerate(int(x) for x in lens):
+        if geo["paging"] is None:
+            seen[table[m], :, :n] = True
+            continue
+        page = shape[2] if geo["paging"] == "HND" else shape[1]
+        for j in range(-(-n // page)):
+            rows = min(page, n - j * page)
+            if geo["paging"] == "HND":
+                seen[table[m, j], :, :rows] = True
+            else:
+                seen[table[m, j], :rows, :] = True
+    return seen
+
+
+def _fp8_scales(k_scale, v_scale, k_cache, geo):
+    """The scale mode ("tensor" / "token_head") and the two scales, checked:
+    one positive finite value each (a float or a float32 [1] array), or arrays
+    float32 in the cache's layout without D (``k_cache.shape[:3]``), finite and
+    >= 0 on every attended row (host arrays; device arrays are taken as given)."""
+    ranks = [len(getattr(x, "shape", ())) for x in (k_scale, v_scale)]
+    if 3 not in ranks:
+        return "tensor", (_fp8_scale("k_scale", k_scale), _fp8_scale("v_scale", v_scale))
+    want = tuple(int(x) for x in k_cache.shape[:3])
+    if geo["paging"] == "NHD":
+        dims = (("num_pages", want[0]), ("P", want[1]), ("H_kv", want[2]))
+    elif geo["paging"] == "HND":
+        dims = (("num_pages", want[0]), ("H_kv", want[1]), ("P", want[2]))
+    else:
+        dims = (("KV_SLOTS", want[0]), ("H_kv", want[1]), ("max_seq", want[2]))
+    seen = None
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise checks.AttentionInputError(
+                f"{name}: an fp8 cache with per-(token, kv head) scales needs both k_scale "
+                f"and v_scale (float32 {want}), got None")
+        checks.check_array(name, x, dims, dtypes=(np.float32,))
+        if is_host_array(x):
+            seen = _attended(want, geo) if seen is None else seen
+            vals = np.asarray(x)[seen]
+            bad = ~(np.isfinite(vals) & (vals >= 0))
+            if bad.any():
+                raise checks.RangeError(
+                    f"{name}: expected finite scales >= 0 on every attended row, got "
+                    f"{vals[bad][0]!r} ({int(bad.sum())} such rows)")
+    return "token_head", (k_scale, v_scale)
+
+
 def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
                layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
                stream=None, warps=WARPS, stages=STAGES, defect=None, k_scale=None,
@@ -917,10 +1174,10 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
                 [num_pages, H_kv, P, D] (``layout="HND"``) or [num_pages, P, H_kv,
                 D] ("NHD"); D in 32, 64, 128; H / H_kv * T <= 16
     v_cache:    the same shape and dtype. fp8 e4m3 codes (uint8,
-                ``attention.cache.fp8``; sm_89 and later on a GPU) with per-tensor
-                scales ``k_scale`` / ``v_scale``: the codes are converted to f16
-                (exact) in shared memory, S is multiplied by ``k_scale`` and the
-                output by ``v_scale``
+                ``attention.cache.fp8``; sm_89 and later on a GPU) with scales
+                ``k_scale`` / ``v_scale``: the codes are converted to f16 (exact)
+                in shared memory; S is multiplied by the K scale, the V scale goes
+                on the output (per tensor) or into P (per row, module docstring)
     seq_lens:   [M] int: 0 or T .. capacity; query i of sequence m attends
                 positions 0 .. seq_lens[m] - T + i
     slot_table: [M] int (pooled; default ``arange(M)``)
@@ -935,8 +1192,12 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     stream:     numba stream; None synchronises before returning
     warps, stages: the kernel's warps a block and ring stages a warp
     defect:     None or a planted switch of ``DEFECTS`` (tests only)
-    k_scale, v_scale: fp8 caches only: a positive float, or a float32 [1] array
-                (numpy or device)
+    k_scale, v_scale: fp8 caches only: per tensor, a positive float or a float32
+                [1] array (numpy or device); per (token, kv head), float32 arrays
+                in the cache's layout without D (``k_cache.shape[:3]``: pooled
+                [KV_SLOTS, H_kv, max_seq], HND [num_pages, H_kv, P], NHD
+                [num_pages, P, H_kv]), >= 0 and finite on every attended row
+                (checked for numpy arrays; other rows are never read)
     Returns (out, lse): numpy when q is numpy, else device arrays; lse is -inf
     and out zeros where a row attends nothing.
     """
@@ -944,14 +1205,15 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     scale = checks.check_scale(scale, geo["D"])
     check_defect(defect)
     fp8 = geo["kind"] == FP8_KIND
+    scales = "tensor"
+    pair = (None, None)
     if fp8:  # both checked before either is staged
-        d_ks, d_vs = (to_device(x, stream) if is_host_array(x) else x
-                      for x in (_fp8_scale("k_scale", k_scale), _fp8_scale("v_scale", v_scale)))
+        scales, pair = _fp8_scales(k_scale, v_scale, k_cache, geo)
     elif k_scale is not None or v_scale is not None:
         raise checks.AttentionInputError(
             "k_scale, v_scale: only fp8 caches (uint8 e4m3 codes) take scales")
-    else:
-        d_ks = d_vs = None
+    if defect in FP8_TOKEN_DEFECTS and scales != "token_head":
+        raise ValueError(f"defect: {defect!r} needs an fp8 kernel with token_head scales")
     m_count, tq, n_heads, head_dim = geo["M"], geo["T"], geo["H"], geo["D"]
     if n_split is not None:
         checks.check_range("n_split", int(n_split), 1, 1 << 16, what="split count")
@@ -963,7 +1225,9 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     max_len = int(geo["lens"].max())
     pl = plan(m_count, n_heads, geo["H_kv"], head_dim, max_len, geo["kind"], t_q=tq,
               n_split=n_split, warps=warps, stages=stages, paging=geo["paging"],
-              defect=defect)
+              defect=defect, scales=scales)
+    d_ks, d_vs = (to_device(np.ascontiguousarray(x), stream) if is_host_array(x) else x
+                  for x in pair)
     d_q, d_k, d_v = (_stage(x, stream) for x in (q, k_cache, v_cache))
     d_lens = to_device(geo["lens"], stream)
     d_table = to_device(geo["table"], stream)

@@ -254,9 +254,12 @@ class DecodePlan:
                   V scale); "token_head": a float32 scale a cached row, in the
                   cache's layout without D (pooled ``[KV_SLOTS, H_kv, max_seq]``,
                   HND ``[num_pages, H_kv, P]``, NHD ``[num_pages, P, H_kv]``, as
-                  ``attention.cache.fp8.fp8_append`` writes them): each K / V row
-                  is dequantized in registers, code * its scale (fp32). Fixed at
-                  construction (the kernel is compiled for it)
+                  ``attention.cache.fp8.fp8_append`` writes them): the CUDA-core
+                  kernel dequantizes each K / V row in registers, code * its
+                  scale (fp32); the tensor-core one multiplies each score by its
+                  row's K scale and folds the V scales into P, normalised a row
+                  (``attention.decode.mma``). Fixed at construction (the kernel
+                  is compiled for it)
     q_dtype:      float32 or the cache's dtype (default: the cache's); with fp8,
                   float32, float16 or bfloat16 (default float32)
     max_len:      the longest sequence a call may hold (default: max_seq); the
@@ -302,7 +305,7 @@ class DecodePlan:
                   T queries x H / H_kv heads of a kv group as the rows of one
                   16-row ``mma`` tile, so K/V are read once for all T queries
                   and T adds no mma): 16-bit caches with q in the cache's dtype,
-                  or fp8 e4m3 caches with per-tensor scales and q float16 (the
+                  or fp8 e4m3 caches with either scale mode and q float16 (the
                   codes converted to f16 in shared memory; chosen by "mma"
                   only, not by "auto", until a GPU run has timed it),
                   D in 32, 64, 128, H / H_kv x T <= 16, not batch-invariant
@@ -317,7 +320,7 @@ class DecodePlan:
                   stays the faster at T = 1 (129.5 against 149.5 us)
     defect:       a planted defect (falsification suite only): the fast
                   kernel's (``fast.DEFECTS``, ``fast.PAGED_DEFECTS``), the
-                  tensor-core kernel's (``mma.DEFECTS``, with ``method="mma"``)
+                  tensor-core kernel's (``mma.ALL_DEFECTS``, with ``method="mma"``)
                   or the plan's own ``PLAN_DEFECTS``: "chunk_follows_batch", a
                   batch-invariant plan whose split length is the default plan's
                   for its M (so the merge follows the batch)
@@ -395,7 +398,8 @@ class DecodePlan:
             raise checks.AttentionInputError(
                 f"fp8_scales: {fp8_scales!r} needs an fp8 cache (cache_dtype uint8 / "
                 f"'float8_e4m3fn'), got cache_dtype {cdt}")
-        if defect in fast.FP8_TOKEN_DEFECTS and fp8_scales != "token_head":
+        if (defect in fast.FP8_TOKEN_DEFECTS + MMA.FP8_TOKEN_DEFECTS
+                and fp8_scales != "token_head"):
             raise checks.AttentionInputError(
                 f"defect: {defect!r} needs fp8_scales='token_head'")
         if method not in METHODS:
@@ -408,7 +412,8 @@ class DecodePlan:
         elif method == "mma" and why is not None:
             raise checks.AttentionInputError(
                 f"method: 'mma' (the tensor-core decode) cannot take this plan: {why}")
-        if method == "fast" and defect in MMA.DEFECTS and defect not in fast.DEFECTS:
+        if (method == "fast" and defect in MMA.ALL_DEFECTS
+                and defect not in fast.DEFECTS + fast.FP8_DEFECTS):
             raise checks.AttentionInputError(
                 f"defect: {defect!r} is a switch of the tensor-core kernel: give method='mma'")
         self.method = method
@@ -438,7 +443,8 @@ class DecodePlan:
         kernel_defect = None if defect in PLAN_DEFECTS else defect
         if method == "mma":
             pl = MMA.plan(m, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q, n_split=n_split,
-                          paging=paging, defect=kernel_defect, checked=True)
+                          paging=paging, defect=kernel_defect, checked=True,
+                          scales=fp8_scales if kind == MMA.FP8_KIND else "tensor")
             self.fast_plan = None
         else:
             pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
@@ -634,7 +640,7 @@ class DecodePlan:
         argtypes = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"),
                     A(i32, 2, "C"), i32, i32, i32, i32, f32, i32, A(f32, 4, "C"),
                     A(f32, 3, "C"), A(f32, 4, "C"), A(f32, 4, "C"), i32, A(i32, 1, "C"))
-        if self.fp8:  # k_scale, v_scale [1]
+        if self.fp8:  # k_scale, v_scale: [1], or token_head's flat [N]
             argtypes += (A(f32, 1, "C"), A(f32, 1, "C"))
         self._compile_main(pl, argtypes, 0)
         n_kv = self.n_kv_heads
@@ -653,9 +659,10 @@ class DecodePlan:
         t.add_array(self.part_ml.shape, 4, array_ptr(self.part_ml))
         t.add(ctypes.c_int32(self.limit))
         t.add_array((fast.ERR_WORDS,), 4, array_ptr(self.flag))
-        if self.fp8:  # k_scale, v_scale pointers (set by each run)
-            at.append(t.add_array((1,), 4))
-            at.append(t.add_array((1,), 4))
+        if self.fp8:  # k_scale, v_scale pointers (set by each run), viewed flat
+            n_sc = int(np.prod(self.scale_shape))
+            at.append(t.add_array((n_sc,), 4))
+            at.append(t.add_array((n_sc,), 4))
         self._main_args = t.words
         self._main_at = tuple(at)  # q, k, v, lens, table, out, lse: the fast path's order
 
@@ -813,9 +820,6 @@ def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defe
     cache: the tensor-core fp8 path is chosen by ``method="mma"`` only, until a
     GPU run has timed it against the fast one)."""
     if kind == MMA.FP8_KIND:
-        if fp8_scales != "tensor":
-            return (f"fp8_scales {fp8_scales!r}: its fp8 path takes per-tensor scales "
-                    f"('tensor')")
         if qdt != np.dtype(np.float16):
             return f"q_dtype {qdt}: with an fp8 cache it takes q in float16"
         if method == "auto":
@@ -831,8 +835,8 @@ def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defe
                 f"{MMA.TILE_ROWS} query rows a kv head")
     if batch_invariant:
         return "batch_invariant: its split count follows the batch"
-    if defect is not None and (method == "auto" or defect not in MMA.DEFECTS):
-        return f"defect {defect!r}: not one of its switches {MMA.DEFECTS}" if (
+    if defect is not None and (method == "auto" or defect not in MMA.ALL_DEFECTS):
+        return f"defect {defect!r}: not one of its switches {MMA.ALL_DEFECTS}" if (
             method != "auto") else "a planted defect (give method= to choose its kernel)"
     return None
 
