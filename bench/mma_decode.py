@@ -33,12 +33,14 @@ share the rows), q read (``B * T * H * D * 2``) and out written
 (``B * T * H * D * 4``); lse (``B * T * H * 4``) and the page table (4
 bytes a page, 1/1024 of a page's K and V at D 128) are left out.
 
-``--fp8``: an fp8 e4m3 pooled cache with per-tensor scales (random codes, no
-NaN code; q float16), T_q 1 and 4: ``mma`` (the tensor-core kernel converting
-the codes to f16 in shared memory) against ``fast`` (``DecodePlan`` with
-``method="fast"``, the product's fp8 path today); bytes as above with one byte
-an element of K and V (and the two 4-byte scales). Its issue target: 0.90 of
-copy at T_q 1.
+``--fp8``: an fp8 e4m3 pooled cache (random codes, no NaN code; q float16),
+T_q 1 and 4, with per-tensor scales and with per-(token, kv head) scales
+(float32 [B, H_kv, L], random in [0.005, 0.02]): ``mma`` (the tensor-core
+kernel converting the codes to f16 in shared memory) against ``fast``
+(``DecodePlan`` with ``method="fast"``, the product's fp8 path today); bytes
+as above with one byte an element of K and V, plus the scales (two 4-byte
+values; per token and head, ``2 * B * H_kv * L * 4``). Its issue target: 0.90
+of copy at T_q 1.
 
 ``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
 (fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
@@ -206,15 +208,20 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
         c[(c & 0x7F) == 0x7F] = 0  # no NaN code
         codes.append(cuda.to_device(c))
     k, v = codes
-    k_scale = cuda.to_device(np.array([0.01], np.float32))
-    v_scale = cuda.to_device(np.array([0.02], np.float32))
     lens = cuda.to_device(np.full(b, seq, np.int32))
     slots = cuda.to_device(np.arange(b, dtype=np.int32))
     scale = 1.0 / math.sqrt(d)
-    for t_q in T_QS:
+    for mode, t_q in ((m, t) for m in mma.FP8_SCALES for t in T_QS):
+        if mode == "tensor":
+            k_scale = cuda.to_device(np.array([0.01], np.float32))
+            v_scale = cuda.to_device(np.array([0.02], np.float32))
+        else:
+            k_scale, v_scale = (cuda.to_device(rng.uniform(0.005, 0.02, (b, kv, seq))
+                                               .astype(np.float32)) for _ in range(2))
         q = random_array((b, t_q, h, d), np.float16, 40 + t_q)
-        nbytes = moved_bytes(b, h, kv, d, seq, t_q, 1) + b * t_q * h * d + 8  # q: 2 bytes
-        pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q)
+        nbytes = (moved_bytes(b, h, kv, d, seq, t_q, 1) + b * t_q * h * d  # q: 2 bytes
+                  + 4 * (k_scale.size + v_scale.size))
+        pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q, scales=mode)
         out = cuda.device_array((b, t_q, h, d), np.float32)
         lse = cuda.device_array((b, t_q, h), np.float32)
         pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
@@ -225,7 +232,7 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
 
         ms_m = timer.time(run_mma, reps=reps, warmup=5)
         plan = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=np.float16,
-                          t_q=t_q, method="fast")
+                          t_q=t_q, method="fast", fp8_scales=mode)
         qq = q if t_q > 1 else q.reshape(b, h, d)
 
         def run_fast():
@@ -236,7 +243,7 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
         diff = float(np.abs(out.copy_to_host()
                             - plan.out.copy_to_host().reshape(b, t_q, h, d)).max())
         gb_m, gb_f = (nbytes / (ms * 1e-3) / 1e9 for ms in (ms_m, ms_f))
-        log(f"pooled_fp8     e4m3      T_q={t_q}  mma {ms_m * 1e3:7.1f} us {gb_m:7.1f} GB/s "
+        log(f"pooled_fp8 {mode:<10} T_q={t_q}  mma {ms_m * 1e3:7.1f} us {gb_m:7.1f} GB/s "
             f"({gb_m / copy_gbps:5.3f} of copy)  fast {ms_f * 1e3:7.1f} us {gb_f:7.1f} GB/s "
             f"({gb_f / copy_gbps:5.3f} of copy)  fast/mma x{ms_f / ms_m:5.2f}  diff {diff:.1e}  "
             f"splits mma {pl['n_split']} fast {plan.n_split}  regs mma "
@@ -301,7 +308,7 @@ def main(argv=None):
     compare(timer, shape, reps, copy_gbps, print, dtypes)
     if args.fp8:
         print("")
-        print("fp8 e4m3 cache, per-tensor scales (q float16):")
+        print("fp8 e4m3 cache, per-tensor and per-(token, kv head) scales (q float16):")
         compare_fp8(timer, shape, reps, copy_gbps, print)
     if args.tune:
         print("")
