@@ -125,6 +125,40 @@ def test_steps_track_the_host_model(dtype, mode):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("mode", MODES)
+def test_tensor_core_steps_give_the_mma_decode_bits(mode):
+    """``DecodeState(method="mma")`` over a float16 cache (q float16): the caches
+    the host model's, and each step's output and LSE the bits of
+    ``mma_decode`` over them with the state's split count (a finished sequence:
+    zeros and -inf)."""
+    from attention.core.device import to_host
+    from attention.decode import mma
+
+    rng = np.random.default_rng(22)
+    st = _state(np.float16, mode, q_dtype=np.float16, method="mma")
+    assert st.method == "mma" and st.plan["kind"] == "f16"
+    k_pre, v_pre = (rng.standard_normal((2, 2, 3, 32)).astype(np.float16) for _ in "kv")
+    st.prefill(k_pre, v_pre, [3, 2])
+    model = Mirror(st, k_pre, v_pre, [3, 2])
+    for step in range(2):
+        if step == 1:
+            st.finish(1)
+        live = ~st.done
+        q = rng.standard_normal((2, 4, 32)).astype(np.float16)
+        k_new, v_new = _rows(rng, st)
+        out, lse = st.step(q, k_new, v_new, return_lse=True)
+        model.step(k_new, v_new, live)
+        model.assert_state()
+        seen = np.where(live, model.lengths, 0).astype(np.int32)
+        want = mma.mma_decode(q, np.asarray(to_host(st.k_cache)), np.asarray(to_host(st.v_cache)),
+                              seen, slot_table=np.asarray(st.slot_table, np.int32),
+                              n_split=st.n_split)
+        for got, w in zip((out, lse), want):
+            assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(w).view(np.uint32))
+    st.check()
+
+
+@pytest.mark.device
 @pytest.mark.parametrize("kernel", ["warp", "split"])
 def test_reference_kernels_step_too(kernel):
     rng = np.random.default_rng(3)

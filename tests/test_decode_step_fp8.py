@@ -122,7 +122,8 @@ class Model:
 
         st = self.st
         pl = DecodePlan(st.m, st.n_heads, st.n_kv_heads, st.head_dim, st.kv_slots, st.max_seq,
-                        cache_dtype=np.uint8, q_dtype=st.q_dtype, fp8_scales=st.fp8_scales)
+                        cache_dtype=np.uint8, q_dtype=st.q_dtype, fp8_scales=st.fp8_scales,
+                        method=st.method)
         assert pl.n_split == st.n_split and pl.scale_shape == st.scale_shape
         ks, vs = (np.asarray(s, np.float32) for s in (self.ksc, self.vsc))
         out = pl.run(to_device(q.astype(st.q_dtype)), to_device(self.kc), to_device(self.vc),
@@ -394,3 +395,40 @@ def test_bad_fp8_input_is_named_and_leaves_the_caches_alone():
     np.testing.assert_array_equal(st.lengths, [1, 1])
     st.load(codes, codes, [1, 1], k_scale=good, v_scale=good * 2)  # a good load goes through
     assert np.array_equal(to_host(st.v_scale), good * 2)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("fp8_scales", SCALES)
+def test_tensor_core_fp8_steps_give_a_direct_plans_bits(fp8_scales):
+    """``DecodeState(method="mma", q_dtype=float16)``: the same quantizing append
+    (the caches and scales the reference quantizer's, bit for bit), and the
+    attention of a direct ``DecodePlan(method="mma")`` over them."""
+    rng = np.random.default_rng(32)
+    st = _state(fp8_scales, q_dtype=np.float16, method="mma")
+    assert st.method == "mma" and st.plan["kind"] == "f8"
+    assert st.plan["scales"] == fp8_scales
+    model = Model(st)
+    k_pre, v_pre = (_rows(rng, (M, KV, 3, D)) for _ in "kv")
+    st.prefill(k_pre, v_pre, [3, 1])
+    model.append(k_pre.transpose(0, 2, 1, 3)[:, :3], v_pre.transpose(0, 2, 1, 3)[:, :3],
+                 np.array([True, False]))
+    model.append(k_pre.transpose(0, 2, 1, 3)[:, :1], v_pre.transpose(0, 2, 1, 3)[:, :1],
+                 np.array([False, True]))
+    for step in range(2):
+        q = rng.standard_normal((M, H, D)).astype(np.float16)
+        k_new, v_new = (_rows(rng, (M, KV, D)) for _ in "kv")
+        out, lse = st.step(q, k_new, v_new, return_lse=True)
+        model.append(k_new[:, None], v_new[:, None], np.array([True, True]))
+        model.assert_state(f"step {step}")
+        want_o, want_l = model.plan_run(q, model.lengths)
+        assert _bits_equal(out, want_o) and _bits_equal(lse, want_l), f"step {step}"
+
+
+def test_state_method_is_checked_before_any_allocation():
+    from attention.decode.step import DecodeState
+
+    with pytest.raises(checks.AttentionInputError, match="method: expected 'fast' or 'mma'"):
+        DecodeState(M, H, KV, D, CAP, method="auto")
+    with pytest.raises(checks.AttentionInputError, match="method: 'mma'.*q_dtype"):
+        DecodeState(M, H, KV, D, CAP, dtype="float8_e4m3fn", q_dtype=np.float32,
+                    k_scale=np.float32([1.0]), v_scale=np.float32([1.0]), method="mma")

@@ -22,8 +22,11 @@ One step (``step(q, k_new, v_new)``, or ``step()`` over the device buffers
                  max_seq`` (the scatter skips it) and ``seq_lens[m] = 0``
     2. scatter   ``cache[slot_table[m], :, positions[m], :] = k_new[m], v_new[m]``
                  (``attention.cache.scatter``; positions ``>= max_seq`` skipped)
-    3. attention over ``seq_lens``: the fast kernel (``attention.decode.fast``,
-                 default), or a registered kernel (``register_backend``; the
+    3. attention over ``seq_lens``: the state's ``DecodePlan``, the fast
+                 kernel (``attention.decode.fast``, default) or with
+                 ``method="mma"`` the tensor-core one (``attention.decode.mma``:
+                 16-bit caches with q in their dtype, fp8 caches with q
+                 float16), or a registered kernel (``register_backend``; the
                  reference warp / split-KV kernels, ``kernel="warp"`` /
                  ``"split"``, float32 only, for validation, once
                  ``attention.reference.decode_step`` is imported)
@@ -51,7 +54,8 @@ runs eager; ``path`` ("graph" / "eager") and ``fallback_reason`` record what
 allocated (and, on a GPU, compiled) in ``__init__``: a step does no planning
 and no allocation; given arrays, it checks only their shape and dtype.
 ``pdl`` records whether the fast kernel's combine is a programmatic dependent
-launch and why (``attention.core.pdl.status``; inside a graph it is plain).
+launch and why (``attention.core.pdl.status``; inside a graph it is plain; the
+tensor-core plan's combine is plain).
 
 FP8 e4m3 caches (``dtype=np.uint8`` or "float8_e4m3fn": codes as uint8,
 ``attention.cache.fp8``; sm_89 and later): the new rows ``k_new`` / ``v_new``
@@ -120,6 +124,7 @@ from attention.core.graph import CapturedLaunches
 from attention.core.launch import PrebuiltLaunch, core_stream
 from attention.core.pdl import status as pdl_status
 from attention.decode import fast
+from attention.decode import mma as MMA
 from attention.decode.plan import DecodePlan, _fp8_name
 
 MODES = ("eager", "graph")
@@ -150,9 +155,9 @@ def kernels():
 
 def all_defects():
     """Every defect switch a state accepts now (its own, the scatter's, the
-    fast kernel's and the registered backends')."""
-    names = (fast.DEFECTS + fast.FP8_DEFECTS + SCATTER_DEFECTS + fp8_cache.FP8_DEFECTS
-             + STATE_DEFECTS)
+    product plan's kernels' and the registered backends')."""
+    names = (fast.DEFECTS + fast.FP8_DEFECTS + MMA.ALL_DEFECTS + SCATTER_DEFECTS
+             + fp8_cache.FP8_DEFECTS + STATE_DEFECTS)
     for b in BACKENDS.values():
         names += tuple(b.defects)
     return tuple(dict.fromkeys(names))
@@ -233,8 +238,8 @@ class DecodeState:
     kv_slots:   cache slots (default M; must be >= M)
     slot_table: [M] distinct ints in [0, kv_slots) (default ``arange(M)``)
     dtype:      cache dtype: float32, float16 or bfloat16 (``ml_dtypes``), or fp8
-                e4m3 (``np.uint8`` / "float8_e4m3fn": codes as uint8; fast kernel)
-    q_dtype:    float32 (default) or the cache dtype (fast kernel only); with
+                e4m3 (``np.uint8`` / "float8_e4m3fn": codes as uint8; product plan)
+    q_dtype:    float32 (default) or the cache dtype (product plan only); with
                 fp8, float32, float16 or bfloat16
     new_dtype:  fp8 only: the dtype of the new rows ``k_new`` / ``v_new``,
                 float32 (default), float16 or bfloat16 (quantized by the
@@ -246,11 +251,16 @@ class DecodeState:
                 when numpy); "token_head": ``[KV_SLOTS, H_kv, max_seq]``
                 (``scale_shape``), optional (default fresh arrays: NaN when
                 ``fill`` is NaN, else 1), the scales of rows already cached
-    kernel:     "fast" (default), or a registered kernel ("warp" / "split": the
-                reference kernels, float32, after ``import attention.reference.decode_step``)
+    kernel:     "fast" (default: the product plan), or a registered kernel ("warp" /
+                "split": the reference kernels, float32, after ``import
+                attention.reference.decode_step``)
+    method:     the product plan's kernel (``DecodePlan``'s ``method``): "fast"
+                (default, the CUDA-core kernel) or "mma" (the tensor-core one:
+                q in the cache's dtype, float16 with fp8; D 32, 64, 128; H /
+                H_kv <= 16); a state it cannot take raises naming why
     mode:       "graph" (default; eager where no graph can be built) or "eager"
     scale:      default 1/sqrt(D)
-    n_split:    the fast kernel's split count (default: planned for max_seq)
+    n_split:    the product plan's split count (default: planned for max_seq)
     split_chunk: the split kernel's chunk (default ``split_plan`` for max_seq)
     k_cache, v_cache: optional [KV_SLOTS, H_kv, max_seq, D] caches of ``dtype``
                 (fp8: uint8 codes): device arrays are used in place, numpy
@@ -265,7 +275,7 @@ class DecodeState:
                  slot_table=None, dtype=np.float32, q_dtype=np.float32, kernel="fast",
                  mode="graph", scale=None, n_split=None, split_chunk=None, k_cache=None,
                  v_cache=None, fill=0.0, defect=None, fp8_scales="tensor", k_scale=None,
-                 v_scale=None, new_dtype=None):
+                 v_scale=None, new_dtype=None, method="fast"):
         # -- validation: every named error before any allocation or launch --
         for name, value, lo in (("m", m, 1), ("n_heads", n_heads, 1),
                                 ("n_kv_heads", n_kv_heads, 1), ("max_seq", max_seq, 1)):
@@ -282,6 +292,11 @@ class DecodeState:
                 "\"warp\" and \"split\" are registered by importing "
                 "attention.reference.decode_step)")
         backend = None if kernel == "fast" else BACKENDS[kernel]
+        if method not in ("fast", "mma") or (backend is not None and method != "fast"):
+            raise checks.AttentionInputError(
+                f"method: expected 'fast' or 'mma' (the product plan's kernels; "
+                f"kernel={kernel!r} takes 'fast' only), got {method!r}")
+        self.method = method
         if mode not in MODES:
             raise checks.AttentionInputError(f"mode: expected one of {MODES}, got {mode!r}")
         dt = _fp8_name(dtype)
@@ -335,8 +350,9 @@ class DecodeState:
                 if given is not None:
                     self._check_scale_array(name, given)
         self._backend = backend
+        plan_defects = fast.DEFECTS + fast.FP8_DEFECTS if method == "fast" else MMA.ALL_DEFECTS
         self._attn_defect = defect if defect in (
-            fast.DEFECTS + fast.FP8_DEFECTS if backend is None else backend.defects) else None
+            plan_defects if backend is None else backend.defects) else None
         self._scatter_defect = defect if defect in SCATTER_DEFECTS else None
         self._append_defect = defect if defect in fp8_cache.FP8_DEFECTS else None
         self._plan_attention(n_split, split_chunk)  # host only: no launch
@@ -505,8 +521,8 @@ class DecodeState:
 
     def _plan_attention(self, n_split, split_chunk):
         """The attention launches' plan, for the cache's full capacity (blocks
-        or chunks past a sequence's length exit at once): a ``DecodePlan`` for
-        the fast kernel (its buffers, flag and prebuilt launches are the
+        or chunks past a sequence's length exit at once): a ``DecodePlan`` of
+        the state's ``method`` (its buffers, flag and prebuilt launches are the
         state's), the backend's own otherwise."""
         self._attn = None
         if self.kernel == "fast":
@@ -514,8 +530,8 @@ class DecodeState:
                                     self.kv_slots, self.max_seq, cache_dtype=self.dtype,
                                     q_dtype=self.q_dtype, scale=self.scale, n_split=n_split,
                                     defect=self._attn_defect,
-                                    fp8_scales=self.fp8_scales or "tensor")
-            self.plan = self._attn.fast_plan
+                                    fp8_scales=self.fp8_scales or "tensor", method=self.method)
+            self.plan = self._attn.kernel_plan
             self.n_split = self.plan["n_split"]
         else:
             self._backend.plan(self, n_split, split_chunk)
@@ -526,6 +542,9 @@ class DecodeState:
                                               "programmatic dependent launch"}
         if self.plan["n_split"] <= 1:
             return {"path": "none", "reason": "one split: no combine launch"}
+        if self.method == "mma":
+            return {"path": "plain", "reason": "the tensor-core plan launches its combine "
+                                               "plainly (attention.decode.plan)"}
         record = pdl_status(self.plan["pdl"])
         if record["path"] == "pdl" and self.path == "graph":
             return {"path": "plain", "reason": "step() replays a graph, where the combine "
