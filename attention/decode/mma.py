@@ -192,6 +192,53 @@ def check_defect(defect):
 # ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def _async_copy(size):
+    """``copy(smem, word, src, i)``: start copying ``size`` bytes (16: words
+    ``i .. i + 3`` of a uint32 array, ``cp.async.cg``, past L1; 4: element ``i``
+    of a 4-byte array, ``cp.async.ca``) from global array ``src`` to word
+    ``word`` (and on) of shared array ``smem`` (same element size), in the
+    current group. The simulator copies at once."""
+    if SIMULATOR:
+        def copy(smem, word, src, i):
+            for x in range(size // 4):
+                smem[word + x] = src[i + x]
+
+        return device_fn(copy)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i8p = ir.IntType(8).as_pointer()
+    i64 = ir.IntType(64)
+    level = "cg" if size == 16 else "ca"  # .cg takes 16 bytes only
+
+    def pointer(context, builder, aty, aval, idx):
+        ary = context.make_array(aty)(context, builder, aval)
+        if idx.type.width < 64:
+            idx = builder.sext(idx, i64)
+        return builder.gep(builder.bitcast(ary.data, i8p), [builder.mul(idx, ir.Constant(i64, 4))])
+
+    @intrinsic
+    def copy(typingctx, smem, word, src, i):
+        sig = types.void(smem, word, src, i)
+
+        def codegen(context, builder, sig, args):
+            sp = pointer(context, builder, sig.args[0], args[0], args[1])
+            gp = pointer(context, builder, sig.args[2], args[2], args[3])
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
+            text = ("{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $0; "
+                    f"cvt.u32.u64 sa32, sa64; cp.async.{level}.shared.global [sa32], [$1], "
+                    f"{size}; }}")
+            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return copy
+
+
+@functools.lru_cache(maxsize=None)
 def _copy_ops(stages):
     """``(copy, commit, wait)`` for a warp's ring: ``copy(smem, word, src, flat)``
     starts copying the 16 bytes (4 uint32 words) at word ``flat`` of global
@@ -200,87 +247,12 @@ def _copy_ops(stages):
     returns once at most ``stages - 1`` groups are in flight. The simulator
     copies at once."""
     if SIMULATOR:
-        def copy(smem, word, src, flat):
-            for x in range(4):
-                smem[word + x] = src[flat + x]
-
         def nothing():
             return None
 
-        return device_fn(copy), device_fn(nothing), device_fn(nothing)
-
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    i8p = ir.IntType(8).as_pointer()
-    i64 = ir.IntType(64)
-
-    def pointer(context, builder, aty, aval, idx):
-        ary = context.make_array(aty)(context, builder, aval)
-        if idx.type.width < 64:
-            idx = builder.sext(idx, i64)
-        return builder.gep(builder.bitcast(ary.data, i8p), [builder.mul(idx, ir.Constant(i64, 4))])
-
-    @intrinsic
-    def copy(typingctx, smem, word, src, flat):
-        sig = types.void(smem, word, src, flat)
-
-        def codegen(context, builder, sig, args):
-            sp = pointer(context, builder, sig.args[0], args[0], args[1])
-            gp = pointer(context, builder, sig.args[2], args[2], args[3])
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
-            text = ("{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $0; "
-                    "cvt.u32.u64 sa32, sa64; cp.async.cg.shared.global [sa32], [$1], 16; }")
-            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return (copy, ptx_statement("cp.async.commit_group;"),
+        return _async_copy(16), device_fn(nothing), device_fn(nothing)
+    return (_async_copy(16), ptx_statement("cp.async.commit_group;"),
             ptx_statement(f"cp.async.wait_group {stages - 1};"))
-
-
-@functools.lru_cache(maxsize=None)
-def _copy4_op():
-    """``copy4(smf, word, src, i)``: start copying float32 ``src[i]`` (4 bytes) to
-    word ``word`` of shared array ``smf`` (``cp.async.ca``, in the ring's current
-    group: the fp8 per-row scales of a tile). The simulator copies at once."""
-    if SIMULATOR:
-        def copy4(smf, word, src, i):
-            smf[word] = src[i]
-
-        return device_fn(copy4)
-
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    i8p = ir.IntType(8).as_pointer()
-    i64 = ir.IntType(64)
-
-    def pointer(context, builder, aty, aval, idx):
-        ary = context.make_array(aty)(context, builder, aval)
-        if idx.type.width < 64:
-            idx = builder.sext(idx, i64)
-        return builder.gep(builder.bitcast(ary.data, i8p), [builder.mul(idx, ir.Constant(i64, 4))])
-
-    @intrinsic
-    def copy4(typingctx, smf, word, src, i):
-        sig = types.void(smf, word, src, i)
-
-        def codegen(context, builder, sig, args):
-            sp = pointer(context, builder, sig.args[0], args[0], args[1])
-            gp = pointer(context, builder, sig.args[2], args[2], args[3])
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p])
-            text = ("{ .reg .u64 sa64; .reg .u32 sa32; cvta.to.shared.u64 sa64, $0; "
-                    "cvt.u32.u64 sa32, sa64; cp.async.ca.shared.global [sa32], [$1], 4; }")
-            builder.call(ir.InlineAsm(fnty, text, "l,l,~{memory}", side_effect=True), [sp, gp])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return copy4
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,7 +402,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     mma, pack = mma16.ops("f16" if FP8 else kind)
     copy, commit, wait = _copy_ops(S)
-    copy4 = _copy4_op()
+    copy4 = _async_copy(4)  # token_head: a scale (cp.async.ca, 4 bytes)
     codes_f16x2 = _codes_f16x2() if FP8 else None
 
     def k_slot(row, col):
