@@ -2,9 +2,9 @@
 
 * **Routing** (host only): ``method="auto"`` (the default) takes the
   tensor-core kernel (``attention.decode.mma``) for multi-token plans it can
-  take (16-bit cache, q in its dtype, D 32 / 64 / 128, H / H_kv x T <= 16, not
-  batch-invariant, no planted defect) and the CUDA-core one otherwise;
-  ``method="mma"`` on a plan it cannot take raises naming the reason.
+  take (16-bit cache, q in its dtype, D 32 / 64 / 128, H / H_kv x T <= 16, no
+  planted defect) and the CUDA-core one otherwise; ``method="mma"`` on a plan
+  it cannot take raises naming the reason.
 * **Bits** (simulator and GPU): a tensor-core plan's run gives
   ``mma.mma_decode``'s bits for the same split plan (the same kernel and
   chunks), on a pooled cache with a permuted slot table and NaN past every
@@ -19,6 +19,10 @@
   sequences keep their bits, and ``check()`` raises ``RangeError`` naming
   ``seq_lens``, ``slot_table`` or ``page_table``; the checked kernel compiles
   with no local memory and its block-wide OR (plain process).
+* **Batch invariance** (``batch_invariant=True``): the chunk is
+  ``mma.invariant_chunk``'s, so sequence 0 alone and in batches of 2, 17 and 64
+  (the simulator: 1 and 3) gets the same bits, pooled and paged; on the host,
+  the plan's planted ``chunk_follows_batch`` moves the chunk at B 17 / L 4096.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def test_auto_takes_the_tensor_core_kernel_where_it_can():
     assert method(q_dtype=np.float32) == "fast"
     assert method(head_dim=40) == "fast"
     assert method(n_heads=16, n_kv_heads=2) == "fast"  # 8 heads x 4 queries > 16 rows
-    assert method(batch_invariant=True) == "fast"
+    assert method(batch_invariant=True) == "mma"  # a fixed chunk (mma.invariant_chunk)
     assert method(defect="one_short") == "fast"
     assert method(page_size=16, layout="NHD", kv_slots=9) == "mma"
     assert method(method="fast") == "fast"
@@ -69,7 +73,6 @@ def test_mma_method_names_what_it_cannot_take():
                     ({"cache_dtype": np.float16, "q_dtype": np.float32}, "q_dtype"),
                     ({"cache_dtype": np.float16, "head_dim": 96}, "head_dim 96"),
                     ({"cache_dtype": np.float16, "n_heads": 32}, "16 query rows"),
-                    ({"cache_dtype": np.float16, "batch_invariant": True}, "batch_invariant"),
                     ({"cache_dtype": np.float16, "defect": "one_short"}, "one_short")):
         with pytest.raises(checks.AttentionInputError, match=f"method.*{why}"):
             DecodePlan(**dict(base, **kw))
@@ -180,3 +183,75 @@ def test_checked_kernel_compiles_with_its_range_check(paging):
     assert ".local" not in ptx and "atom.global.add" in ptx
     assert ("bar.red.or" in ptx) == (paging is not None)  # the page entries' OR
     assert ptx.count("mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 128 // 8
+
+
+# -- batch invariance on the tensor-core plan ------------------------------------
+
+@pytest.mark.device
+@pytest.mark.parametrize("paged", [False, True])
+def test_batch_invariant_mma_plans_give_a_sequence_the_same_bits(paged):
+    """``DecodePlan(method="mma", batch_invariant=True)``, T 2: sequence 0 alone
+    and inside batches of 2, 17 and 64 with other lengths (the simulator: 1 and
+    3, a short capacity, for the code path) gives ``==`` outputs and LSE. The
+    chunk is ``mma.invariant_chunk``'s (the lone sequence's), so on a GPU the
+    default plan of 17 or 64 sequences would split otherwise."""
+    from attention.core.device import to_device, to_host
+    from attention.decode import mma as MMA
+    from attention.decode.plan import DecodePlan
+    from tests.conftest import MODE
+    from tests.test_decode_paged import paged_case
+
+    sim = MODE == "sim"
+    h, n_kv, d, t_q, f16 = 4, 2, 32, 2, np.float16
+    cap = 300 if sim else 4096
+    page = 16 if paged else None
+    first = cap - 23
+    k1 = np.random.default_rng(3).standard_normal((n_kv, cap, d)).astype(f16)
+    v1 = np.random.default_rng(4).standard_normal((n_kv, cap, d)).astype(f16)
+    q1 = np.random.default_rng(5).standard_normal((t_q, h, d)).astype(f16)
+    rng = np.random.default_rng(12)
+    results = []
+    for batch in (1, 3) if sim else (1, 2, 17, 64):
+        lens = np.concatenate([[first], rng.integers(t_q, cap + 1, batch - 1)]).astype(np.int32)
+        q = rng.standard_normal((batch, t_q, h, d)).astype(f16)
+        q[0] = q1
+        if paged:
+            k, v, table = paged_case(rng, lens, page, n_kv, d, f16, "HND", share=False,
+                                     max_pages=-(-cap // page))
+            for p in range(first):  # sequence 0's rows are the same in every batch
+                pg, off = table[0, p // page], p % page
+                k[pg, :, off], v[pg, :, off] = k1[:, p], v1[:, p]
+            extra, tbl = {"page_size": page}, {"page_table": to_device(table)}
+        else:
+            k = rng.standard_normal((batch, n_kv, cap, d)).astype(f16)
+            v = rng.standard_normal((batch, n_kv, cap, d)).astype(f16)
+            k[0], v[0] = k1, v1
+            extra, tbl = {}, {}
+        pl = DecodePlan(batch, h, n_kv, d, k.shape[0], cap, cache_dtype=f16, q_dtype=f16,
+                        t_q=t_q, batch_invariant=True, **extra)
+        assert pl.method == "mma" and pl.batch_invariant and pl.n_split > 1
+        assert pl.kernel_plan["chunk"] == MMA.invariant_chunk(h, n_kv, d, cap, "f16", t_q=t_q)
+        d_lse = to_device(np.zeros((batch, t_q, h), np.float32))
+        out = pl.run(to_device(q), to_device(k), to_device(v), to_device(lens), lse=d_lse,
+                     sync=True, **tbl)
+        results.append((np.asarray(to_host(out))[0].copy(), np.asarray(to_host(d_lse))[0]))
+    for out, lse in results[1:]:
+        assert np.array_equal(out.view(np.uint32), results[0][0].view(np.uint32))
+        assert np.array_equal(lse.view(np.uint32), results[0][1].view(np.uint32))
+
+
+def test_mma_invariant_chunk_ignores_the_batch_and_the_planted_switch_does_not():
+    """At B 17 / L 4096 the default tensor-core plan splits otherwise than a lone
+    sequence's plan; a batch-invariant plan keeps the lone sequence's chunk, and
+    the plan's planted ``chunk_follows_batch`` takes the batch's (its positive
+    control: the chunk moves, so the bits could)."""
+    from attention.decode import mma as MMA
+
+    args = (17, 32, 8, 128, 4096)
+    lone = MMA.invariant_chunk(32, 8, 128, 4096, "f16")
+    batch_chunk = MMA.plan(*args, "f16")["chunk"]
+    assert lone != batch_chunk
+    kw = dict(m=17, n_heads=32, n_kv_heads=8, head_dim=128, kv_slots=17, max_seq=4096,
+              cache_dtype=np.float16, q_dtype=np.float16, method="mma", batch_invariant=True)
+    assert DecodePlan(**kw).kernel_plan["chunk"] == lone
+    assert DecodePlan(**kw, defect="chunk_follows_batch").kernel_plan["chunk"] == batch_chunk

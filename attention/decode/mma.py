@@ -869,7 +869,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
          warps=WARPS, stages=STAGES, paging=None, defect=None, checked=False,
-         scales="tensor"):
+         scales="tensor", chunk=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``max_len``: the longest length served (positions the splits cover).
@@ -879,7 +879,9 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     the warps' 16-position tiles (``16 * warps``). ``checked``: the kernel
     with the plan's range check (``mma_decode_kernel``; ``launch`` then takes
     ``limit`` and ``d_err``). ``scales``: an fp8 plan's scale mode
-    (``FP8_SCALES``).
+    (``FP8_SCALES``). ``chunk`` (not with ``n_split``): the positions a split,
+    fixed (rounded up to a whole round of the warps' tiles): a batch-invariant
+    plan's (``invariant_chunk``); ``n_split`` then covers ``max_len``.
     """
     t_q, warps, stages = int(t_q), int(warps), int(stages)
     group = int(n_heads) // int(n_kv)
@@ -888,13 +890,18 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
                          f"{FP8_KIND!r}, got {scales!r} (kind {kind!r})")
     dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND,
                          token_head=scales == "token_head")
-    if n_split is None:
-        resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
-        n_split = fast.split_count(m_count * n_kv, max_len, resident)
-    n_split = max(1, int(n_split))
     step = KT * warps
-    chunk = -(-max(int(max_len), 1) // n_split)
-    chunk = -(-chunk // step) * step
+    if chunk is not None:
+        if n_split is not None:
+            raise ValueError("chunk, n_split: give one (a fixed chunk sets the split count)")
+        chunk = -(-max(int(chunk), 1) // step) * step
+    else:
+        if n_split is None:
+            resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
+            n_split = fast.split_count(m_count * n_kv, max_len, resident)
+        n_split = max(1, int(n_split))
+        chunk = -(-max(int(max_len), 1) // n_split)
+        chunk = -(-chunk // step) * step
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
         "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect,
@@ -915,6 +922,18 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
         "defect": defect,
         "checked": bool(checked),
     }
+
+
+def invariant_chunk(n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, warps=WARPS,
+                    stages=STAGES, scales="tensor"):
+    """The split length of a batch-invariant plan (``plan(chunk=...)``): the
+    chunk the default plan gives a lone sequence of ``max_len`` positions (so
+    one sequence still fills the GPU). It depends on the geometry, the
+    capacity and the GPU, never on the batch: a sequence's blocks then cover
+    the same positions in any batch, their warps take the same tiles, and the
+    splits merge in a fixed order, so its output and LSE are the same bits."""
+    return plan(1, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q, warps=warps,
+                stages=stages, scales=scales)["chunk"]
 
 
 def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, d_part_ml,

@@ -278,14 +278,16 @@ class DecodePlan:
                   page's rows of one kv head contiguous (P * D elements), which a
                   block streams; NHD is vLLM's and FlashInfer's default
     batch_invariant: split every sequence in chunks of a fixed number of
-                  positions (``fast.invariant_chunk``: from the geometry, the
-                  capacity and the GPU, not the batch) instead of a split count
+                  positions (``fast.invariant_chunk`` / ``mma.invariant_chunk``,
+                  the kernel's: from the geometry, the capacity and the GPU, not
+                  the batch) instead of a split count
                   sized to the batch, so that a sequence's output and LSE are
                   bit-identical whatever else the batch holds (the splits are
                   merged in a fixed order). Not with ``n_split``. An option, not
                   the default: on the H200 (``bench/paged.py``, fp16 / bf16) it
-                  costs +23..25 % at B 32 / L 4096 (one split becomes 16 and a
-                  combine) and +1 % at B 1 / L 32768 (32 splits either way)
+                  costs the fast kernel +23..25 % at B 32 / L 4096 (one split
+                  becomes 16 and a combine) and +1 % at B 1 / L 32768 (32 splits
+                  either way); the tensor-core kernel's cost is not measured yet
     t_q:          T, new queries a sequence in each run, 1 .. ``fast.MAX_T_Q``
                   (multi-token decode: speculative or multi-token-prediction
                   steps). With T > 1, q is ``[M, T, H, D]``, out ``[M, T, H, D]``
@@ -308,8 +310,8 @@ class DecodePlan:
                   or fp8 e4m3 caches with either scale mode and q float16 (the
                   codes converted to f16 in shared memory; chosen by "mma"
                   only, not by "auto", until a GPU run has timed it),
-                  D in 32, 64, 128, H / H_kv x T <= 16, not batch-invariant
-                  (its split count follows the batch); P is rounded to the
+                  D in 32, 64, 128, H / H_kv x T <= 16, batch-invariant plans
+                  too (a fixed chunk: ``mma.invariant_chunk``); P is rounded to the
                   cache's dtype before P.V, as FlashAttention and FlashInfer do
                   (the validation judges it by the rounded-P baseline); a
                   plan it cannot take raises naming the reason. "auto": "mma"
@@ -436,7 +438,14 @@ class DecodePlan:
         if defect is not None and defect not in PLAN_DEFECTS:
             (MMA if method == "mma" else fast).check_defect(defect)
         chunk = None
-        if self.batch_invariant:
+        mma_scales = fp8_scales if kind == MMA.FP8_KIND else "tensor"
+        if self.batch_invariant and method == "mma":
+            chunk = MMA.invariant_chunk(n_heads, n_kv, head_dim, max_len, kind, t_q=t_q,
+                                        scales=mma_scales)
+            if defect == "chunk_follows_batch":
+                chunk = MMA.plan(m, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q,
+                                 scales=mma_scales)["chunk"]
+        elif self.batch_invariant:
             chunk = fast.invariant_chunk(n_heads, n_kv, head_dim, max_len, kind)
             if defect == "chunk_follows_batch":
                 chunk = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind)["chunk"]
@@ -444,7 +453,7 @@ class DecodePlan:
         if method == "mma":
             pl = MMA.plan(m, n_heads, n_kv, head_dim, max_len, kind, t_q=t_q, n_split=n_split,
                           paging=paging, defect=kernel_defect, checked=True,
-                          scales=fp8_scales if kind == MMA.FP8_KIND else "tensor")
+                          scales=mma_scales, chunk=chunk)
             self.fast_plan = None
         else:
             pl = fast.plan(m, n_heads, n_kv, head_dim, max_len, kind, n_split=n_split,
@@ -833,9 +842,8 @@ def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defe
     if group * t_q > MMA.TILE_ROWS:
         return (f"n_heads / n_kv_heads x t_q = {group} x {t_q}: it takes at most "
                 f"{MMA.TILE_ROWS} query rows a kv head")
-    if batch_invariant:
-        return "batch_invariant: its split count follows the batch"
-    if defect is not None and (method == "auto" or defect not in MMA.ALL_DEFECTS):
+    if defect is not None and (method == "auto" or defect not in MMA.ALL_DEFECTS
+                               + PLAN_DEFECTS):
         return f"defect {defect!r}: not one of its switches {MMA.ALL_DEFECTS}" if (
             method != "auto") else "a planted defect (give method= to choose its kernel)"
     return None
