@@ -170,19 +170,27 @@ def check_append(defect=None, small=True):
 
 
 def check_invariant_chunk(defect=None):
-    """Batch-invariant plans of 1..64 sequences share one chunk and split count."""
+    """Batch-invariant plans of 1..64 sequences share one chunk and split count:
+    the fast kernel's (T 1) and the tensor-core kernel's (T 4, ``method="mma"``)."""
+    from attention.decode import mma as decode_mma
+
     geometry = (32, 8, 128, 4096)  # H, H_kv, D, capacity: fp16, the production shape
     plan_defect = defect if defect in PLAN_DEFECTS else None
-    seen, default = set(), set()
-    for m in (1, 2, 17, 64):
-        pl = DecodePlan(m, *geometry[:3], m, geometry[3], cache_dtype=np.float16,
-                        batch_invariant=True, defect=plan_defect)
-        seen.add((pl.fast_plan["chunk"], pl.n_split))
-        default.add(decode_fast.plan(m, *geometry, "f16")["n_split"])
-    ok = len(seen) == 1 and len(default) > 1
-    return [Check("invariant chunk[H32_Hkv8_D128_L4096_fp16]", ok,
-                  f"(chunk, n_split) over M 1/2/17/64: {sorted(seen)}; default split counts "
-                  f"{sorted(default)}")]
+    checks = []
+    for t_q, method in ((1, "fast"), (4, "mma")):
+        seen, default = set(), set()
+        for m in (1, 2, 17, 64):
+            pl = DecodePlan(m, *geometry[:3], m, geometry[3], cache_dtype=np.float16,
+                            q_dtype=np.float16, t_q=t_q, batch_invariant=True,
+                            defect=plan_defect, method=method)
+            seen.add((pl.method, pl.kernel_plan["chunk"], pl.n_split))
+            default.add(decode_fast.plan(m, *geometry, "f16")["n_split"] if method == "fast"
+                        else decode_mma.plan(m, *geometry, "f16", t_q=t_q)["n_split"])
+        ok = len(seen) == 1 and next(iter(seen))[0] == method and len(default) > 1
+        checks.append(Check(f"invariant chunk[H32_Hkv8_D128_L4096_fp16_T{t_q}]", ok,
+                            f"(kernel, chunk, n_split) over M 1/2/17/64: {sorted(seen)}; "
+                            f"default split counts {sorted(default)}"))
+    return checks
 
 
 def run_suite(defect=None, *, small=True):
