@@ -36,7 +36,8 @@ Checks (each named ``<check>[<case>]``):
 * ``invariant chunk``: batch-invariant plans for 1, 2, 17 and 64 sequences at
   the production geometry (B 32 / H 32 / H_kv 8 / D 128 / L 4096, fp16) share
   one split length and split count, where the default plans differ (checked
-  too: otherwise the check could not fail). Plans only, no launch.
+  too: otherwise the check could not fail), for the fast kernel at T 1 and the
+  tensor-core kernel at T 4. Plans only, no launch.
 """
 
 from __future__ import annotations
