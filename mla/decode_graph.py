@@ -73,6 +73,7 @@ from .pipeline import (
     _check_q,
     check_cache_shape,
     check_fp8_method,
+    check_invariant_method,
     check_mma_cache,
     check_multi_lengths,
     plan_method,
@@ -143,6 +144,9 @@ class MLADecodeGraph:
     2 d_rope`` bytes, contiguous or paged) with ``latent_scale`` (float32 [1]
     per tensor, or one a cached row: read in place at every run, so appends
     between runs are seen) runs "mma" (``method`` None or "mma").
+    ``batch_invariant``: method "mma" (None takes it), split by the capacity's
+    fixed chunk (``mla.mma.invariant_chunk``): a sequence's output and LSE do
+    not depend on the rest of the batch (``mla_decode``'s option).
     ``graph=False`` never builds a graph (``run`` then launches plainly);
     ``graph_error`` says why a graph could not be built. ``path`` ("graph" /
     "plain") and ``fallback_reason`` (None, or why a graph was asked for and
@@ -155,7 +159,7 @@ class MLADecodeGraph:
 
     def __init__(self, q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None,
                  w_uk_layout="mla", graph=True, tensor=True, workspace_limit=None,
-                 page_table=None, method=None, latent_scale=None):
+                 page_table=None, method=None, latent_scale=None, batch_invariant=False):
         q4 = (q_nope, q_pe)  # the buffers as given (multi-token: [B, s_q, nh, .])
         s_q, q_nope, q_pe, multi = split_queries(q_nope, q_pe)
         n_rows, nh, d_nope, d_rope, rank, d_v = _check_q(q_nope, q_pe, w_uk, w_uv,
@@ -169,7 +173,10 @@ class MLADecodeGraph:
                                             self.paged)
         if fp8 is not None:
             method = check_fp8_method("mma" if method is None else method)
+        if batch_invariant:
+            method = check_invariant_method(True, "mma" if method is None else method)
         self.fp8 = fp8
+        self.batch_invariant = bool(batch_invariant)
         if not self.paged:
             max_seq = dim1
             lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
@@ -225,7 +232,8 @@ class MLADecodeGraph:
                 self.d_w_uv, self.d_latent, np.arange(n_b, dtype=np.int32),
                 np.full(n_b, max_seq, np.int32), self.scale, d_rope=d_rope,
                 w_uk_layout=w_uk_layout, stream=None, d_vis=self._vis,
-                page_table=self.page_table, s_q=s_q, fp8=fp8, d_scale=self.latent_scale)
+                page_table=self.page_table, s_q=s_q, fp8=fp8, d_scale=self.latent_scale,
+                capacity=max_seq if batch_invariant else None)
             self._ps, self.out, self.lse = None, self._mma["out"], self._mma["lse"]
         else:  # planned for the full capacity: every query may see max_seq rows
             self._ps, self.out, _, self.lse = self._prepare_gemm(

@@ -690,7 +690,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 # ---------------------------------------------------------------------------
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
-         row_groups=None, tile=None, defect=None, fp8=None):
+         row_groups=None, tile=None, defect=None, fp8=None, chunk=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
@@ -700,6 +700,8 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     the ``B ceil(R / 16 RG)`` blocks a split, one block an SM at RG 4) trimmed
     to the chunks that hold a position (a chunk is a multiple of KT). ``fp8``:
     None, or the scale mode of an fp8 latent cache (``mla.fp8``; ``kind`` "f16").
+    ``chunk`` (not with ``n_split``): the positions a split, fixed (rounded up
+    to a multiple of KT): a batch-invariant plan's (``invariant_chunk``).
     """
     n_rows = int(n_rows)
     if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
@@ -713,12 +715,17 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         raise ValueError(f"row_groups {row_groups}, tile {tile}, W {width}: {dyn} bytes of "
                          f"shared memory, more than a block's {SMEM_BLOCK_MAX}")
     blocks = int(n_seq) * -(-n_rows // (16 * row_groups))
-    if n_split is None:
-        resident = max(1, SMEM_PER_SM // (dyn + 1024))
-        n_split = fast.split_count(blocks, max_len, resident)
-    n_split = max(1, int(n_split))
-    chunk = -(-max(int(max_len), 1) // n_split)
-    chunk = -(-chunk // tile) * tile
+    if chunk is not None:
+        if n_split is not None:
+            raise ValueError("chunk, n_split: give one (a fixed chunk sets the split count)")
+        chunk = -(-max(int(chunk), 1) // tile) * tile
+    else:
+        if n_split is None:
+            resident = max(1, SMEM_PER_SM // (dyn + 1024))
+            n_split = fast.split_count(blocks, max_len, resident)
+        n_split = max(1, int(n_split))
+        chunk = -(-max(int(max_len), 1) // n_split)
+        chunk = -(-chunk // tile) * tile
     n_split = -(-max(int(max_len), 1) // chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
@@ -737,6 +744,17 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         "defect": defect,
         "fp8": fp8,
     }
+
+
+def invariant_chunk(n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=None):
+    """The split length of a batch-invariant plan (``plan(chunk=...)``): the
+    chunk the default plan gives one sequence of ``capacity`` positions (so a
+    lone sequence still fills the GPU). It follows the geometry, the capacity
+    and the GPU, never the batch; with the plan covering the capacity, every
+    batch of that capacity has the same split count, a sequence's blocks cover
+    the same positions and the splits merge in a fixed order: its output and
+    LSE are the same bits in any batch."""
+    return plan(1, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)["chunk"]
 
 
 def scratch(pl, n_seq, n_rows, stream=None):
@@ -794,7 +812,7 @@ def combine_slices(rank, rows):
 
 def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_rope,
             w_uk_layout, stream, d_vis=None, page_table=None, s_q=1, n_split=None,
-            defect=None, fp8=None, d_scale=None):
+            defect=None, fp8=None, d_scale=None, capacity=None):
     """Allocate and fill everything the MLA decode on tensor cores reads: a
     dict for ``launch_prepared`` (absorb, attention, decompress).
 
@@ -807,7 +825,9 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     ``d_vis`` (device int32 [B], optional): read in place of ``vis``, which
     then sizes the plan only. ``fp8`` ("tensor" / "token"): d_latent is an fp8
     latent cache (uint8 rows of ``r + 2 d_rope`` bytes, ``mla.fp8``) and
-    ``d_scale`` its device float32 scales. Returns the dict; its ``out`` [Q,
+    ``d_scale`` its device float32 scales. ``capacity`` (batch-invariant, not
+    with ``n_split``): the positions a sequence may hold; the plan covers them
+    in chunks of ``invariant_chunk``. Returns the dict; its ``out`` [Q,
     nh, d_v], ``o_lat`` [Q, nh, r] and ``lse`` [Q, nh] are written by each
     launch.
     """
@@ -829,8 +849,13 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     if n_q == 0:
         return p
     max_len = int(np.max(vis)) if len(vis) else 0
+    chunk = None
+    if capacity is not None:  # batch-invariant: the capacity's chunks
+        max_len = int(capacity)
+        chunk = invariant_chunk(s_q * nh, rank, d_rope, max_len, kind,
+                                paged=page_table is not None, fp8=fp8)
     pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
-              n_split=n_split, defect=defect, fp8=fp8)
+              n_split=n_split, defect=defect, fp8=fp8, chunk=chunk)
     heads = np.arange(nh)
     table = to_device(np.concatenate((heads, np.full(nh, rank), np.full(nh, d_nope),
                                       np.full(nh, d_v))).astype(np.int32), stream)
@@ -865,4 +890,4 @@ def launch_prepared(p, stream):
 
 
 __all__ = ["DEFECTS", "SIMULATOR", "launch", "launch_prepared", "mla_mma_kernel", "plan",
-           "prepare", "scratch", "smem_words", "supported"]
+           "prepare", "scratch", "smem_words", "supported", "invariant_chunk"]

@@ -173,6 +173,18 @@ def check_fp8_method(method):
     return "mma"
 
 
+def check_invariant_method(batch_invariant, method):
+    """The method of a call with ``batch_invariant``: "mma" (asked for, or
+    "auto"); any other method raises naming it. Without it, ``method`` as given."""
+    if not batch_invariant:
+        return method
+    if method in ("auto", "mma"):
+        return "mma"
+    raise checks.AttentionInputError(
+        f"batch_invariant: only method 'mma' (the tensor-core path, split by a fixed "
+        f"chunk) is batch-invariant; got method={method!r}")
+
+
 def check_cache_shape(latent_cache, latent_scale, n_b, rank, d_rope, paged):
     """``mla_decode`` / ``MLADecodeGraph``'s latent cache: a 16-bit / fp32 one, or
     an fp8 one with ``latent_scale`` (``mla.fp8.check_cache``). Returns
@@ -343,7 +355,8 @@ def choose_method(method, n_q, nh, width, max_visible, tile=None, heads_per_bloc
 
 def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_rope, tile,
           heads_per_block, w_uk_layout, stream, routes, method="flash", workspace=None,
-          chunk=None, d_table=None, d_vis=None, s_q=1, fp8=None, d_scale=None):
+          chunk=None, d_table=None, d_vis=None, s_q=1, fp8=None, d_scale=None,
+          capacity=None):
     """absorb -> attention over d_latent [S, max_seq, W] -> decompress (enqueue only).
     ``chunk``: the GEMM path's queries per launch set (``MethodPlan.chunk``).
     ``d_table`` (device int32 [Q, max_pages]): d_latent is a paged cache
@@ -354,7 +367,8 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
     queries a sequence; ``slots``, ``lens``, ``tails`` (zeros), ``d_table``,
     ``d_vis`` are per sequence [B] and ``chunk`` counts sequences.
     ``fp8`` / ``d_scale``: an fp8 latent cache's scale mode and scales (method
-    "mma" only).
+    "mma" only). ``capacity``: method "mma", batch-invariant splits over that
+    many positions (``mla.mma.prepare``).
     Returns (out [Q, nh, d_v], lse [Q, nh]) device float32."""
     n_q, nh, _ = (int(s) for s in q_nope.shape)
     rank = int(d_latent.shape[2]) - d_rope
@@ -365,7 +379,7 @@ def _core(q_nope, q_pe, w_uk, w_uv, d_latent, slots, lens, tails, *, scale, d_ro
                        to_device(w_uv, stream), d_latent, slots, lens, scale, d_rope=d_rope,
                        w_uk_layout=w_uk_layout, stream=stream, d_vis=d_vis,
                        page_table=d_table, s_q=s_q, defect=routes["mma"], fp8=fp8,
-                       d_scale=d_scale)
+                       d_scale=d_scale, capacity=capacity)
         MM.launch_prepared(p, launch_stream(stream))
         return p["out"], p["lse"]
     if method in GEMM_METHODS:
@@ -564,7 +578,7 @@ def _shaped(x, n_b, s_q, multi):
 def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, stream=None,
                w_uk_layout="mla", tile=None, heads_per_block=None, method="auto",
                workspace=None, workspace_limit=None, return_plan=False, page_table=None,
-               defect=None, return_lse=False, latent_scale=None):
+               defect=None, return_lse=False, latent_scale=None, batch_invariant=False):
     """Batched MLA decode: sequence b's new queries over its own ``lengths[b]`` latent rows.
 
     q_nope:       [B, nh, d_nope] float32 (one query a sequence), or [B, s_q,
@@ -626,6 +640,12 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     return_lse:   also return lse [B, nh] (multi-token: [B, s_q, nh]) float32,
                   the natural-log sum of exp of each query's scaled scores
                   (-inf where nothing is attended)
+    batch_invariant: method "mma" ("auto" takes it): the split-KV chunk is
+                  fixed by the capacity (``max_seq``, or paged ``max_pages *
+                  page_size``) and the GPU, not the batch
+                  (``mla.mma.invariant_chunk``), so a sequence's output and
+                  LSE are the same bits whatever else the batch holds, for
+                  calls of the same capacity; other methods raise
     Returns out [B, nh, d_v] float32, or [B, s_q, nh, d_v] for multi-token
     queries (a rank-4 q_nope; s_q = 1 included); with ``return_lse`` (out,
     lse), with ``return_plan`` the plan after them: (out, plan) or (out,
@@ -660,13 +680,14 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
     fp8, dim0, dim1 = check_cache_shape(latent_cache, latent_scale, n_b, rank, d_rope, paged)
     if fp8 is not None:
         method = check_fp8_method(method)
+    method = check_invariant_method(batch_invariant, method)
     if not paged:
         max_seq = dim1
         lens = checks.check_lengths("lengths", host_ints(lengths), max_seq, count=n_b)
     else:
         n_pages, page_size = dim0, dim1
         lens = checks.check_lengths("lengths", host_ints(lengths), 2 ** 31 - 1, count=n_b)
-        PG.check_page_table(page_table, n_b, lens, page_size, n_pages)
+        max_seq = PG.check_page_table(page_table, n_b, lens, page_size, n_pages) * page_size
     check_multi_lengths(lens, s_q)
     scale = checks.check_scale(scale, d_nope + d_rope)
     if workspace is not None and not isinstance(workspace, G.Workspace):
@@ -700,7 +721,8 @@ def mla_decode(q_nope, q_pe, latent_cache, lengths, w_uk, w_uv, *, scale=None, s
                          w_uk_layout=w_uk_layout, stream=stream, routes=routes,
                          method=plan.method, workspace=workspace, chunk=plan.chunk,
                          d_table=d_table, d_vis=d_vis, s_q=s_q, fp8=fp8,
-                         d_scale=None if fp8 is None else to_device(latent_scale, stream))
+                         d_scale=None if fp8 is None else to_device(latent_scale, stream),
+                         capacity=max_seq if batch_invariant else None)
     host = is_host_array(q_nope)
     d_out = _shaped(d_out, n_b, s_q, multi)
     if return_lse:

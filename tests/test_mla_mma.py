@@ -27,6 +27,9 @@ scores and P.V on ``mma.m16n8k16`` and rounds P to 16 bits before P.V
   case the clean kernel passes: V fragments without ``.trans``, latent tiles
   stored with the next row's swizzle, the causal end one long at a tile edge.
 * ``MLADecodeGraph(method="mma")`` gives ``mla_decode``'s bits.
+* **Batch invariance** (``batch_invariant=True``): a sequence alone and in
+  batches of 2, 17 and 64 (the simulator: 1 and 2) gets the same bits,
+  contiguous and paged, the graph too; the chunk is the lone sequence's.
 * Host checks (the cache's dtype and shape, the defect and method pairing),
   compile-only PTX (mma, ldmatrix, cp.async, no local memory) and, on a GPU,
   DeepSeek's shape (128 heads, r 512, d_rope 64, L 4096) with s_q 1 and 2.
@@ -298,6 +301,90 @@ def test_decode_graph_gives_mla_decode_bits():
     assert g.plan.method == "mma"
     g.run(sync=True)
     np.testing.assert_array_equal(g.out.copy_to_host(), want)
+
+
+def _invariant_batch(batch, cap, first, rng, paged, d):
+    """A batch whose sequence 0 (length ``first``, its rows and queries fixed by
+    seeds) is the same in every batch; the others random. Returns the call's
+    arguments and keywords (``mla_decode``): an fp16 cache [B, cap, W], or pages
+    of 16 rows [num_pages, 16, W] (NaN in the spare ones) with a shuffled table
+    [B, cap / 16]; dims ``d`` (``MlaDims``)."""
+    width = d.kv_rank + d.d_rope
+    cache = rng.standard_normal((batch, cap, width)).astype(F16)
+    cache[0] = np.random.default_rng(3).standard_normal((cap, width)).astype(F16)
+    lens = np.concatenate([[first], rng.integers(1, cap + 1, batch - 1)]).astype(np.int32)
+    q_nope = rng.standard_normal((batch, d.n_head, d.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((batch, d.n_head, d.d_rope)).astype(np.float32)
+    q_nope[0] = np.random.default_rng(4).standard_normal((d.n_head, d.d_nope))
+    q_pe[0] = np.random.default_rng(5).standard_normal((d.n_head, d.d_rope))
+    w = np.random.default_rng(6)
+    w_uk = (w.standard_normal((d.n_head, d.d_nope, d.kv_rank)) / 8).astype(np.float32)
+    w_uv = (w.standard_normal((d.n_head, d.d_v, d.kv_rank)) / 8).astype(np.float32)
+    kw = {}
+    if paged:
+        page, per = 16, cap // 16
+        table = rng.permutation(batch * per + 3).astype(np.int32)[:batch * per]
+        table = table.reshape(batch, per)
+        pages = np.full((batch * per + 3, page, width), np.nan, F16)
+        for b in range(batch):
+            for j in range(per):
+                pages[table[b, j]] = cache[b, j * page:(j + 1) * page]
+        cache, kw = pages, {"page_table": table}
+    return (q_nope, q_pe, cache, lens, w_uk, w_uv), kw
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("paged", [False, True])
+def test_batch_invariant_mma_gives_a_sequence_the_same_bits(paged):
+    """``mla_decode(batch_invariant=True)`` ("auto" takes "mma"): sequence 0 alone
+    and inside batches of 2, 17 and 64 with other lengths (the simulator: 1 and
+    2 at a short capacity, for the code path) gives ``==`` outputs and LSE, and
+    ``MLADecodeGraph(batch_invariant=True)`` the same bits as the call. On a
+    GPU the default plans of those batches split otherwise (checked: the test
+    can fail)."""
+    from mla.decode_graph import MLADecodeGraph
+    from mla.pipeline import mla_decode
+
+    sim = MODE == "sim"
+    cap = 320 if sim else 4096
+    d = DIMS if sim else WIDE  # the simulator: W 64, one column block (time)
+    first = cap - 23
+    rng = np.random.default_rng(14)
+    lone = MM.invariant_chunk(d.n_head, d.kv_rank, d.d_rope, cap, "f16", paged=paged)
+    chunks = set()
+    results = []
+    for batch in (1, 2) if sim else (1, 2, 17, 64):
+        args, kw = _invariant_batch(batch, cap, first, rng, paged, d)
+        out, lse, plan = mla_decode(*args, **kw, batch_invariant=True, return_lse=True,
+                                    return_plan=True)
+        assert plan.method == "mma"
+        results.append((out[0].copy(), lse[0].copy()))
+        chunks.add(MM.plan(batch, d.n_head, d.kv_rank, d.d_rope, cap, "f16",
+                           paged=paged)["chunk"])
+        if batch == 2:
+            g = MLADecodeGraph(*args, **kw, batch_invariant=True)
+            assert g.method == "mma" and g._mma["plan"]["chunk"] == lone
+            g.run(sync=True)
+            np.testing.assert_array_equal(g.out.copy_to_host(), out)
+    assert sim or len(chunks) > 1
+    for out, lse in results[1:]:
+        assert np.array_equal(out.view(np.uint32), results[0][0].view(np.uint32))
+        assert np.array_equal(lse.view(np.uint32), results[0][1].view(np.uint32))
+
+
+def test_batch_invariant_chunk_and_methods():
+    """At DeepSeek's shape the default plan of 64 sequences splits otherwise than
+    a lone sequence's; the invariant chunk is the lone one's. Methods other than
+    "mma" refuse ``batch_invariant``, naming it."""
+    from mla.pipeline import mla_decode
+    from tests.test_mla_paged import paged_case
+
+    assert MM.invariant_chunk(128, 512, 64, 4096, "f16") != MM.plan(
+        64, 128, 512, 64, 4096, "f16")["chunk"]
+    c = paged_case(8, F16, dims=WIDE, lengths=[3, 9], seed=8)
+    with pytest.raises(checks.AttentionInputError, match="batch_invariant.*'gemm'"):
+        mla_decode(c["q_nope"], c["q_pe"], c["cont"], c["lengths"], c["w_uk"], c["w_uv"],
+                   method="gemm", batch_invariant=True)
 
 
 def test_mma_method_checks_its_inputs():
