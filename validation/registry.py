@@ -839,6 +839,7 @@ KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 MUTANT_SOURCES = {
     "decode_fast": ("attention.decode.fast", None),
     "prefill_tf32": ("attention.prefill.tf32", None),
+    "decode_mma_fp8_tok": ("attention.decode.mma", None),
     "mla_gemm": ("mla.attn_gemm", "gemm"),
     "mla_gemm_fma": ("mla.attn_gemm", "gemm_fma"),
 }

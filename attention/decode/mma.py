@@ -170,6 +170,8 @@ CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not Non
 FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token", "fp8_p_unnormalized")
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
 ALL_DEFECTS = DEFECTS + FP8_TOKEN_DEFECTS  # every switch the kernel takes
+# the registry's precision mutants of the token_head entry (its resolving-power rows)
+PRECISION_MUTANTS = ("fp8_p_unnormalized",)
 KINDS = ("f16", "bf16")  # the 16-bit cache kinds (``fast.dtype_kind``'s names)
 FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), q float16
 FP8_SCALES = ("tensor", "token_head")  # a K and a V scale, or one a cached row (token, kv head)
