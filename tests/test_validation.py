@@ -547,6 +547,25 @@ def test_growth_run_records_a_series_and_checks_the_cache():
                zip(rec["series"]["out_err"], rec["series"]["out_base"]))
 
 
+@pytest.mark.device
+@pytest.mark.parametrize("kernel,dtype", [("mma_paged_decode_t4", "float16"),
+                                          ("mma_fp8_decode", "float32")])
+def test_tensor_core_growth_runs(kernel, dtype):
+    """The tensor-core decode's growth runs (two calls of T 4 through the paged
+    append; four fp8 steps through the quantizing append) pass with the
+    registry entry's baseline, and a float32 cache is unsupported (named)."""
+    from validation import growth
+
+    rec = growth.run_growth(growth.GrowthJob(kernel, dtype, 0, 8 if "t4" in kernel else 4,
+                                             True))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["cache_ok"] and "mma kernel" in rec["geometry"]["path"]
+    assert rec["series"]["out_err"][-1] > 0
+    if kernel == "mma_paged_decode_t4":
+        rec = growth.run_growth(growth.GrowthJob(kernel, "float32", 0, 4, True))
+        assert rec["status"] == "unsupported" and "float16" in rec["detail"]
+
+
 def test_default_jobs(monkeypatch):
     """Without --jobs: one worker a CPU core on a GPU (at most 8), up to 2 on the simulator."""
     from validation import cli

@@ -41,6 +41,16 @@ Runs (``GROWTH_KERNELS``):
   mirror is the reference quantizer's (``quantize_append_ref``) codes and
   scales, the oracle and the baseline take its dequantized values, and at the
   end every page byte and every scale must equal the mirror's;
+* ``mma_paged_decode_t4``: ``paged_decode_t4`` on the tensor-core decode
+  (``DecodePlan(method="mma")``): float16 / bfloat16 caches with q in their
+  dtype (float32 jobs are unsupported), ``FP8_GEOMETRY``'s sizes (D 64 on the
+  simulator: the kernel has tiles for D 32 / 64 / 128), judged with the
+  registry's ``decode_mma_t4`` baseline (``mma16_p16``:
+  ``baselines.decode_rounded_p``, P rounded to the cache dtype);
+* ``mma_fp8_decode``: ``fp8_decode`` on the tensor-core decode
+  (``DecodePlan(method="mma", fp8_scales="token_head")``, q float16, the
+  job's dtype the new rows'), judged with ``decode_mma_fp8_tok``'s baseline
+  (``mma16_pv16``: the V scales into P, normalised a row, rounded to f16);
 * ``mla_decode``: one sequence through a ``LatentCache`` (NaN beyond its
   length) and the absorbed MLA pipeline's tiled online-softmax path;
 * ``mla_gemm_decode``: the same through its GEMM path (``mla.attn_gemm``), on a
@@ -81,10 +91,12 @@ import numpy as np
 from validation import baselines, fixtures, metrics, tolerance
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
-                  "paged_decode_t4", "fp8_decode", "mla_decode", "mla_gemm_decode",
-                  "mla_gemm_fma_decode", "mla_fp8_decode")
+                  "paged_decode_t4", "fp8_decode", "mma_paged_decode_t4", "mma_fp8_decode",
+                  "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode", "mla_fp8_decode")
 # the paged runs: queries a call (tokens appended a call) and page size (GPU, simulator)
-PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4}
+PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4, "mma_paged_decode_t4": 4}
+# the runs on the tensor-core decode (DecodePlan(method="mma"))
+MMA_RUNS = ("mma_paged_decode_t4", "mma_fp8_decode")
 PAGED_PAGE = {False: 16, True: 4}
 DEFAULT_GPU = GROWTH_KERNELS
 MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_decode": "gemm_fma"}
@@ -99,6 +111,7 @@ KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
 REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_decode",
                    "fast_decode": "decode_fast", "paged_decode": "decode_fast",
                    "paged_decode_t4": "decode_fast", "fp8_decode": "decode_fp8_tok",
+                   "mma_paged_decode_t4": "decode_mma_t4", "mma_fp8_decode": "decode_mma_fp8_tok",
                    "mla_decode": "mla",
                    "mla_gemm_decode": "mla_gemm",
                    "mla_gemm_fma_decode": "mla_gemm_fma",
@@ -135,6 +148,10 @@ MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "paged_decode_t4": ("attention.decode.plan", "attention.cache.paged",
                                "attention.oracle"),
            "fp8_decode": ("attention.decode.plan", "attention.cache.fp8", "attention.oracle"),
+           "mma_paged_decode_t4": ("attention.decode.plan", "attention.decode.mma",
+                                   "attention.cache.paged", "attention.oracle"),
+           "mma_fp8_decode": ("attention.decode.plan", "attention.decode.mma",
+                              "attention.cache.fp8", "attention.oracle"),
            "mla_decode": ("mla.cache", "mla.pipeline", "mla.oracle", "mla.dims"),
            "mla_gemm_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                "mla.dims"),
@@ -292,13 +309,16 @@ def _shuffled_table(rng, m, width, page, reach):
 def _paged_growth(job, t_q, probe=None):
     """One paged growth run; ``probe`` (optional): called after each step as
     ``probe(step, q, mirror_k, mirror_v, lengths, out, lse, o64, l64, o32, l32)``
-    (``validation.lse_probe`` looks at its LSE entries)."""
+    (``validation.lse_probe`` looks at its LSE entries). The ``MMA_RUNS``: the
+    tensor-core decode, q in the cache dtype, its rounded-P baseline."""
     from attention.cache.paged import paged_append
+    from attention.core.checks import DTypeError
     from attention.core.device import to_device, to_host
     from attention.decode.plan import DecodePlan
     from attention.oracle import decode_attention_multi_ref
 
-    g = DECODE_GEOMETRY[job.small]
+    mma = job.kernel in MMA_RUNS
+    g = (FP8_GEOMETRY if mma else DECODE_GEOMETRY)[job.small]
     m, h, h_kv, d = g["m"], g["h"], g["h_kv"], g["d"]
     page = PAGED_PAGE[job.small]
     start = np.array(g["start"], np.int32)
@@ -306,6 +326,10 @@ def _paged_growth(job, t_q, probe=None):
     max_seq = int(start.max()) + calls * t_q + 1  # one position is never written
     width = -(-max_seq // page)
     dt = fixtures.resolve_dtype(job.dtype)
+    if mma and dt == np.dtype(np.float32):
+        raise DTypeError("float32: the tensor-core decode takes float16 / bfloat16 caches "
+                         "(q in their dtype)")
+    q_dt = dt if mma else np.dtype(np.float32)
     rng = fixtures.case_rng(job.seed, "growth", "paged", job.small)
     n_pages, table = _shuffled_table(rng, m, width, page, start + calls * t_q)
     # sequences whose starts fill a first page share the longest one's (a common prefix)
@@ -327,13 +351,14 @@ def _paged_growth(job, t_q, probe=None):
             pg, off = table[i, p // page], p % page
             pages_k[pg, :, off], pages_v[pg, :, off] = k_pre[:, p], v_pre[:, p]
     d_k, d_v, d_table = to_device(pages_k), to_device(pages_v), to_device(table)
-    plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype=dt, q_dtype=np.float32,
-                      page_size=page, layout="HND", t_q=t_q)
+    plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype=dt, q_dtype=q_dt,
+                      page_size=page, layout="HND", t_q=t_q, method="mma" if mma else "auto")
     series = _series()
     lengths = start.copy()
     label = None
     for call in range(calls):
-        q = rng.standard_normal((m, t_q, h, d)).astype(np.float32)
+        # q in the plan's dtype; the oracle and the baseline take those values
+        q = rng.standard_normal((m, t_q, h, d)).astype(q_dt).astype(np.float32)
         k_new = rng.standard_normal((m, t_q, h_kv, d)).astype(dt)
         v_new = rng.standard_normal((m, t_q, h_kv, d)).astype(dt)
         paged_append(k_new, v_new, d_k, d_v, d_table, lengths, layout="HND")
@@ -343,20 +368,25 @@ def _paged_growth(job, t_q, probe=None):
             mirror_v[i, :, p:p + t_q] = v_new[i].transpose(1, 0, 2)
         lengths = lengths + t_q
         q_in = q if t_q > 1 else q[:, 0]
-        out = plan.run(to_device(q_in), d_k, d_v, to_device(lengths), page_table=d_table,
-                       sync=True)
+        out = plan.run(to_device(q_in.astype(q_dt)), d_k, d_v, to_device(lengths),
+                       page_table=d_table, sync=True)
         out = np.asarray(to_host(out)).reshape(m, t_q, h, d)
         lse = np.asarray(to_host(plan.lse)).reshape(m, t_q, h)
         o64, l64 = decode_attention_multi_ref(q, mirror_k, mirror_v, lengths)
         k32, v32 = np.nan_to_num(mirror_k).astype(np.float32), np.nan_to_num(
             mirror_v).astype(np.float32)
-        label = baseline_order("paged_decode", {"q": q[:, 0]}, dt)
-        o32 = np.empty_like(out)
-        l32 = np.empty_like(lse)
-        for j in range(t_q):
-            seen = lengths - t_q + 1 + j
-            o32[:, j], l32[:, j] = baselines.decode_order(q[:, j], k32, v32, seen,
-                                                          np.arange(m), label)
+        if mma:  # the rounded-P baseline (S summed as the mma sums it)
+            label = baseline_order(job.kernel, {"q": q[:, 0]}, dt)
+            o32, l32 = baselines.decode_rounded_p(q, k32, v32, lengths, 1.0 / np.sqrt(d), dt,
+                                                  sums="mma16")
+        else:
+            label = baseline_order("paged_decode", {"q": q[:, 0]}, dt)
+            o32 = np.empty_like(out)
+            l32 = np.empty_like(lse)
+            for j in range(t_q):
+                seen = lengths - t_q + 1 + j
+                o32[:, j], l32[:, j] = baselines.decode_order(q[:, j], k32, v32, seen,
+                                                              np.arange(m), label)
         judged = {"out": metrics.judge(out, o64, o32, label),
                   "lse": metrics.judge(lse, l64, l32, label)}
         _record_step(series, call + 1, int(lengths.max()), judged)
@@ -376,13 +406,15 @@ def _paged_growth(job, t_q, probe=None):
             problems.append(f"{name} differs from the appended rows at {tuple(bad[0])} "
                             f"({len(bad)} elements)")
     geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-    geometry.update(path=f"paged HND P={page}, t_q={t_q}, {plan.launch_path}",
+    geometry.update(path=f"paged HND P={page}, t_q={t_q}, {plan.method} kernel, "
+                         f"{plan.launch_path}",
                     shared_prefix=len(sharing), calls=calls)
     return series, not problems, "; ".join(problems), geometry
 
 
 def _fp8_growth(job):
-    """The fp8 growth run (module docstring): per-(token, kv head) scales."""
+    """The fp8 growth runs (module docstring): per-(token, kv head) scales, on
+    the fast decode or (``mma_fp8_decode``) the tensor-core one, q float16."""
     from attention.cache import fp8
     from attention.core.device import to_device, to_host
     from attention.decode.plan import DecodePlan
@@ -411,13 +443,19 @@ def _fp8_growth(job):
     dev = {n: to_device(ref[n].copy()) for n in "kv"}
     dev_sc = {n: to_device(ref_sc[n].copy()) for n in "kv"}
     d_table = to_device(table)
+    mma = job.kernel in MMA_RUNS
+    q_dt = np.dtype(np.float16) if mma else np.dtype(np.float32)
     plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype="float8_e4m3fn",
-                      q_dtype=np.float32, page_size=page, layout="HND", fp8_scales="token_head")
+                      q_dtype=q_dt, page_size=page, layout="HND", fp8_scales="token_head",
+                      method="mma" if mma else "auto")
     series = _series()
     lengths = start.copy()
 
-    # the reference's dequantized values, pooled [M, H_kv, max_seq, D] float64, NaN past lengths
+    # the reference's dequantized values, pooled [M, H_kv, max_seq, D] float64, NaN past
+    # lengths; and V's code values and row scales (the tensor-core baseline's inputs)
     mirror = {n: np.full((m, h_kv, max_seq, d), np.nan) for n in "kv"}
+    v_codes = np.zeros((m, h_kv, max_seq, d), np.float32)
+    v_scales = np.zeros((m, h_kv, max_seq), np.float32)
 
     def dequantize(first):
         for i in range(m):
@@ -426,11 +464,13 @@ def _fp8_growth(job):
                 for n in "kv":
                     mirror[n][i, :, p] = (fp8.decode_e4m3(ref[n][pg, :, off]).astype(np.float64)
                                           * ref_sc[n][pg, :, off, None])
+                v_codes[i, :, p] = fp8.decode_e4m3(ref["v"][pg, :, off])
+                v_scales[i, :, p] = ref_sc["v"][pg, :, off]
 
     dequantize(zeros)
 
     for step in range(job.steps):
-        q = rng.standard_normal((m, h, d)).astype(np.float32)
+        q = rng.standard_normal((m, h, d)).astype(q_dt).astype(np.float32)
         new = {n: rng.standard_normal((m, 1, h_kv, d)).astype(dt) for n in "kv"}
         fp8.fp8_append(new["k"], new["v"], dev["k"], dev["v"], d_table, to_device(lengths),
                        k_scales=dev_sc["k"], v_scales=dev_sc["v"], layout="HND")
@@ -439,15 +479,22 @@ def _fp8_growth(job):
         before = lengths
         lengths = lengths + 1
         dequantize(before)
-        out = plan.run(to_device(q), dev["k"], dev["v"], to_device(lengths), page_table=d_table,
-                       k_scale=dev_sc["k"], v_scale=dev_sc["v"], sync=True)
+        out = plan.run(to_device(q.astype(q_dt)), dev["k"], dev["v"], to_device(lengths),
+                       page_table=d_table, k_scale=dev_sc["k"], v_scale=dev_sc["v"], sync=True)
         out, lse = np.asarray(to_host(out)), np.asarray(to_host(plan.lse))
         kd, vd = mirror["k"], mirror["v"]
         o64, l64 = decode_attention_ref(q, kd, vd, lengths)
-        label = baseline_order("fp8_decode", {"q": q}, np.uint8)
-        o32, l32 = baselines.decode_order(q, np.nan_to_num(kd).astype(np.float32),
-                                          np.nan_to_num(vd).astype(np.float32), lengths,
-                                          np.arange(m), label)
+        if mma:  # V scales into P, normalised a row, rounded to f16 (mma16_pv16)
+            label = baseline_order(job.kernel, {"q": q}, q_dt)
+            o32, l32 = baselines.decode_rounded_p(
+                q[:, None], np.nan_to_num(kd).astype(np.float32), v_codes, lengths,
+                1.0 / np.sqrt(d), q_dt, sums="mma16", v_scales=v_scales)
+            o32, l32 = o32[:, 0], l32[:, 0]
+        else:
+            label = baseline_order("fp8_decode", {"q": q}, np.uint8)
+            o32, l32 = baselines.decode_order(q, np.nan_to_num(kd).astype(np.float32),
+                                              np.nan_to_num(vd).astype(np.float32), lengths,
+                                              np.arange(m), label)
         judged = {"out": metrics.judge(out, o64, o32, label),
                   "lse": metrics.judge(lse, l64, l32, label)}
         _record_step(series, step + 1, int(lengths.max()), judged)
@@ -462,7 +509,8 @@ def _fp8_growth(job):
         if not np.array_equal(got_sc.view(np.uint32), ref_sc[n].view(np.uint32)):
             problems.append(f"{n}_scales differ from the reference's")
     geometry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-    geometry.update(path=f"fp8 e4m3 token_head, paged HND P={page}, {plan.launch_path}")
+    geometry.update(path=f"fp8 e4m3 token_head, paged HND P={page}, {plan.method} kernel, "
+                         f"{plan.launch_path}")
     return series, not problems, "; ".join(problems), geometry
 
 
@@ -620,7 +668,7 @@ def run_growth(job):
             series, cache_ok, problems, geometry = _mla_growth(job)
         elif job.kernel in PAGED_T_Q:
             series, cache_ok, problems, geometry = _paged_growth(job, PAGED_T_Q[job.kernel])
-        elif job.kernel == "fp8_decode":
+        elif job.kernel in ("fp8_decode", "mma_fp8_decode"):
             series, cache_ok, problems, geometry = _fp8_growth(job)
         else:
             method = DECODE_METHODS[job.kernel]
