@@ -126,6 +126,9 @@ DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
 # fp8 cache only (``fp8=``): the dequantization's scale applied twice / not at
 # all, the scale of the next cached row (per token), codes decoded as e5m2
 FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token", "fp8_as_e5m2")
+# planted in the batch-invariant plan itself (``capacity_plan``): the chunk the
+# batch's default plan would take, so the splits follow the batch
+PLAN_DEFECTS = ("mla_chunk_follows_batch",)
 
 
 def check_defect(defect, fp8=None):
@@ -757,6 +760,23 @@ def invariant_chunk(n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=No
     return plan(1, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)["chunk"]
 
 
+def capacity_plan(n_seq, n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=None,
+                  defect=None):
+    """The plan of a batch-invariant call (``prepare``'s ``capacity``): the
+    capacity's positions in chunks of ``invariant_chunk``, whatever ``n_seq``.
+    ``defect`` "mla_chunk_follows_batch" (``PLAN_DEFECTS``, planted): the
+    chunk of the batch's default plan instead; another defect goes to the
+    kernel."""
+    if defect in PLAN_DEFECTS:
+        chunk = plan(n_seq, n_rows, rank, d_rope, capacity, kind, paged=paged,
+                     fp8=fp8)["chunk"]
+        defect = None
+    else:
+        chunk = invariant_chunk(n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)
+    return plan(n_seq, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8,
+                chunk=chunk, defect=defect)
+
+
 def scratch(pl, n_seq, n_rows, stream=None):
     """The plan's split-KV partials ``fast.scratch`` (a placeholder at one split)."""
     return fast.scratch(n_seq, n_rows, pl["rank"], pl["n_split"], stream)
@@ -849,13 +869,14 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     if n_q == 0:
         return p
     max_len = int(np.max(vis)) if len(vis) else 0
-    chunk = None
     if capacity is not None:  # batch-invariant: the capacity's chunks
-        max_len = int(capacity)
-        chunk = invariant_chunk(s_q * nh, rank, d_rope, max_len, kind,
-                                paged=page_table is not None, fp8=fp8)
-    pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
-              n_split=n_split, defect=defect, fp8=fp8, chunk=chunk)
+        if n_split is not None:
+            raise ValueError("n_split, capacity: a batch-invariant plan fixes its chunks")
+        pl = capacity_plan(n_seq, s_q * nh, rank, d_rope, int(capacity), kind,
+                           paged=page_table is not None, fp8=fp8, defect=defect)
+    else:
+        pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
+                  n_split=n_split, defect=None if defect in PLAN_DEFECTS else defect, fp8=fp8)
     heads = np.arange(nh)
     table = to_device(np.concatenate((heads, np.full(nh, rank), np.full(nh, d_nope),
                                       np.full(nh, d_v))).astype(np.int32), stream)
@@ -890,4 +911,5 @@ def launch_prepared(p, stream):
 
 
 __all__ = ["DEFECTS", "SIMULATOR", "launch", "launch_prepared", "mla_mma_kernel", "plan",
-           "prepare", "scratch", "smem_words", "supported", "invariant_chunk"]
+           "prepare", "scratch", "smem_words", "supported", "invariant_chunk",
+           "capacity_plan", "PLAN_DEFECTS"]

@@ -75,7 +75,7 @@ def _route(defect, paged=False, s_q=1, fp8=False):
     # the multi-token one (``mla.kernels.MULTI_DEFECTS``) only with s_q > 1 queries,
     # the fp8 ones (``mla.mma.FP8_DEFECTS``) only over an fp8 cache.
     known = (K.KERNEL_DEFECTS + G.KERNEL_SWITCHES + (PG.READ_DEFECTS if paged else ())
-             + (K.MULTI_DEFECTS if s_q > 1 else ()) + MM.DEFECTS
+             + (K.MULTI_DEFECTS if s_q > 1 else ()) + MM.DEFECTS + MM.PLAN_DEFECTS
              + (MM.FP8_DEFECTS if fp8 else ()))
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected one of {known} or None, got {defect!r}")
@@ -83,7 +83,7 @@ def _route(defect, paged=False, s_q=1, fp8=False):
         "absorb": defect if defect in K.ABSORB_DEFECTS else None,
         "attn": (defect if defect in K.ATTN_DEFECTS + G.KERNEL_SWITCHES + K.MULTI_DEFECTS
                  else None),
-        "mma": defect if defect in MM.DEFECTS + MM.FP8_DEFECTS else None,
+        "mma": defect if defect in MM.DEFECTS + MM.FP8_DEFECTS + MM.PLAN_DEFECTS else None,
         "append": defect if defect in K.APPEND_DEFECTS else None,
         "page": defect if defect in PG.READ_DEFECTS else None,
     }
@@ -149,7 +149,7 @@ def _flash_only(method, tile, heads_per_block, defect):
     if method in GEMM_METHODS + ("mma",) and flash_only:
         raise ValueError(f"method: {method!r} takes no tile, heads_per_block or stuck_rescale "
                          "(options of the tiled online-softmax kernel)")
-    mma_defects = MM.DEFECTS + MM.FP8_DEFECTS
+    mma_defects = MM.DEFECTS + MM.FP8_DEFECTS + MM.PLAN_DEFECTS
     if defect is not None and (defect in mma_defects) != (method == "mma"):
         raise ValueError(f"defect: method='mma' takes the tensor-core kernel's switches "
                          f"{mma_defects} only, and they go with it; got {defect!r} with "

@@ -374,13 +374,18 @@ def test_batch_invariant_mma_gives_a_sequence_the_same_bits(paged):
 
 def test_batch_invariant_chunk_and_methods():
     """At DeepSeek's shape the default plan of 64 sequences splits otherwise than
-    a lone sequence's; the invariant chunk is the lone one's. Methods other than
-    "mma" refuse ``batch_invariant``, naming it."""
+    a lone sequence's; the invariant chunk is the lone one's, and the planted
+    ``mla_chunk_follows_batch`` takes the batch's. Methods other than "mma"
+    refuse ``batch_invariant``, naming it."""
     from mla.pipeline import mla_decode
     from tests.test_mla_paged import paged_case
 
-    assert MM.invariant_chunk(128, 512, 64, 4096, "f16") != MM.plan(
-        64, 128, 512, 64, 4096, "f16")["chunk"]
+    lone = MM.invariant_chunk(128, 512, 64, 4096, "f16")
+    assert lone != MM.plan(64, 128, 512, 64, 4096, "f16")["chunk"]
+    assert MM.capacity_plan(64, 128, 512, 64, 4096, "f16")["chunk"] == lone
+    planted = MM.capacity_plan(64, 128, 512, 64, 4096, "f16", defect="mla_chunk_follows_batch")
+    assert planted["chunk"] == MM.plan(64, 128, 512, 64, 4096, "f16")["chunk"]
+    assert planted["defect"] is None  # a plan switch: the kernel is the clean one
     c = paged_case(8, F16, dims=WIDE, lengths=[3, 9], seed=8)
     with pytest.raises(checks.AttentionInputError, match="batch_invariant.*'gemm'"):
         mla_decode(c["q_nope"], c["q_pe"], c["cont"], c["lengths"], c["w_uk"], c["w_uv"],

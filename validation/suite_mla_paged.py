@@ -13,6 +13,9 @@ run, ``defect=``):
                             another sequence's page, or the shared prefix page
     mla_causal_off_by_one   query i of s_q sees one position past its causal
                             end (``mla.kernels.MULTI_DEFECTS``)
+    mla_chunk_follows_batch a batch-invariant tensor-core plan takes the
+                            chunk of the batch's default plan
+                            (``mla.mma.PLAN_DEFECTS``)
 
 Checks (named ``<check>[<case>]``):
 
@@ -27,6 +30,12 @@ Checks (named ``<check>[<case>]``):
 * ``out[multi_s2_P3_<method>]``: the same fixture with 2 queries a sequence
   (lengths 0, 2, 3 and 13), each sequence's queries against the oracles, the
   later query seeing one more position.
+* ``invariant chunk``: the batch-invariant tensor-core plans
+  (``mla.mma.capacity_plan``, what ``mla_decode(batch_invariant=True)`` runs)
+  of 1, 2, 17 and 64 sequences at DeepSeek's geometry (128 heads, r 512,
+  d_rope 64, capacity 4096, paged and not) share one chunk and split count,
+  where the default plans differ (checked too: otherwise the check could not
+  fail). Plans only, no launch.
 * ``append``: ``paged_append_latent`` of 1 to 3 rows a sequence into pages of
   3 (``fixtures.mla_append_case``: appends that start, fill and cross pages,
   two sequences sharing a full prefix page, a cache of random bytes): every
@@ -49,7 +58,8 @@ from validation.suite import Check
 from validation.suite_mla import parity
 
 FAMILY = "mla_paged"
-DEFECTS = ("page_off_by_one", "append_page_off_by_one", "mla_causal_off_by_one")
+DEFECTS = ("page_off_by_one", "append_page_off_by_one", "mla_causal_off_by_one",
+           "mla_chunk_follows_batch")
 DIMS = MlaDims(n_head=2, d_nope=8, d_rope=4, d_v=8, kv_rank=12)  # rows of 16 words
 
 
@@ -114,6 +124,27 @@ def _multi_check(method, tile, defect):
     return Check(name, *_judge(out, c, method, True))
 
 
+def _invariant_check(defect):
+    """Batch-invariant tensor-core plans of 1..64 sequences share one chunk and
+    split count (module docstring)."""
+    from mla import mma as MM
+
+    checks = []
+    for paged in (False, True):
+        seen, default = set(), set()
+        for n_seq in (1, 2, 17, 64):
+            pl = MM.capacity_plan(n_seq, 128, 512, 64, 4096, "f16", paged=paged,
+                                  defect=defect if defect in MM.PLAN_DEFECTS else None)
+            seen.add((pl["chunk"], pl["n_split"]))
+            default.add(MM.plan(n_seq, 128, 512, 64, 4096, "f16", paged=paged)["n_split"])
+        ok = len(seen) == 1 and len(default) > 1
+        case = "paged" if paged else "contiguous"
+        checks.append(Check(f"invariant chunk[mla_nh128_r512_L4096_{case}]", ok,
+                            f"(chunk, n_split) over B 1/2/17/64: {sorted(seen)}; default "
+                            f"split counts {sorted(default)}"))
+    return checks
+
+
 def _append_check(defect):
     from mla.paged import paged_append_latent
 
@@ -139,4 +170,5 @@ def run_suite(defect=None, *, small=True):
             out.append(_decode_check(page, method, tile, defect))
         out.append(_multi_check(method, tile, defect))
     out.append(_append_check(defect))
+    out += _invariant_check(defect)
     return out
