@@ -718,18 +718,9 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         raise ValueError(f"row_groups {row_groups}, tile {tile}, W {width}: {dyn} bytes of "
                          f"shared memory, more than a block's {SMEM_BLOCK_MAX}")
     blocks = int(n_seq) * -(-n_rows // (16 * row_groups))
-    if chunk is not None:
-        if n_split is not None:
-            raise ValueError("chunk, n_split: give one (a fixed chunk sets the split count)")
-        chunk = -(-max(int(chunk), 1) // tile) * tile
-    else:
-        if n_split is None:
-            resident = max(1, SMEM_PER_SM // (dyn + 1024))
-            n_split = fast.split_count(blocks, max_len, resident)
-        n_split = max(1, int(n_split))
-        chunk = -(-max(int(max_len), 1) // n_split)
-        chunk = -(-chunk // tile) * tile
-    n_split = -(-max(int(max_len), 1) // chunk)
+    chunk, n_split = fast.split_chunk(max_len, tile, blocks,
+                                      max(1, SMEM_PER_SM // (dyn + 1024)), n_split=n_split,
+                                      chunk=chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
                                  defect, fp8),

@@ -1963,6 +1963,27 @@ def split_count(pairs, max_len, resident=RESIDENT_BLOCKS[False]):
         waves += 1
 
 
+def split_chunk(max_len, step, pairs, resident, *, n_split=None, chunk=None):
+    """``(chunk, n_split)`` of a split-KV plan over ``max_len`` positions whose
+    chunks are whole multiples of ``step`` (the tensor-core kernels' rounds of
+    tiles): a fixed ``chunk`` (a batch-invariant plan's; not with ``n_split``)
+    rounded up to ``step``; else ``n_split`` (default ``split_count(pairs,
+    max_len, resident)``) turned into a chunk. ``n_split`` is then trimmed to
+    the chunks that hold a position."""
+    step = int(step)
+    if chunk is not None:
+        if n_split is not None:
+            raise ValueError("chunk, n_split: give one (a fixed chunk sets the split count)")
+        chunk = -(-max(int(chunk), 1) // step) * step
+    else:
+        if n_split is None:
+            n_split = split_count(pairs, max_len, resident)
+        n_split = max(1, int(n_split))
+        chunk = -(-max(int(max_len), 1) // n_split)
+        chunk = -(-chunk // step) * step
+    return chunk, -(-max(int(max_len), 1) // chunk)
+
+
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
          warps=WARPS, unroll=UNROLL, lanes=None, pipeline=None, stages=None, pdl=None,
          defect=None, paging=None, chunk=None, t_q=1, fp8_scales="tensor"):

@@ -892,19 +892,9 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
                          f"{FP8_KIND!r}, got {scales!r} (kind {kind!r})")
     dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND,
                          token_head=scales == "token_head")
-    step = KT * warps
-    if chunk is not None:
-        if n_split is not None:
-            raise ValueError("chunk, n_split: give one (a fixed chunk sets the split count)")
-        chunk = -(-max(int(chunk), 1) // step) * step
-    else:
-        if n_split is None:
-            resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
-            n_split = fast.split_count(m_count * n_kv, max_len, resident)
-        n_split = max(1, int(n_split))
-        chunk = -(-max(int(max_len), 1) // n_split)
-        chunk = -(-chunk // step) * step
-    n_split = -(-max(int(max_len), 1) // chunk)
+    resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
+    chunk, n_split = fast.split_chunk(max_len, KT * warps, m_count * n_kv, resident,
+                                      n_split=n_split, chunk=chunk)
     return {
         "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect,
                                     bool(checked), scales),
