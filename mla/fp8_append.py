@@ -115,7 +115,7 @@ def fp8_append_kernel(per_token, defect=None, checked=False):
         # max |c_kv| of the row (NaN as 0), the same value in every thread
         red = cuda.shared.array(WARPS, float32)
         a = float32(0.0)
-        for d in range(cuda.threadIdx.x, rank, THREADS):
+        for d in range(cuda.threadIdx.x, rank, cuda.blockDim.x):
             v = abs(float32(new_rows[b, i, d]))
             if v > a:  # NaN compares false: counted as 0
                 a = v

@@ -229,7 +229,7 @@ def fp8_append_kernel(layout="HND", per_token=True, defect=None, checked=False):
         # the row's max |x| over D (NaN as 0), shared by the whole block
         red = cuda.shared.array(WARPS, float32)
         a = float32(0.0)
-        for d in range(cuda.threadIdx.x, new.shape[3], THREADS):
+        for d in range(cuda.threadIdx.x, new.shape[3], cuda.blockDim.x):
             v = abs(float32(new[m, i, g, d]))
             if v > a:  # NaN compares false: counted as 0
                 a = v

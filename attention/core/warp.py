@@ -113,13 +113,16 @@ def group_max(v, lanes):
 @cuda.jit(device=True, inline="always")
 def block_max(v, red):
     """Maximum of ``v`` over the block, in every thread. red: shared [warps]
-    of ``v``'s type (float32 in the kernels; the simulator test uses float64)."""
+    of ``v``'s type (float32 in the kernels; the simulator test uses float64),
+    at least the block's warps; only the block's warps' entries are read (a
+    smaller block than ``red`` is sized for leaves the rest as an earlier
+    block wrote it)."""
     v = warp_max(v)
     if cuda.threadIdx.x % 32 == 0:
         red[cuda.threadIdx.x // 32] = v
     cuda.syncthreads()
     v = red[0]
-    for w in range(1, red.shape[0]):
+    for w in range(1, min(red.shape[0], (cuda.blockDim.x + 31) // 32)):
         v = max(v, red[w])
     cuda.syncthreads()  # every thread has read red before it is reused
     return v
@@ -129,13 +132,14 @@ def block_max(v, red):
 def block_sum(v, red):
     """Sum of ``v`` over the block (warp by warp, in warp order), in every thread.
     red: shared [warps] of ``v``'s type (float32 in the kernels; the simulator
-    test uses float64, so its sums are exact)."""
+    test uses float64, so its sums are exact); as ``block_max``, only the
+    block's warps' entries are read."""
     v = warp_sum(v)
     if cuda.threadIdx.x % 32 == 0:
         red[cuda.threadIdx.x // 32] = v
     cuda.syncthreads()
     v = red[0]
-    for w in range(1, red.shape[0]):
+    for w in range(1, min(red.shape[0], (cuda.blockDim.x + 31) // 32)):
         v += red[w]
     cuda.syncthreads()  # every thread has read red before it is reused
     return v
