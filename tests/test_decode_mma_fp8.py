@@ -165,15 +165,22 @@ def test_fp8_rings_take_less_shared_memory():
     assert 4 * mma.smem_words(128, 4, 3) == 100 * 1024
 
 
-@pytest.mark.compile
-def test_compiles_to_the_e4m3_conversion_and_the_f16_mma():
-    from numba import cuda, types
+def _fp8_signature():
+    """The unchecked fp8 kernel's argument types (scales as flat float32 arrays)."""
+    from numba import types
 
     u32, i32, f32 = types.uint32, types.int32, types.float32
     A = types.Array
-    sig = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"), A(i32, 2, "C"),
-           i32, i32, i32, i32, f32, i32, A(f32, 4, "C"), A(f32, 3, "C"), A(f32, 4, "C"),
-           A(f32, 4, "C"), A(f32, 1, "C"), A(f32, 1, "C"))
+    return (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"), A(i32, 2, "C"),
+            i32, i32, i32, i32, f32, i32, A(f32, 4, "C"), A(f32, 3, "C"), A(f32, 4, "C"),
+            A(f32, 4, "C"), A(f32, 1, "C"), A(f32, 1, "C"))
+
+
+@pytest.mark.compile
+def test_compiles_to_the_e4m3_conversion_and_the_f16_mma():
+    from numba import cuda
+
+    sig = _fp8_signature()
     kern = mma.mma_decode_kernel("f8", 128, 4, 1, mma.WARPS, mma.STAGES, "HND")
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
     assert "cvt.rn.f16x2.e4m3x2" in ptx
@@ -392,13 +399,9 @@ def test_token_head_stages_hold_the_scales():
 
 @pytest.mark.compile
 def test_token_head_kernel_compiles_to_4_byte_async_copies():
-    from numba import cuda, types
+    from numba import cuda
 
-    u32, i32, f32 = types.uint32, types.int32, types.float32
-    A = types.Array
-    sig = (A(u32, 4, "C"), A(u32, 1, "C"), A(u32, 1, "C"), A(i32, 1, "C"), A(i32, 2, "C"),
-           i32, i32, i32, i32, f32, i32, A(f32, 4, "C"), A(f32, 3, "C"), A(f32, 4, "C"),
-           A(f32, 4, "C"), A(f32, 1, "C"), A(f32, 1, "C"))
+    sig = _fp8_signature()
     kern = mma.mma_decode_kernel("f8", 128, 4, 1, mma.WARPS, mma.STAGES, "NHD",
                                  scales="token_head")
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
