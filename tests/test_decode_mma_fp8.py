@@ -130,12 +130,15 @@ def test_matches_the_oracle_over_the_dequantized_cache(lens, n_kv, group, t_q, h
 
 
 @pytest.mark.device
-def test_swizzle_defect_acts_through_the_conversion():
+@pytest.mark.parametrize("defect", ["swizzle_off_by_one", "ldmatrix_no_trans"])
+def test_layout_defects_act_through_the_code_tiles(defect):
+    """The code tiles are read by ldmatrix as they are: K's swizzle and V's
+    transposed load are the 16-bit kernel's, and their planted switches fail."""
     lens = [37, 16]
     q, kc, vc, ks, vs, slots = fp8_case(3, lens, 1, 4, 1, 32)
     clean = run(q, kc, vc, lens, slots, ks, vs, warps=1, stages=2)
     assert all(ok for _, ok, _ in judged(q, kc, vc, lens, slots, ks, vs, clean))
-    bad = run(q, kc, vc, lens, slots, ks, vs, warps=1, stages=2, defect="swizzle_off_by_one")
+    bad = run(q, kc, vc, lens, slots, ks, vs, warps=1, stages=2, defect=defect)
     assert not all(ok for _, ok, _ in judged(q, kc, vc, lens, slots, ks, vs, bad))
 
 
@@ -159,9 +162,9 @@ def test_bad_inputs_are_named():
 
 
 def test_fp8_rings_take_less_shared_memory():
-    """A stage holds codes (a quarter word an element) and each warp one f16
-    K / V pair besides: at D 128, 4 warps, 3 stages, 84 KB against 100 KB."""
-    assert 4 * mma.smem_words(128, 4, 3, fp8=True) == 84 * 1024
+    """A stage holds codes (a quarter word an element), converted in registers
+    (no f16 tile besides): at D 128, 4 warps, 3 stages, 52 KB against 100 KB."""
+    assert 4 * mma.smem_words(128, 4, 3, fp8=True) == 52 * 1024
     assert 4 * mma.smem_words(128, 4, 3) == 100 * 1024
 
 
@@ -188,6 +191,10 @@ def test_compiles_to_the_e4m3_conversion_and_the_f16_mma():
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx
     assert ptx.count("mma.sync.aligned.m16n8k16") == 128 // 8 + 128 // 8
+    # the codes go from ldmatrix to the mma in registers: K two k steps an x4
+    # load (Q's fragments are read as words), V 16 columns an x2.trans load
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 // 32
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16") == 128 // 16
 
 
 @pytest.mark.device

@@ -66,11 +66,27 @@ Layouts (C-contiguous; device arrays, or numpy arrays staged by ``mma_decode``):
 
 fp8 e4m3 caches (kind ``FP8_KIND``, ``mma_decode(..., k_scale=, v_scale=)``:
 uint8 codes, per-tensor scales, q float16; sm_89 and later on a GPU): a ring
-stage holds a tile's codes as they are (``cp.async``, a quarter of the bytes);
-once they land each lane converts its share into the warp's one f16 K / V tile
-pair (``cvt.rn.f16x2.e4m3x2``: exact, every e4m3 value is an f16 value; the
-same swizzle, the same planted switches), and the tile is multiplied as a
-16-bit one. S is multiplied by ``k_scale`` after ``scale`` (two roundings, the
+stage holds a tile's codes as they are (``cp.async``, a quarter of the bytes),
+a row of D codes swizzled as a 16-bit tile row of D / 2 columns (the same
+swizzle, the same planted switches), and the codes are converted in registers
+as ``ldmatrix`` delivers them (``cvt.rn.f16x2.e4m3x2``: exact, every e4m3 value
+is an f16 value), with no f16 copy of the tile:
+
+* K: ``ldmatrix`` x4 gives lane ``(g, t)`` codes ``16 kd + 4t .. + 3`` of
+  position ``g`` (and ``g + 8``), two k steps a load. They are the B
+  fragment of a k step whose k index ``2t + e`` is column ``16 kd + 4t + e``
+  and ``2t + 8 + e`` column ``16 kd + 4t + 2 + e``; Q's A fragments are read
+  from the Q tile in the same order. A k step sums its 16 products in one go
+  (``mma16.k_step_sum``, the rule fitted to the H200), so the order inside a
+  step does not change S.
+* V: ``ldmatrix`` x2.trans of 16 codes a row gives lane ``(g, t)`` the code
+  pairs of columns ``2g`` and ``2g + 1`` at positions ``2t, 2t + 1`` (and
+  ``+ 8``); a byte permute splits them into the fragment of the even columns
+  and that of the odd ones, two mmas whose n index ``n`` is column ``16 j + 2n``
+  and ``16 j + 2n + 1``. Only where O's columns land changes (the warps' merge
+  stores them in place).
+
+S is multiplied by ``k_scale`` after ``scale`` (two roundings, the
 fast kernel's order) and the output by ``v_scale`` (before ``1 / l``; a split's
 partial before the combine). With both scales 1 the result is the 16-bit
 kernel's over an f16 cache holding the codes' values, bit for bit
@@ -299,15 +315,31 @@ def _codes_f16x2():
     return codes_f16x2
 
 
+@functools.lru_cache(maxsize=None)
+def _v_codes_f16x2():
+    """Device ``v_codes_f16x2(word) -> (even, odd)``: an ``ldmatrix .trans``
+    word of a V code tile (bytes: position p columns c, c + 1, then position
+    p + 1 columns c, c + 1) as the f16x2 pairs (p, p + 1) of column c and of
+    column c + 1 (bytes 0, 2 and 1, 3; ``codes_f16x2``)."""
+    codes_f16x2 = _codes_f16x2()
+
+    def v_codes_f16x2(word):
+        w = uint32(word)
+        mixed = ((w & uint32(0xFF0000FF)) | ((w & uint32(0x00FF0000)) >> uint32(8))
+                 | ((w & uint32(0x0000FF00)) << uint32(8)))
+        return codes_f16x2(mixed)
+
+    return device_fn(v_codes_f16x2)
+
+
 def smem_words(head_dim, warps, stages, fp8=False, token_head=False):
     """uint32 words of a block's dynamic shared memory: the Q tile and the
     warps' rings, or (reusing them at the end) the warps' states. fp8: a ring
-    stage holds the tile's codes (a quarter word an element), and each warp has
-    one K and one V tile of f16 values besides (the codes converted);
-    ``token_head`` scales: a stage also holds the tile's 16 K and 16 V scales."""
+    stage holds the tile's codes (a quarter word an element); ``token_head``
+    scales: a stage also holds the tile's 16 K and 16 V scales."""
     tile = KT * head_dim // 2
     if fp8:
-        ring = stages * (2 * (KT * head_dim // 4) + (2 * KT if token_head else 0)) + 2 * tile
+        ring = stages * (2 * (KT * head_dim // 4) + (2 * KT if token_head else 0))
     else:
         ring = stages * 2 * tile
     main = TILE_ROWS * head_dim // 2 + warps * ring
@@ -382,8 +414,10 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     CAUSAL_EDGE = defect == "causal_tile_edge"
 
     WR = D // 2  # words a row of a 16-bit tile
-    TW = KT * WR  # words a 16-bit tile of 16 rows
     CW = D // 4 if FP8 else WR  # words a cache row (fp8: four codes a word)
+    # a staged K / V tile is an mma16 Tile of TC 16-bit columns (fp8: a code row of
+    # D bytes is D / 2 16-bit columns, swizzled and read by ldmatrix as such)
+    TC = D // 2 if FP8 else D
     TWC = KT * CW  # words a staged tile
     CPR = CW // 4  # 16-byte chunks a cache row
     KS = D // 16  # k steps of S = Q K^T
@@ -394,8 +428,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     # tile's 16 K scales and its 16 V scales (float32, 0 where no row is read)
     SC0 = 2 * TWC  # the scales' first word in a stage
     STAGE = SC0 + (2 * KT if TOK else 0)
-    # fp8: each warp's K and V tiles of f16 values (converted from a stage's codes)
-    RING = S * STAGE + (2 * TW if FP8 else 0)  # words of a warp's ring
+    RING = S * STAGE  # words of a warp's ring
     N_QA, N_O = 4 * KS, 4 * NT
     # the warps' states at the end (float32 words from 0, over the Q tile and rings)
     M_ML = NW * TILE_ROWS * D  # (m, l) a row a warp
@@ -406,21 +439,25 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     copy, commit, wait = _copy_ops(S)
     copy4 = _async_copy(4)  # token_head: a scale (cp.async.ca, 4 bytes)
     codes_f16x2 = _codes_f16x2() if FP8 else None
+    v_codes_f16x2 = _v_codes_f16x2() if FP8 else None
 
     def k_slot(row, col):
-        # word of (row, col) in a K tile (the planted switch: the next row's swizzle)
+        # word of (row, col) in a staged K tile (the planted switch: the next row's
+        # swizzle)
         if SWIZZLE_OFF:
-            return mma16.tile_index(row + 1, col, D) - WR
-        return mma16.tile_index(row, col, D)
+            return mma16.tile_index(row + 1, col, TC) - CW
+        return mma16.tile_index(row, col, TC)
 
     k_slot = device_fn(k_slot)
 
-    def v_fragment(vtile, nd, lane):
-        # B fragment of V's columns nd*8 .. nd*8+7 (k = the tile's 16 positions)
+    def v_fragment(vtile, col0, lane):
+        # a staged V tile's 16-bit columns col0 .. col0+7, transposed (k = the
+        # tile's 16 positions): the B fragment of V's columns col0 .. col0+7 (fp8:
+        # the code pairs of V's columns 2 col0 .. 2 col0 + 15, ``v_codes_f16x2``)
         if NO_TRANS:
             # ldmatrix_x2_trans's row addresses, the plain instruction
-            return mma16._ld2(vtile, mma16._row_word(D, lane % 8 + 8 * ((lane // 8) % 2), nd * 8))
-        return mma16.ldmatrix_x2_trans(vtile, D, 0, nd * 8, lane)
+            return mma16._ld2(vtile, mma16._row_word(TC, lane % 8 + 8 * ((lane // 8) % 2), col0))
+        return mma16.ldmatrix_x2_trans(vtile, TC, 0, col0, lane)
 
     v_fragment = device_fn(v_fragment)
 
@@ -477,12 +514,8 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             row = ci // CPR
             c = ci % CPR
             pos = tile0 + row
-            if FP8:  # the codes as they are (converted into the warp's tiles later)
-                dk = kb + row * CW + 4 * c
-                dv = dk + TWC
-            else:
-                dk = kb + k_slot(row, 8 * c)
-                dv = kb + TW + mma16.tile_index(row, 8 * c, D)
+            dk = kb + k_slot(row, 8 * c)  # chunk c of the row (fp8: 16 codes)
+            dv = kb + TWC + mma16.tile_index(row, 8 * c, TC)
             src = int64(-1)
             if pos < end:
                 if not whole:
@@ -520,21 +553,6 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         return min(lim, end)
 
     row_limit = device_fn(row_limit)
-
-    def convert(smem, kb, conv, lane):
-        # fp8: the staged codes at word kb (K, then V) into the warp's f16 tiles at
-        # word conv (K, then V; swizzled as a 16-bit stage's)
-        for x in range(lane, TWC, WARP):
-            row = x // CW
-            col = 4 * (x % CW)
-            lo, hi = codes_f16x2(smem[kb + x])
-            smem[conv + k_slot(row, col)] = lo
-            smem[conv + k_slot(row, col + 2)] = hi
-            lo, hi = codes_f16x2(smem[kb + TWC + x])
-            smem[conv + TW + mma16.tile_index(row, col, D)] = lo
-            smem[conv + TW + mma16.tile_index(row, col + 2, D)] = hi
-
-    convert = device_fn(convert)
 
     def body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
              out, lse, part_acc, part_ml, limit, err, kscale, vscale, ksc, vsc):
@@ -607,7 +625,16 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             cuda.atomic.add(err, fast.ERR_SLOTS if bad_slot else fast.ERR_LENGTHS, 1)
         qa = cuda.local.array(N_QA, uint32)
         for kd in range(KS):
-            a0, a1, a2, a3 = mma16.ldmatrix_x4(smem, D, 0, kd * 16, lane)
+            if FP8:
+                # k step kd's k index 2t + e is column 16 kd + 4t + e, 2t + 8 + e is
+                # 16 kd + 4t + 2 + e (the order ldmatrix gives K's codes in)
+                col = kd * 16 + 4 * tq
+                a0 = smem[mma16.tile_index(g, col, D)]
+                a1 = smem[mma16.tile_index(g + 8, col, D)]
+                a2 = smem[mma16.tile_index(g, col + 2, D)]
+                a3 = smem[mma16.tile_index(g + 8, col + 2, D)]
+            else:
+                a0, a1, a2, a3 = mma16.ldmatrix_x4(smem, D, 0, kd * 16, lane)
             qa[4 * kd] = a0
             qa[4 * kd + 1] = a1
             qa[4 * kd + 2] = a2
@@ -647,26 +674,34 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             wait()  # this lane's copies of tile it have landed
             cuda.syncwarp()  # ... and every lane's are visible to the warp
             kb = ring + (it % S) * STAGE
-            if FP8:
-                kb_c = ring + S * STAGE
-                convert(smem, kb, kb_c, lane)
-                cuda.syncwarp()  # the warp's f16 tiles are complete
-                ktile = smem[kb_c:kb_c + TW]
-                vtile = smem[kb_c + TW:kb_c + 2 * TW]
-            else:
-                ktile = smem[kb:kb + TW]
-                vtile = smem[kb + TW:kb + STAGE]
+            ktile = smem[kb:kb + TWC]
+            vtile = smem[kb + TWC:kb + 2 * TWC]
             tile0 = start + (warp + it * NW) * KT
 
-            # -- S = Q K^T: one x4 load gives both 8-position halves' B fragments --
+            # -- S = Q K^T: one x4 load gives both 8-position halves' B fragments
+            # (fp8: two k steps' codes, converted in registers) --
             c0 = c1 = c2 = c3 = float32(0.0)
             d0 = d1 = d2 = d3 = float32(0.0)
-            for kd in range(KS):
-                k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, D, 0, kd * 16, lane)
-                c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                     qa[4 * kd + 3], k0, k2, c0, c1, c2, c3)
-                d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                     qa[4 * kd + 3], k1, k3, d0, d1, d2, d3)
+            if FP8:
+                for kp in range(KS // 2):
+                    # k0 / k1: positions g / g + 8, codes 32 kp + 4t .. + 3; k2 / k3:
+                    # the same 16 codes on
+                    k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, TC, 0, kp * 16, lane)
+                    for half in range(2):
+                        kd = 2 * kp + half
+                        e0, e1 = codes_f16x2(k2 if half else k0)
+                        f0, f1 = codes_f16x2(k3 if half else k1)
+                        c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                             qa[4 * kd + 3], e0, e1, c0, c1, c2, c3)
+                        d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                             qa[4 * kd + 3], f0, f1, d0, d1, d2, d3)
+            else:
+                for kd in range(KS):
+                    k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, D, 0, kd * 16, lane)
+                    c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                         qa[4 * kd + 3], k0, k2, c0, c1, c2, c3)
+                    d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
+                                         qa[4 * kd + 3], k1, k3, d0, d1, d2, d3)
             s[0], s[1], s[2], s[3] = c0, c1, c2, c3
             s[4], s[5], s[6], s[7] = d0, d1, d2, d3
 
@@ -750,11 +785,25 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             p1 = pack(s[2], s[3])
             p2 = pack(s[4], s[5])
             p3 = pack(s[6], s[7])
-            for nd in range(NT):
-                b0, b1 = v_fragment(vtile, nd, lane)
-                o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3] = mma(
-                    p0, p1, p2, p3, b0, b1,
-                    o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3])
+            if FP8:
+                # V's codes chunk j (columns 16 j .. 16 j + 15): the even columns'
+                # fragment into o[8 j .. 8 j + 3], the odd columns' into o[8 j + 4 ..]
+                for j in range(D // 16):
+                    v0, v1 = v_fragment(vtile, 8 * j, lane)
+                    e0, f0 = v_codes_f16x2(v0)
+                    e1, f1 = v_codes_f16x2(v1)
+                    o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3] = mma(
+                        p0, p1, p2, p3, e0, e1,
+                        o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3])
+                    o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7] = mma(
+                        p0, p1, p2, p3, f0, f1,
+                        o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7])
+            else:
+                for nd in range(NT):
+                    b0, b1 = v_fragment(vtile, nd * 8, lane)
+                    o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3] = mma(
+                        p0, p1, p2, p3, b0, b1,
+                        o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3])
             cuda.syncwarp()  # every lane has read the stage before it is refilled
 
         # -- the warps' states into shared memory (over the Q tile and rings) --
@@ -769,11 +818,18 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         cuda.syncthreads()  # every warp is done with the Q tile and its ring
         base = warp * TILE_ROWS * D
         for nd in range(NT):
+            # o[4 nd + e] (row g) and o[4 nd + 2 + e] (row g + 8) hold column
+            # nd * 8 + 2 t + e; fp8 (chunk j = nd // 2, the even columns' fragment
+            # then the odd ones'): column 16 j + 4 t + 2 e + nd % 2
             col = nd * 8 + 2 * tq
+            step = 1
+            if FP8:
+                col = (nd // 2) * 16 + 4 * tq + nd % 2
+                step = 2
             smf[base + g * D + col] = o[4 * nd]
-            smf[base + g * D + col + 1] = o[4 * nd + 1]
+            smf[base + g * D + col + step] = o[4 * nd + 1]
             smf[base + (g + 8) * D + col] = o[4 * nd + 2]
-            smf[base + (g + 8) * D + col + 1] = o[4 * nd + 3]
+            smf[base + (g + 8) * D + col + step] = o[4 * nd + 3]
         if tq == 0:
             smf[M_ML + warp * 2 * TILE_ROWS + 2 * g] = m0
             smf[M_ML + warp * 2 * TILE_ROWS + 2 * g + 1] = l0

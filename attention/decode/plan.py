@@ -308,8 +308,10 @@ class DecodePlan:
                   16-row ``mma`` tile, so K/V are read once for all T queries
                   and T adds no mma): 16-bit caches with q in the cache's dtype,
                   or fp8 e4m3 caches with either scale mode and q float16 (the
-                  codes converted to f16 in shared memory; chosen by "mma"
-                  only, not by "auto", until a GPU run has timed it),
+                  codes converted to f16 in registers as ``ldmatrix`` gives
+                  them; chosen by "mma" only, not by "auto": on an H100 the
+                  earlier form, which converted in shared memory, took 2.6x
+                  the CUDA-core kernel's time at T = 1),
                   D in 32, 64, 128, H / H_kv x T <= 16, batch-invariant plans
                   too (a fixed chunk: ``mma.invariant_chunk``); P is rounded to the
                   cache's dtype before P.V, as FlashAttention and FlashInfer do
