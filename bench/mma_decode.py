@@ -36,7 +36,7 @@ bytes a page, 1/1024 of a page's K and V at D 128) are left out.
 ``--fp8``: an fp8 e4m3 pooled cache (random codes, no NaN code; q float16),
 T_q 1 and 4, with per-tensor scales and with per-(token, kv head) scales
 (float32 [B, H_kv, L], random in [0.005, 0.02]): ``mma`` (the tensor-core
-kernel converting the codes to f16 in shared memory) against ``fast``
+kernel, the codes converted to f16 in registers) against ``fast``
 (``DecodePlan`` with ``method="fast"``, the product's fp8 path today); bytes
 as above with one byte an element of K and V, plus the scales (two 4-byte
 values; per token and head, ``2 * B * H_kv * L * 4``). Its issue target: 0.90
@@ -44,7 +44,9 @@ of copy at T_q 1.
 
 ``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
 (fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
-a guess until this has run on the H200.
+a guess until this has run on the H200. With ``--fp8`` also the fp8 kernel
+(per-tensor scales, T_q 1 and 4) over warps {4, 8} x stages {2, 3, 4, 6}, in
+GB/s and the fraction of copy on the fp8 bytes.
 """
 
 from __future__ import annotations
@@ -192,45 +194,109 @@ def compare(timer, shape, reps, copy_gbps, log, dtypes=DTYPES):
                 f"plan (auto) {p4 / p1:5.2f}")
 
 
-def compare_fp8(timer, shape, reps, copy_gbps, log):
-    """The fp8 rows (``--fp8``, module docstring)."""
+def fp8_cache(shape, rng):
+    """(k, v, lens, slots) on the device: random e4m3 codes (no NaN code) of a
+    pooled cache [B, H_kv, L, D], every sequence L long, slot m = sequence m."""
     from numba import cuda
 
-    from attention.decode import fast, mma
-    from attention.decode.plan import DecodePlan
-    from bench.gpu import random_array
-
     b, h, kv, d, seq = shape
-    rng = np.random.default_rng(7)
     codes = []
     for _ in range(2):
         c = rng.integers(0, 256, (b, kv, seq, d), dtype=np.uint8)
         c[(c & 0x7F) == 0x7F] = 0  # no NaN code
         codes.append(cuda.to_device(c))
-    k, v = codes
-    lens = cuda.to_device(np.full(b, seq, np.int32))
-    slots = cuda.to_device(np.arange(b, dtype=np.int32))
+    return (codes[0], codes[1], cuda.to_device(np.full(b, seq, np.int32)),
+            cuda.to_device(np.arange(b, dtype=np.int32)))
+
+
+def fp8_scales(shape, mode, rng):
+    """(k_scale, v_scale) device arrays: [1] each (``"tensor"``) or random in
+    [0.005, 0.02] a row, [B, H_kv, L] (``"token_head"``)."""
+    from numba import cuda
+
+    b, h, kv, d, seq = shape
+    if mode == "tensor":
+        return (cuda.to_device(np.array([0.01], np.float32)),
+                cuda.to_device(np.array([0.02], np.float32)))
+    return tuple(cuda.to_device(rng.uniform(0.005, 0.02, (b, kv, seq)).astype(np.float32))
+                 for _ in range(2))
+
+
+def fp8_bytes(shape, t_q, k_scale, v_scale):
+    """Bytes an fp8 call moves: K and V codes, q (2 bytes), out, the scales."""
+    b, h, kv, d, seq = shape
+    return (moved_bytes(b, h, kv, d, seq, t_q, 1) + b * t_q * h * d
+            + 4 * (k_scale.size + v_scale.size))
+
+
+def time_fp8_mma(timer, shape, cache, q, mode, scales, reps, warps=None, stages=None):
+    """(ms, out device array, plan) of the fp8 mma kernel."""
+    from numba import cuda
+
+    from attention.decode import fast, mma
+
+    b, h, kv, d, seq = shape
+    t_q = int(q.shape[1])
+    k, v, lens, slots = cache
+    k_scale, v_scale = scales
+    pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q, scales=mode,
+                  warps=mma.WARPS if warps is None else warps,
+                  stages=mma.STAGES if stages is None else stages)
+    out = cuda.device_array((b, t_q, h, d), np.float32)
+    lse = cuda.device_array((b, t_q, h), np.float32)
+    pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
     scale = 1.0 / math.sqrt(d)
-    for mode, t_q in ((m, t) for m in mma.FP8_SCALES for t in T_QS):
-        if mode == "tensor":
-            k_scale = cuda.to_device(np.array([0.01], np.float32))
-            v_scale = cuda.to_device(np.array([0.02], np.float32))
-        else:
-            k_scale, v_scale = (cuda.to_device(rng.uniform(0.005, 0.02, (b, kv, seq))
-                                               .astype(np.float32)) for _ in range(2))
+
+    def run_mma():
+        mma.launch(pl, q, k, v, lens, slots, scale, out, lse, pa, pm, 0,
+                   d_k_scale=k_scale, d_v_scale=v_scale)
+
+    return timer.time(run_mma, reps=reps, warmup=5), out, pl
+
+
+def tune_fp8(timer, shape, reps, copy_gbps, log, t_qs=T_QS):
+    """The fp8 mma kernel (per-tensor scales) over warps x stages, at each T_q
+    of ``t_qs``."""
+    from attention.decode import mma
+    from bench.gpu import random_array
+
+    b, h, kv, d, seq = shape
+    rng = np.random.default_rng(8)
+    cache = fp8_cache(shape, rng)
+    scales = fp8_scales(shape, "tensor", rng)
+    for t_q in t_qs:
         q = random_array((b, t_q, h, d), np.float16, 40 + t_q)
-        nbytes = (moved_bytes(b, h, kv, d, seq, t_q, 1) + b * t_q * h * d  # q: 2 bytes
-                  + 4 * (k_scale.size + v_scale.size))
-        pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q, scales=mode)
-        out = cuda.device_array((b, t_q, h, d), np.float32)
-        lse = cuda.device_array((b, t_q, h), np.float32)
-        pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
+        nbytes = fp8_bytes(shape, t_q, *scales)
+        for warps in (4, 8):
+            for stages in (2, 3, 4, 6):
+                smem = 4 * mma.smem_words(d, warps, stages, fp8=True)
+                if smem > mma.SMEM_PER_SM:
+                    log(f"  fp8 T_q={t_q} warps {warps} stages {stages}: {smem // 1024} KB: "
+                        f"skipped")
+                    continue
+                ms, _, pl = time_fp8_mma(timer, shape, cache, q, "tensor", scales, reps,
+                                         warps, stages)
+                gb = nbytes / (ms * 1e-3) / 1e9
+                log(f"  fp8 T_q={t_q} warps {warps} stages {stages}: {ms * 1e3:7.1f} us "
+                    f"{gb:7.1f} GB/s ({gb / copy_gbps:5.3f} of copy)  splits {pl['n_split']}  "
+                    f"smem {pl['dyn_smem'] // 1024} KB  regs {registers(pl['kernel'])}")
 
-        def run_mma():
-            mma.launch(pl, q, k, v, lens, slots, scale, out, lse, pa, pm, 0,
-                       d_k_scale=k_scale, d_v_scale=v_scale)
 
-        ms_m = timer.time(run_mma, reps=reps, warmup=5)
+def compare_fp8(timer, shape, reps, copy_gbps, log):
+    """The fp8 rows (``--fp8``, module docstring)."""
+    from attention.decode import mma
+    from attention.decode.plan import DecodePlan
+    from bench.gpu import random_array
+
+    b, h, kv, d, seq = shape
+    rng = np.random.default_rng(7)
+    k, v, lens, slots = fp8_cache(shape, rng)
+    for mode, t_q in ((m, t) for m in mma.FP8_SCALES for t in T_QS):
+        k_scale, v_scale = fp8_scales(shape, mode, rng)
+        q = random_array((b, t_q, h, d), np.float16, 40 + t_q)
+        nbytes = fp8_bytes(shape, t_q, k_scale, v_scale)
+        ms_m, out, pl = time_fp8_mma(timer, shape, (k, v, lens, slots), q, mode,
+                                     (k_scale, v_scale), reps)
         plan = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=np.float16,
                           t_q=t_q, method="fast", fp8_scales=mode)
         qq = q if t_q > 1 else q.reshape(b, h, d)
@@ -314,6 +380,9 @@ def main(argv=None):
         print("")
         print("mma warps x stages (fp16, pooled):")
         tune(timer, shape, reps, print)
+        if args.fp8:
+            print("mma warps x stages (fp8, pooled, per-tensor scales):")
+            tune_fp8(timer, shape, reps, copy_gbps, print)
     return 0
 
 
