@@ -192,9 +192,10 @@ def test_compiles_to_the_e4m3_conversion_and_the_f16_mma():
     assert ".local" not in ptx
     assert ptx.count("mma.sync.aligned.m16n8k16") == 128 // 8 + 128 // 8
     # the codes go from ldmatrix to the mma in registers: K two k steps an x4
-    # load (Q's fragments are read as words), V 16 columns an x2.trans load
+    # load (Q's fragments are read as words), V 32 columns an x4.trans load
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 // 32
-    assert ptx.count("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16") == 128 // 16
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 128 // 32
+    assert ptx.count("prmt.b32") == 2 * (128 // 32) * 2  # V's words: one byte permute each
 
 
 @pytest.mark.device

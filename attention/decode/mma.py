@@ -35,7 +35,13 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
   (``attention.core.warp.group_sum``).
   ``P = exp(S - m)`` is rounded to the 16-bit type (``mma16`` ``pack``, to
   nearest even) and the score fragments are the A fragments of ``O += P V``
-  (V B fragments from ``ldmatrix`` x2.trans); ``l`` sums the fp32 ``P``.
+  (V B fragments from ``ldmatrix`` x4.trans, two 8-column n tiles a load);
+  ``l`` sums the fp32 ``P``.
+* **Addresses.** ``ldmatrix`` takes 32-bit shared-space addresses
+  (``mma16.smem_ops``): a lane's row address in a stage is one per-lane
+  offset computed once, and every load of a tile is that offset XOR a
+  constant (load ``i`` reads chunks ``2i, 2i + 1``, and the swizzle key
+  depends on the row alone), plus the stage's base.
 * **Warps merged through shared memory** at the end: each warp's state
   ``(m, l, O)`` of its 16 rows, one batch a row (the batch's max, one weight a
   warp: ``attention.core.warp.batch_reference``).
@@ -79,9 +85,10 @@ is an f16 value), with no f16 copy of the tile:
   from the Q tile in the same order. A k step sums its 16 products in one go
   (``mma16.k_step_sum``, the rule fitted to the H200), so the order inside a
   step does not change S.
-* V: ``ldmatrix`` x2.trans of 16 codes a row gives lane ``(g, t)`` the code
-  pairs of columns ``2g`` and ``2g + 1`` at positions ``2t, 2t + 1`` (and
-  ``+ 8``); a byte permute splits them into the fragment of the even columns
+* V: ``ldmatrix`` x4.trans of 32 codes a row (two chunks of 16) gives lane
+  ``(g, t)``, for each chunk, the code pairs of columns ``2g`` and ``2g + 1``
+  at positions ``2t, 2t + 1`` (and ``+ 8``); a byte permute (``prmt``) splits
+  them into the fragment of the even columns
   and that of the odd ones, two mmas whose n index ``n`` is column ``16 j + 2n``
   and ``16 j + 2n + 1``. Only where O's columns land changes (the warps' merge
   stores them in place).
@@ -322,14 +329,43 @@ def _v_codes_f16x2():
     p + 1 columns c, c + 1) as the f16x2 pairs (p, p + 1) of column c and of
     column c + 1 (bytes 0, 2 and 1, 3; ``codes_f16x2``)."""
     codes_f16x2 = _codes_f16x2()
+    swap = _swap_middle_bytes()
 
     def v_codes_f16x2(word):
-        w = uint32(word)
-        mixed = ((w & uint32(0xFF0000FF)) | ((w & uint32(0x00FF0000)) >> uint32(8))
-                 | ((w & uint32(0x0000FF00)) << uint32(8)))
-        return codes_f16x2(mixed)
+        return codes_f16x2(swap(word))
 
     return device_fn(v_codes_f16x2)
+
+
+@functools.lru_cache(maxsize=None)
+def _swap_middle_bytes():
+    """Device ``swap(word) -> word``: bytes (0, 1, 2, 3) as (0, 2, 1, 3)
+    (``prmt.b32`` selector 0x3120 on a GPU)."""
+    if SIMULATOR:
+        def swap(word):
+            w = uint32(word)
+            return ((w & uint32(0xFF0000FF)) | ((w & uint32(0x00FF0000)) >> uint32(8))
+                    | ((w & uint32(0x0000FF00)) << uint32(8)))
+
+        return device_fn(swap)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def swap(typingctx, word):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "prmt.b32 $0, $1, 0, 0x3120;",
+                               "=r,r")
+            return builder.call(asm, [args[0]])
+
+        return sig, codegen
+
+    return swap
 
 
 def smem_words(head_dim, warps, stages, fp8=False, token_head=False):
@@ -419,6 +455,11 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     # D bytes is D / 2 16-bit columns, swizzled and read by ldmatrix as such)
     TC = D // 2 if FP8 else D
     TWC = KT * CW  # words a staged tile
+    # the swizzle with bit operations (``mma16.swizzle``): chunk c of row r is stored
+    # at chunk c ^ ((r >> LOG_PER) & KEY_MASK)
+    CHUNKS = TC // 8
+    LOG_PER = (max(1, 8 // CHUNKS)).bit_length() - 1
+    KEY_MASK = CHUNKS - 1
     CPR = CW // 4  # 16-byte chunks a cache row
     KS = D // 16  # k steps of S = Q K^T
     NT = D // 8  # n tiles of O = P V
@@ -437,6 +478,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     mma, pack = mma16.ops("f16" if FP8 else kind)
     copy, commit, wait = _copy_ops(S)
+    shared_base, ld_x4, ld_x4_trans = mma16.smem_ops()[:3]
     copy4 = _async_copy(4)  # token_head: a scale (cp.async.ca, 4 bytes)
     codes_f16x2 = _codes_f16x2() if FP8 else None
     v_codes_f16x2 = _v_codes_f16x2() if FP8 else None
@@ -450,16 +492,16 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     k_slot = device_fn(k_slot)
 
-    def v_fragment(vtile, col0, lane):
-        # a staged V tile's 16-bit columns col0 .. col0+7, transposed (k = the
-        # tile's 16 positions): the B fragment of V's columns col0 .. col0+7 (fp8:
-        # the code pairs of V's columns 2 col0 .. 2 col0 + 15, ``v_codes_f16x2``)
+    def v_fragments(smem, addr):
+        # a staged V tile's two 8-column slices (16-bit columns; k = the tile's 16
+        # positions) by ``ldmatrix`` x4.trans at the lane's row address: the B
+        # fragments of both slices (fp8: the code pairs of 32 columns,
+        # ``v_codes_f16x2``). The planted switch: the plain instruction, same addresses
         if NO_TRANS:
-            # ldmatrix_x2_trans's row addresses, the plain instruction
-            return mma16._ld2(vtile, mma16._row_word(TC, lane % 8 + 8 * ((lane // 8) % 2), col0))
-        return mma16.ldmatrix_x2_trans(vtile, TC, 0, col0, lane)
+            return ld_x4(smem, addr)
+        return ld_x4_trans(smem, addr)
 
-    v_fragment = device_fn(v_fragment)
+    v_fragments = device_fn(v_fragments)
 
     def row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages, row0):
         # first word of position pos's row in the flat cache; -1: a bad page entry
@@ -568,6 +610,13 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         n_heads = q.shape[2]
         smem = cuda.shared.array(0, uint32)
         smf = cuda.shared.array(0, float32)  # the same memory (the end's merge)
+        sbase = shared_base(smem)  # shared-space byte address of word 0
+        # the lane's ldmatrix row address in a staged tile (bytes): row r_l = lane % 8
+        # + 8 ((lane // 8) % 2), chunk 2 i + lane // 16 (x4: matrices (rows 0-7, chunk
+        # 2i), (rows 8-15, 2i), (rows 0-7, 2i + 1), (rows 8-15, 2i + 1)); chunk ^ key
+        # = (2 i) ^ (lane // 16 ^ key), so load i is an XOR of the constant 32 i
+        r_l = (lane & 7) | (lane & 8)
+        a_lane = 4 * (r_l * (TC // 2) + 4 * ((lane >> 4) ^ ((r_l >> LOG_PER) & KEY_MASK)))
 
         # -- the sequence's length and rows (the device guard: module docstring) --
         length = seq_lens[seq]
@@ -658,6 +707,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         n_tiles = (end - start + KT - 1) // KT if end > start else 0
         n_mine = (n_tiles - warp + NW - 1) // NW if n_tiles > warp else 0
         ring = RING0 + warp * RING
+        st = 0  # the ring stage of tile it (it % S)
         for a in range(S - 1):
             if a < n_mine:
                 issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
@@ -667,15 +717,18 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         for it in range(n_mine):
             ahead = it + S - 1
             if ahead < n_mine:
+                wst = st + S - 1  # the stage of tile ahead ((it + S - 1) % S)
+                if wst >= S:
+                    wst -= S
                 issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
                       shift, n_pages, row0, start + (warp + ahead * NW) * KT, end,
-                      ring + (ahead % S) * STAGE, lane, whole)
+                      ring + wst * STAGE, lane, whole)
             commit()
             wait()  # this lane's copies of tile it have landed
             cuda.syncwarp()  # ... and every lane's are visible to the warp
-            kb = ring + (it % S) * STAGE
-            ktile = smem[kb:kb + TWC]
-            vtile = smem[kb + TWC:kb + 2 * TWC]
+            kb = ring + st * STAGE
+            k_base = sbase + 4 * kb  # the stage's K tile (bytes); its V tile follows
+            v_base = k_base + 4 * TWC
             tile0 = start + (warp + it * NW) * KT
 
             # -- S = Q K^T: one x4 load gives both 8-position halves' B fragments
@@ -686,7 +739,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 for kp in range(KS // 2):
                     # k0 / k1: positions g / g + 8, codes 32 kp + 4t .. + 3; k2 / k3:
                     # the same 16 codes on
-                    k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, TC, 0, kp * 16, lane)
+                    k0, k1, k2, k3 = ld_x4(smem, k_base + (a_lane ^ (32 * kp)))
                     for half in range(2):
                         kd = 2 * kp + half
                         e0, e1 = codes_f16x2(k2 if half else k0)
@@ -697,7 +750,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                                              qa[4 * kd + 3], f0, f1, d0, d1, d2, d3)
             else:
                 for kd in range(KS):
-                    k0, k1, k2, k3 = mma16.ldmatrix_x4(ktile, D, 0, kd * 16, lane)
+                    k0, k1, k2, k3 = ld_x4(smem, k_base + (a_lane ^ (32 * kd)))
                     c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
                                          qa[4 * kd + 3], k0, k2, c0, c1, c2, c3)
                     d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
@@ -786,25 +839,34 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             p2 = pack(s[4], s[5])
             p3 = pack(s[6], s[7])
             if FP8:
-                # V's codes chunk j (columns 16 j .. 16 j + 15): the even columns'
-                # fragment into o[8 j .. 8 j + 3], the odd columns' into o[8 j + 4 ..]
-                for j in range(D // 16):
-                    v0, v1 = v_fragment(vtile, 8 * j, lane)
-                    e0, f0 = v_codes_f16x2(v0)
-                    e1, f1 = v_codes_f16x2(v1)
-                    o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3] = mma(
-                        p0, p1, p2, p3, e0, e1,
-                        o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3])
-                    o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7] = mma(
-                        p0, p1, p2, p3, f0, f1,
-                        o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7])
+                # V's code chunks 2 jp, 2 jp + 1 (columns 32 jp .. 32 jp + 31) a load;
+                # chunk j's even columns' fragment into o[8 j .. 8 j + 3], its odd
+                # columns' into o[8 j + 4 ..]
+                for jp in range(D // 32):
+                    v0, v1, v2, v3 = v_fragments(smem, v_base + (a_lane ^ (32 * jp)))
+                    for half in range(2):
+                        j = 2 * jp + half
+                        e0, f0 = v_codes_f16x2(v2 if half else v0)
+                        e1, f1 = v_codes_f16x2(v3 if half else v1)
+                        o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3] = mma(
+                            p0, p1, p2, p3, e0, e1,
+                            o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3])
+                        o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7] = mma(
+                            p0, p1, p2, p3, f0, f1,
+                            o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7])
             else:
-                for nd in range(NT):
-                    b0, b1 = v_fragment(vtile, nd * 8, lane)
-                    o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3] = mma(
-                        p0, p1, p2, p3, b0, b1,
-                        o[4 * nd], o[4 * nd + 1], o[4 * nd + 2], o[4 * nd + 3])
+                # V's columns 16 nd2 .. 16 nd2 + 15 a load: n tiles 2 nd2, 2 nd2 + 1
+                for nd2 in range(NT // 2):
+                    b0, b1, b2, b3 = v_fragments(smem, v_base + (a_lane ^ (32 * nd2)))
+                    n = 8 * nd2
+                    o[n], o[n + 1], o[n + 2], o[n + 3] = mma(
+                        p0, p1, p2, p3, b0, b1, o[n], o[n + 1], o[n + 2], o[n + 3])
+                    o[n + 4], o[n + 5], o[n + 6], o[n + 7] = mma(
+                        p0, p1, p2, p3, b2, b3, o[n + 4], o[n + 5], o[n + 6], o[n + 7])
             cuda.syncwarp()  # every lane has read the stage before it is refilled
+            st += 1
+            if st == S:
+                st = 0
 
         # -- the warps' states into shared memory (over the Q tile and rings) --
         l0 = group_sum(l0, 4)
