@@ -186,6 +186,11 @@ WARPS = 4
 STAGES = 3  # ring stages a warp (stages - 1 tiles in flight)
 SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an SM's
 RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
+REGS_PER_SM = 65536  # H100 / H200: 32-bit registers an SM
+# registers a thread, at most, by head dim (ptxas sm_90 over the 16-bit, fp8 and
+# token_head kernels, pooled and paged, rounded up: 96-111 at D 32, 119-156 at
+# D 64, 165-210 at D 128): how many blocks an SM holds by registers
+REGISTERS = {32: 128, 64: 160, 128: 216}
 CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
 # fp8 per-(token, kv head) scales only: the scales of another kv head or of the next
 # position of the page (the fast kernel's switches of the same names), and the V
@@ -503,6 +508,26 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     v_fragments = device_fn(v_fragments)
 
+    def s_step(qa, kd, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3):
+        # k step kd of S = Q K^T for both 8-position halves: (c..) += Q B(b0, b1),
+        # (d..) += Q B(b2, b3)
+        c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2], qa[4 * kd + 3],
+                             b0, b1, c0, c1, c2, c3)
+        d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2], qa[4 * kd + 3],
+                             b2, b3, d0, d1, d2, d3)
+        return c0, c1, c2, c3, d0, d1, d2, d3
+
+    s_step = device_fn(s_step)
+
+    def pv_two(o, n, p0, p1, p2, p3, b0, b1, b2, b3):
+        # O += P V for two n tiles: o[n .. n + 3] by B(b0, b1), o[n + 4 ..] by B(b2, b3)
+        o[n], o[n + 1], o[n + 2], o[n + 3] = mma(p0, p1, p2, p3, b0, b1,
+                                                 o[n], o[n + 1], o[n + 2], o[n + 3])
+        o[n + 4], o[n + 5], o[n + 6], o[n + 7] = mma(p0, p1, p2, p3, b2, b3, o[n + 4],
+                                                     o[n + 5], o[n + 6], o[n + 7])
+
+    pv_two = device_fn(pv_two)
+
     def row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages, row0):
         # first word of position pos's row in the flat cache; -1: a bad page entry
         if PAGED:
@@ -741,20 +766,15 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                     # the same 16 codes on
                     k0, k1, k2, k3 = ld_x4(smem, k_base + (a_lane ^ (32 * kp)))
                     for half in range(2):
-                        kd = 2 * kp + half
                         e0, e1 = codes_f16x2(k2 if half else k0)
                         f0, f1 = codes_f16x2(k3 if half else k1)
-                        c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                             qa[4 * kd + 3], e0, e1, c0, c1, c2, c3)
-                        d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                             qa[4 * kd + 3], f0, f1, d0, d1, d2, d3)
+                        c0, c1, c2, c3, d0, d1, d2, d3 = s_step(
+                            qa, 2 * kp + half, e0, e1, f0, f1, c0, c1, c2, c3, d0, d1, d2, d3)
             else:
                 for kd in range(KS):
                     k0, k1, k2, k3 = ld_x4(smem, k_base + (a_lane ^ (32 * kd)))
-                    c0, c1, c2, c3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                         qa[4 * kd + 3], k0, k2, c0, c1, c2, c3)
-                    d0, d1, d2, d3 = mma(qa[4 * kd], qa[4 * kd + 1], qa[4 * kd + 2],
-                                         qa[4 * kd + 3], k1, k3, d0, d1, d2, d3)
+                    c0, c1, c2, c3, d0, d1, d2, d3 = s_step(
+                        qa, kd, k0, k2, k1, k3, c0, c1, c2, c3, d0, d1, d2, d3)
             s[0], s[1], s[2], s[3] = c0, c1, c2, c3
             s[4], s[5], s[6], s[7] = d0, d1, d2, d3
 
@@ -845,24 +865,14 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 for jp in range(D // 32):
                     v0, v1, v2, v3 = v_fragments(smem, v_base + (a_lane ^ (32 * jp)))
                     for half in range(2):
-                        j = 2 * jp + half
                         e0, f0 = v_codes_f16x2(v2 if half else v0)
                         e1, f1 = v_codes_f16x2(v3 if half else v1)
-                        o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3] = mma(
-                            p0, p1, p2, p3, e0, e1,
-                            o[8 * j], o[8 * j + 1], o[8 * j + 2], o[8 * j + 3])
-                        o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7] = mma(
-                            p0, p1, p2, p3, f0, f1,
-                            o[8 * j + 4], o[8 * j + 5], o[8 * j + 6], o[8 * j + 7])
+                        pv_two(o, 8 * (2 * jp + half), p0, p1, p2, p3, e0, e1, f0, f1)
             else:
                 # V's columns 16 nd2 .. 16 nd2 + 15 a load: n tiles 2 nd2, 2 nd2 + 1
                 for nd2 in range(NT // 2):
                     b0, b1, b2, b3 = v_fragments(smem, v_base + (a_lane ^ (32 * nd2)))
-                    n = 8 * nd2
-                    o[n], o[n + 1], o[n + 2], o[n + 3] = mma(
-                        p0, p1, p2, p3, b0, b1, o[n], o[n + 1], o[n + 2], o[n + 3])
-                    o[n + 4], o[n + 5], o[n + 6], o[n + 7] = mma(
-                        p0, p1, p2, p3, b2, b3, o[n + 4], o[n + 5], o[n + 6], o[n + 7])
+                    pv_two(o, 8 * nd2, p0, p1, p2, p3, b0, b1, b2, b3)
             cuda.syncwarp()  # every lane has read the stage before it is refilled
             st += 1
             if st == S:
@@ -994,7 +1004,8 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
 
     ``max_len``: the longest length served (positions the splits cover).
     ``n_split`` (default: ``fast.split_count`` over the ``M * H_kv`` blocks a
-    split, with the blocks an SM holds by shared memory) is then trimmed to
+    split, with the blocks an SM holds by shared memory and by registers,
+    ``REGISTERS``) is then trimmed to
     the chunks that hold a position; a chunk is a whole number of rounds of
     the warps' 16-position tiles (``16 * warps``). ``checked``: the kernel
     with the plan's range check (``mma_decode_kernel``; ``launch`` then takes
@@ -1010,7 +1021,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
                          f"{FP8_KIND!r}, got {scales!r} (kind {kind!r})")
     dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND,
                          token_head=scales == "token_head")
-    resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024)))
+    # blocks an SM holds: by shared memory and by registers (the fp8 kernel's 52 KB
+    # would allow 4 at D 128, its 200-210 registers allow 2; the H200 took 90.5 us
+    # with the 2 splits that 4 gave, 78-86 us with one split, notes/bench.md)
+    by_regs = REGS_PER_SM // (REGISTERS.get(int(head_dim), 256) * warps * WARP)
+    resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024), by_regs))
     chunk, n_split = fast.split_chunk(max_len, KT * warps, m_count * n_kv, resident,
                                       n_split=n_split, chunk=chunk)
     return {
