@@ -16,8 +16,9 @@ Checked here:
   kernel (its range check compiled in): the bits of ``mma_decode``, pooled and
   paged; ``method="auto"`` keeps the fast kernel for fp8
   (``tests/test_decode_plan_mma.py``);
-* a planted defect acts through the conversion: ``swizzle_off_by_one`` (the
-  converted K tile stored with the next row's swizzle) fails the rule;
+* planted defects act through the code tiles: ``swizzle_off_by_one`` (the K
+  code tile stored with the next row's swizzle) and ``ldmatrix_no_trans`` fail
+  the rule;
 * host checks: q must be float16, both scales are required with an fp8 cache
   and refused with a 16-bit one, a scale must be one positive finite value;
 * compile-only: sm_90 PTX with ``cvt.rn.f16x2.e4m3x2``, the f16 mma,

@@ -98,9 +98,10 @@ fast kernel's order) and the output by ``v_scale`` (before ``1 / l``; a split's
 partial before the combine). With both scales 1 the result is the 16-bit
 kernel's over an f16 cache holding the codes' values, bit for bit
 (``tests/test_decode_mma_fp8.py``). ``DecodePlan`` takes it with
-``method="mma"`` only (``"auto"`` keeps the CUDA-core kernel for fp8 until
-``python3 -m bench.mma_decode --fp8`` has timed the two on a GPU); registry
-entry ``decode_mma_fp8``.
+``method="mma"`` only (``"auto"`` keeps the CUDA-core kernel for fp8, which the
+validation's fp8 entries run through the default method; on the H200 this one
+is 1.37x faster at B 32 / L 4096, notes/bench.md); registry entry
+``decode_mma_fp8``.
 
 Per-(token, kv head) scales (``scales="token_head"``; ``mma_decode`` takes them
 when ``k_scale`` / ``v_scale`` are arrays in the cache's layout without D,

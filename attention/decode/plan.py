@@ -309,9 +309,10 @@ class DecodePlan:
                   and T adds no mma): 16-bit caches with q in the cache's dtype,
                   or fp8 e4m3 caches with either scale mode and q float16 (the
                   codes converted to f16 in registers as ``ldmatrix`` gives
-                  them; chosen by "mma" only, not by "auto": on an H100 the
-                  earlier form, which converted in shared memory, took 2.6x
-                  the CUDA-core kernel's time at T = 1),
+                  them; chosen by "mma" only, not yet by "auto", whose fp8
+                  choice the validation's fp8 entries rely on: on the H200
+                  it takes 89.8 us against the CUDA-core kernel's 122.9 at
+                  T = 1, B 32 / L 4096, notes/bench.md),
                   D in 32, 64, 128, H / H_kv x T <= 16, batch-invariant plans
                   too (a fixed chunk: ``mma.invariant_chunk``); P is rounded to the
                   cache's dtype before P.V, as FlashAttention and FlashInfer do
@@ -828,8 +829,8 @@ def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defe
                      fp8_scales="tensor"):
     """None when the tensor-core decode can take the plan, else why not (for
     ``method="auto"`` a planted defect keeps the fast kernel, and so does an fp8
-    cache: the tensor-core fp8 path is chosen by ``method="mma"`` only, until a
-    GPU run has timed it against the fast one)."""
+    cache: the tensor-core fp8 path is chosen by ``method="mma"`` only: the
+    validation's fp8 entries run the CUDA-core kernel through ``"auto"``)."""
     if kind == MMA.FP8_KIND:
         if qdt != np.dtype(np.float16):
             return f"q_dtype {qdt}: with an fp8 cache it takes q in float16"
