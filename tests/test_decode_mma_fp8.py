@@ -435,3 +435,14 @@ def test_decode_plan_routes_the_token_head_switches():
         plan = DecodePlan(**base, fp8_scales="token_head", method=method,
                           defect="fp8_scale_wrong_head")
         assert plan.method == method and plan.kernel_plan["defect"] == "fp8_scale_wrong_head"
+
+
+def test_plan_counts_blocks_an_sm_by_registers(monkeypatch):
+    """At D 128 the fp8 kernel's 52 KB would let 4 blocks share an SM, its
+    200-210 registers a thread let 2: B 32 x H_kv 8 = 256 blocks are one wave,
+    so one split (the H200 took 90.5 us with the two splits the shared-memory
+    count gave, 78-86 us with one: notes/bench.md). Positive control: with a
+    register bound that allows 4 blocks the plan goes back to two splits."""
+    assert mma.plan(32, 32, 8, 128, 4096, mma.FP8_KIND)["n_split"] == 1
+    monkeypatch.setitem(mma.REGISTERS, 128, 128)
+    assert mma.plan(32, 32, 8, 128, 4096, mma.FP8_KIND)["n_split"] == 2
