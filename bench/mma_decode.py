@@ -112,14 +112,17 @@ class Case:
         return random_array((b, t_q, h, d), self.dt, 33 + t_q)
 
 
-def time_mma(timer, case, q, t_q, reps, warps=None, stages=None):
-    """(ms, out host copy, plan) of the mma kernel on ``case``."""
+def time_plan(timer, shape, kind, q, k, v, lens, table, reps, warps=None, stages=None,
+              paging=None, scales="tensor", d_k_scale=None, d_v_scale=None):
+    """(ms, out device array, plan) of the mma kernel of ``kind`` on device
+    arrays (fp8: ``scales`` mode and the scale arrays)."""
     from numba import cuda
 
     from attention.decode import fast, mma
 
-    b, h, kv, d, seq = case.shape
-    pl = mma.plan(b, h, kv, d, seq, case.kind, t_q=t_q, paging=case.paging,
+    b, h, kv, d, seq = shape
+    t_q = int(q.shape[1])
+    pl = mma.plan(b, h, kv, d, seq, kind, t_q=t_q, paging=paging, scales=scales,
                   warps=mma.WARPS if warps is None else warps,
                   stages=mma.STAGES if stages is None else stages)
     out = cuda.device_array((b, t_q, h, d), np.float32)
@@ -128,9 +131,16 @@ def time_mma(timer, case, q, t_q, reps, warps=None, stages=None):
     scale = 1.0 / math.sqrt(d)
 
     def run():
-        mma.launch(pl, q, case.k, case.v, case.lens, case.table, scale, out, lse, pa, pm, 0)
+        mma.launch(pl, q, k, v, lens, table, scale, out, lse, pa, pm, 0,
+                   d_k_scale=d_k_scale, d_v_scale=d_v_scale)
 
-    ms = timer.time(run, reps=reps, warmup=5)
+    return timer.time(run, reps=reps, warmup=5), out, pl
+
+
+def time_mma(timer, case, q, t_q, reps, warps=None, stages=None):
+    """(ms, out host copy, plan) of the mma kernel on ``case``."""
+    ms, out, pl = time_plan(timer, case.shape, case.kind, q, case.k, case.v, case.lens,
+                            case.table, reps, warps, stages, paging=case.paging)
     return ms, out.copy_to_host(), pl
 
 
@@ -231,27 +241,11 @@ def fp8_bytes(shape, t_q, k_scale, v_scale):
 
 def time_fp8_mma(timer, shape, cache, q, mode, scales, reps, warps=None, stages=None):
     """(ms, out device array, plan) of the fp8 mma kernel."""
-    from numba import cuda
+    from attention.decode import mma
 
-    from attention.decode import fast, mma
-
-    b, h, kv, d, seq = shape
-    t_q = int(q.shape[1])
     k, v, lens, slots = cache
-    k_scale, v_scale = scales
-    pl = mma.plan(b, h, kv, d, seq, mma.FP8_KIND, t_q=t_q, scales=mode,
-                  warps=mma.WARPS if warps is None else warps,
-                  stages=mma.STAGES if stages is None else stages)
-    out = cuda.device_array((b, t_q, h, d), np.float32)
-    lse = cuda.device_array((b, t_q, h), np.float32)
-    pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
-    scale = 1.0 / math.sqrt(d)
-
-    def run_mma():
-        mma.launch(pl, q, k, v, lens, slots, scale, out, lse, pa, pm, 0,
-                   d_k_scale=k_scale, d_v_scale=v_scale)
-
-    return timer.time(run_mma, reps=reps, warmup=5), out, pl
+    return time_plan(timer, shape, mma.FP8_KIND, q, k, v, lens, slots, reps, warps, stages,
+                     scales=mode, d_k_scale=scales[0], d_v_scale=scales[1])
 
 
 def tune_fp8(timer, shape, reps, copy_gbps, log, t_qs=T_QS):
