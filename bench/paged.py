@@ -14,11 +14,12 @@ device time: CUDA events with the L2 flushed and the host cover of
   (``[num_pages, H_kv, P, D]`` HND, ``[num_pages, P, H_kv, D]`` NHD), pages in a
   shuffled order, the page table ``[B, L / P]``; ``_invariant`` with
   ``batch_invariant=True``;
-* ``contiguous_fp8`` (fp16 rows only): the same shape with an fp8 e4m3 cache
-  (random finite codes, per-tensor scales, q fp16); its bytes are the fp8
-  cache's (1 a K/V element), q, out, lse and the two scales;
-  ``contiguous_fp8_lanes8`` / ``_lanes4`` (probes): raw plans with a row over
-  8 or 4 lanes (more rows a warp step, fewer heads a block), diff against it;
+* ``contiguous_fp8`` / ``contiguous_fp8_tok`` (fp16 rows only): the same shape
+  with an fp8 e4m3 cache (random finite codes, q fp16), per-tensor scales /
+  per-(token, kv head) scales, by the plan's default method (the tensor-core
+  kernel); ``_fast``: by ``method="fast"`` (the CUDA-core kernel), its diff
+  against the default's output; the bytes are the fp8 cache's (1 a K/V
+  element), q, out, lse and the scales (``fp8_rows``);
 * ``contiguous_t4``: a multi-token plan (``t_q=4``, q ``[B, 4, H, D]``), the
   same K/V bytes; its last query sees every position, so its diff is
   against the one-query output (the ratio to the T_q = 1 row is the cost of
@@ -152,42 +153,7 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
             base["contiguous_invariant"], inv_out = plan_row(
                 "contiguous_invariant", pli, (k, v), None, ref_out)
             if dname == "float16":
-                # fp8 e4m3 cache, per-tensor scales, q fp16: random finite codes
-                codes = np.random.default_rng(7).integers(0, 0x7E, (2, b, kv, seq, d),
-                                                          dtype=np.uint8)
-                codes |= (np.random.default_rng(8).integers(0, 2, codes.shape, dtype=np.uint8)
-                          << 7)
-                k8, v8 = cuda.to_device(codes[0]), cuda.to_device(codes[1])
-                del codes
-                sc = cuda.to_device(np.float32([1.0 / 448]))
-                pl8 = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=dt)
-                moved = decode_bytes(b, h, kv, d, seq, 1, dt.itemsize) + 8
-
-                def run8():
-                    pl8.run(q, k8, v8, lens, k_scale=sc, v_scale=sc)
-
-                ms8 = timer.time(run8, reps=20)
-                pl8.check()
-                record("contiguous_fp8", ms8, pl8, None, f"({pl8.registers} registers; bytes "
-                       f"of the fp8 cache)", moved=moved)
-                ref8 = pl8.out.copy_to_host()
-                slots8 = cuda.to_device(np.arange(b, dtype=np.int32))
-                for lanes in (8, 4):  # probe: fewer lanes a row, more rows a warp step
-                    fp = F.plan(b, h, kv, d, seq, "f8", lanes=lanes)
-                    pa, pm = F.scratch(b, h, d, fp["n_split"])
-                    out8 = cuda.device_array((b, h, d), np.float32)
-                    lse8 = cuda.device_array((b, h), np.float32)
-
-                    def run_lanes():
-                        F.launch(fp, q, k8, v8, lens, slots8, np.float32(1.0 / math.sqrt(d)),
-                                 out8, lse8, pa, pm, 0, scales=(sc, sc))
-
-                    ms = timer.time(run_lanes, reps=20)
-                    diff = float(np.abs(out8.copy_to_host() - ref8).max())
-                    record(f"contiguous_fp8_lanes{lanes}", ms, None, diff,
-                           f"(splits {fp['n_split']}, {fp['heads_per_block']} heads a block, "
-                           f"raw launches; bytes of the fp8 cache)", moved=moved)
-                del k8, v8, pl8
+                fp8_rows(timer, record, q, lens, (b, h, kv, d, seq))
             if (b, seq) in MULTI:
                 t_q = MULTI[(b, seq)]
                 # every query is q (the timing does not depend on the values); the
@@ -273,6 +239,50 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
     return rows
 
 
+FP8_ROWS = (("contiguous_fp8", "tensor", "auto"), ("contiguous_fp8_fast", "tensor", "fast"),
+            ("contiguous_fp8_tok", "token_head", "auto"),
+            ("contiguous_fp8_tok_fast", "token_head", "fast"))
+
+
+def fp8_rows(timer, record, q, lens, shape):
+    """The fp8 e4m3 rows (``FP8_ROWS``): random finite codes, q float16, per-tensor
+    scales (two [1] float32) or per-(token, kv head) ones ([B, H_kv, L] float32 in
+    [0.005, 0.02]), each by ``DecodePlan``'s default method (the tensor-core
+    kernel) and by ``method="fast"`` (the CUDA-core one); the fast row's diff is
+    against the default's output of the same scales (P rounded to f16 there)."""
+    from numba import cuda
+
+    from attention.decode.plan import DecodePlan
+
+    from .run import decode_bytes
+
+    b, h, kv, d, seq = shape
+    rng = np.random.default_rng(7)
+    k8, v8 = (cuda.to_device((rng.integers(0, 0x7E, (b, kv, seq, d), dtype=np.uint8)
+                              | (rng.integers(0, 2, (b, kv, seq, d), dtype=np.uint8) << 7)))
+              for _ in range(2))
+    scales = {"tensor": tuple(cuda.to_device(np.float32([1.0 / 448])) for _ in range(2)),
+              "token_head": tuple(cuda.to_device(rng.uniform(0.005, 0.02, (b, kv, seq))
+                                                 .astype(np.float32)) for _ in range(2))}
+    ref = {}
+    for name, mode, method in FP8_ROWS:
+        ks, vs = scales[mode]
+        pl = DecodePlan(b, h, kv, d, b, seq, cache_dtype=np.uint8, q_dtype=np.float16,
+                        fp8_scales=mode, method=method)
+
+        def run():
+            pl.run(q, k8, v8, lens, k_scale=ks, v_scale=vs)
+
+        ms = timer.time(run, reps=20)
+        pl.check()
+        out = pl.out.copy_to_host()
+        diff = None if mode not in ref else float(np.abs(out - ref[mode]).max())
+        ref.setdefault(mode, out)
+        moved = decode_bytes(b, h, kv, d, seq, 1, 2) + 4 * (ks.size + vs.size)
+        record(name, ms, pl, diff, f"({pl.method} kernel, {pl.registers} registers; bytes of "
+               f"the fp8 cache and its {mode} scales)", moved=moved)
+
+
 def _find(rows, kernel, dname, b, seq):
     for r in rows:
         if (r["kernel"] == kernel and r["dtype"] == dname and r["batch"] == b
@@ -322,15 +332,17 @@ def summary_lines(rows):
             out.append(f"- paged_HND_p16 {dname} against {sd[0]['kernel']} (contiguous): "
                        f"x{ratio:.3f} (target >= 1.0): {_mark(ratio >= TARGETS['sdpa'])}")
     for (b, seq, goal) in ((32, 4096, 0.90), (1, 32768, 0.75)):
-        r = _find(rows, "contiguous_fp8", "float16", b, seq)
         c = _find(rows, "contiguous", "float16", b, seq)
         sd = [x for x in rows if x["kernel"].startswith("torch_sdpa") and x["dtype"] == "float16"
               and x["batch"] == b and x["seq_len"] == seq]
-        if r is not None:
+        for kern, _, _ in FP8_ROWS:
+            r = _find(rows, kern, "float16", b, seq)
+            if r is None:
+                continue
             extra = "" if c is None else f", x{c['ms'] / r['ms']:.2f} the fp16 plan's speed"
             if sd:
                 extra += f", x{sd[0]['ms'] / r['ms']:.2f} {sd[0]['kernel']} fp16's"
-            out.append(f"- fp8 e4m3 B {b} / L {seq}: {r['frac_of_copy']:.3f} of copy (target >= "
+            out.append(f"- {kern} B {b} / L {seq}: {r['frac_of_copy']:.3f} of copy (target >= "
                        f"{goal}){extra}: {_mark(r['frac_of_copy'] >= goal)}")
     for dname in DTYPES:
         c = _find(rows, "contiguous", dname, 32, 4096)

@@ -247,3 +247,27 @@ def test_paged_summary_judges_each_target():
     assert "against torch_sdpa[flash] (contiguous): x1.058 (target >= 1.0): met" in text
     assert "batch-invariant cost float16 B 32 / L 4096: +2.0 %" in text
     assert "batch-invariant cost float16 B 1 / L 32768: +20.0 %" in text and "MISSED" in text
+
+
+def test_paged_summary_judges_each_fp8_row():
+    """Every fp8 row (tensor-core and CUDA-core, both scale modes) is judged by
+    the fp8 issue's copy fraction, with its speed against the fp16 plan's and
+    torch's; a shape without fp8 rows gives no fp8 line."""
+    from bench.paged import FP8_ROWS, summary_lines
+
+    def row(kernel, ms, frac, b=32, seq=4096):
+        return {"kernel": kernel, "dtype": "float16", "batch": b, "seq_len": seq, "ms": ms,
+                "GBps": 1.0, "frac_of_copy": frac, "vs_contiguous": None, "n_split": 1,
+                "max_abs_diff": None}
+
+    rows = [row("contiguous", 0.130, 0.95), row("torch_sdpa[flash]", 0.156, 0.8),
+            row("contiguous_fp8", 0.078, 0.91), row("contiguous_fp8_fast", 0.123, 0.51)]
+    text = "\n".join(summary_lines(rows))
+    assert ("- contiguous_fp8 B 32 / L 4096: 0.910 of copy (target >= 0.9), x1.67 the fp16 "
+            "plan's speed, x2.00 torch_sdpa[flash] fp16's: met") in text
+    assert "- contiguous_fp8_fast B 32 / L 4096: 0.510 of copy (target >= 0.9)" in text
+    assert "contiguous_fp8_fast B 32 / L 4096: 0.510 of copy (target >= 0.9), x1.06 the fp16 " \
+        "plan's speed, x1.27 torch_sdpa[flash] fp16's: MISSED" in text
+    assert "B 1 / L 32768" not in text
+    assert [r[0] for r in FP8_ROWS] == ["contiguous_fp8", "contiguous_fp8_fast",
+                                        "contiguous_fp8_tok", "contiguous_fp8_tok_fast"]

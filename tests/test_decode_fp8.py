@@ -1,4 +1,4 @@
-"""FP8 (e4m3) caches in the fast decode: ``DecodePlan(cache_dtype=np.uint8)``
+"""FP8 (e4m3) caches in the fast decode: ``DecodePlan(cache_dtype=np.uint8, method="fast")``
 with per-tensor scales (``k_scale`` / ``v_scale`` float32 [1] device arrays)
 or, with ``fp8_scales="token_head"``, a scale a cached row in the cache's
 layout without D.
@@ -101,7 +101,7 @@ def test_pooled_fp8_decode_matches_the_oracle(q_dtype, n_split, d):
     kc, vc, kd, vd = _case(rng, lens, cap, n_kv, d, ks, vs)
     q = rng.standard_normal((3, h, d)).astype(q_dtype)
     pl = DecodePlan(3, h, n_kv, d, 3, cap, cache_dtype=np.uint8, q_dtype=q_dtype,
-                    n_split=n_split)
+                    n_split=n_split, method="fast")
     assert pl.fp8 and pl.kind == "f8"
     d_ks, d_vs = _scales(ks, vs)
     out = pl.run(to_device(q), to_device(kc), to_device(vc), to_device(lens), k_scale=d_ks,
@@ -279,7 +279,7 @@ def _run_tok(q, arrays, lens, cap, *, page=None, layout="HND", q_dtype="float32"
         kw["page_table"] = to_device(table)
     pl = DecodePlan(m, h, n_kv, d, kc.shape[0], cap, cache_dtype=np.uint8, q_dtype=q_dtype,
                     n_split=n_split, page_size=page, layout=layout, t_q=t_q,
-                    fp8_scales="token_head", defect=defect)
+                    fp8_scales="token_head", defect=defect, method="fast")
     assert pl.fast_plan["fp8_scales"] == "token_head"
     assert pl.scale_shape == ksc.shape
     out = pl.run(to_device(q.astype(q_dtype)), to_device(kc), to_device(vc), to_device(lens),

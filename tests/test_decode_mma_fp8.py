@@ -1,7 +1,8 @@
 """The tensor-core decode over an fp8 e4m3 cache (``attention.decode.mma``, kind
-``"f8"``): per-tensor scales, q float16. The codes are staged as they are and
-converted to f16 in shared memory (exact: every e4m3 value is an f16 value), S
-is multiplied by ``k_scale`` after ``scale``, the output by ``v_scale``.
+``"f8"``): per-tensor and per-(token, kv head) scales, q float16. The codes are
+staged as they are and converted to f16 in registers (exact: every e4m3 value is
+an f16 value), S is multiplied by ``k_scale`` after ``scale``, the output by
+``v_scale`` (token_head: the V scales go into P under a row normaliser).
 
 Checked here:
 
@@ -336,6 +337,35 @@ def test_token_head_defects_are_caught(defect, v_scale):
     assert _clean_passes(v_scale)
     bad = tok_run(q, arrays, lens, warps=2, stages=2, defect=defect)
     assert not all(ok for _, ok, _ in tok_judged(q, arrays, lens, bad))
+
+
+@pytest.mark.device
+def test_token_head_normaliser_keeps_a_dominated_row_exact():
+    """One position outweighs the rest by 500 nats (their weights are 0 in
+    float32), in the first of 12 tiles of one warp, every V scale ``c``: the
+    kernel's row is ``float32(V_0 c)`` to the bit. The normaliser settles at
+    ``c`` on tile 0 and o's rescale on the 11 later tiles must be exactly 1.
+    ``c`` is picked so that ``c (1 / c)`` is not 1 in float32: a rescale formed
+    that way drifts o by 2^-24 a tile (the mean-rule failure of
+    decode_mma_fp8_tok/long_d128/large on the H200, validation.findings)."""
+    L, D = 12 * mma.KT, 32
+    c = np.float32(0.049)
+    assert c * (np.float32(1.0) / c) != np.float32(1.0)
+    rng = np.random.default_rng(11)
+    kc = np.zeros((1, 1, L, D), np.uint8)
+    kc[0, 0, 0] = 0x38  # e4m3 1.0
+    vc = rng.integers(0, 0x78, (1, 1, L, D)).astype(np.uint8)  # finite codes
+    vc |= rng.integers(0, 2, vc.shape).astype(np.uint8) << 7
+    ksc = np.ones((1, 1, L), np.float32)
+    ksc[0, 0, 0] = 100.0  # score 100 sqrt(32) at position 0, 0 elsewhere
+    vsc = np.full((1, 1, L), c, np.float32)
+    q = np.ones((1, 1, 1, D), F16)
+    out, lse = mma.mma_decode(q, kc, vc, np.int32([L]), slot_table=np.int32([0]),
+                              k_scale=ksc, v_scale=vsc, warps=1, stages=2, n_split=1)
+    want = F.decode_e4m3(vc[0, 0, 0]) * c
+    assert np.array_equal(np.asarray(out)[0, 0, 0], want), \
+        np.abs(np.asarray(out)[0, 0, 0] / want - 1).max()
+    assert np.asarray(lse)[0, 0, 0] == np.float32(100.0 * np.sqrt(np.float32(D)))
 
 
 @pytest.mark.device

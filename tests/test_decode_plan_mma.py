@@ -3,7 +3,8 @@
 * **Routing** (host only): ``method="auto"`` (the default) takes the
   tensor-core kernel (``attention.decode.mma``) for multi-token plans it can
   take (16-bit cache, q in its dtype, D 32 / 64 / 128, H / H_kv x T <= 16, no
-  planted defect) and the CUDA-core one otherwise; ``method="mma"`` on a plan
+  planted defect) and for fp8 caches with q float16 at any T, and the
+  CUDA-core one otherwise; ``method="mma"`` on a plan
   it cannot take raises naming the reason.
 * **Bits** (simulator and GPU): a tensor-core plan's run gives
   ``mma.mma_decode``'s bits for the same split plan (the same kernel and
@@ -58,9 +59,18 @@ def test_auto_takes_the_tensor_core_kernel_where_it_can():
     assert method(page_size=16, layout="NHD", kv_slots=9) == "mma"
     assert method(method="fast") == "fast"
     assert method(t_q=1, method="mma") == "mma"
-    # fp8 (per-tensor scales, q float16): the tensor-core path by method="mma" only
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16) == "fast"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16, method="mma") == "mma"
+    # fp8 with q float16 (either scale mode): the tensor-core kernel at any T (the
+    # faster at T 1 too on the H200, notes/bench.md); other q dtypes the CUDA-core one
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16) == "mma"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1) == "mma"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1,
+                  fp8_scales="token_head") == "mma"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1, method="fast") == "fast"
+    assert method(cache_dtype=np.uint8, t_q=1) == "fast"  # q float32 (the default)
+    assert method(cache_dtype=np.uint8, q_dtype="bfloat16") == "fast"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16, head_dim=96) == "fast"
+    assert method(cache_dtype=np.uint8, q_dtype=np.float16,
+                  defect="fp8_scale_twice") == "fast"
 
 
 def test_mma_method_names_what_it_cannot_take():

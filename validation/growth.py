@@ -447,7 +447,7 @@ def _fp8_growth(job):
     q_dt = np.dtype(np.float16) if mma else np.dtype(np.float32)
     plan = DecodePlan(m, h, h_kv, d, n_pages, max_seq, cache_dtype="float8_e4m3fn",
                       q_dtype=q_dt, page_size=page, layout="HND", fp8_scales="token_head",
-                      method="mma" if mma else "auto")
+                      method="mma" if mma else "fast")
     series = _series()
     lengths = start.copy()
 

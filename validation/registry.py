@@ -375,7 +375,8 @@ def _run_fp8(scales, page=None, layout="HND"):
     ``fixtures.fp8_quantize`` (``x["k_codes"]`` ... ; ``scales`` is its mode),
     pooled or laid out in pages of ``page`` (codes and per-row scales in the
     same pages), then a ``DecodePlan(cache_dtype="float8_e4m3fn",
-    fp8_scales=scales)`` run with q in the case dtype. ``fn`` is
+    fp8_scales=scales, method="fast")`` run with q in the case dtype (the
+    CUDA-core kernel: "auto" takes the tensor-core one for q float16). ``fn`` is
     ``DecodePlan``. A GPU without fp8 (before sm_89) makes the plan raise
     ``DTypeError``, and so does a query that overflows the case dtype (the
     'large' fixture in float16): the case is reported unsupported, with the
@@ -408,7 +409,7 @@ def _run_fp8(scales, page=None, layout="HND"):
             n_slots = kc.shape[0]
         plan = fn(m, h, kc.shape[2 if layout == "NHD" and page else 1], d, n_slots,
                   x["k_codes"].shape[2], cache_dtype="float8_e4m3fn", q_dtype=q.dtype,
-                  fp8_scales=scales, page_size=page, layout=layout)
+                  fp8_scales=scales, page_size=page, layout=layout, method="fast")
         d_lse = to_device(np.zeros((m, h), np.float32))
         out = plan.run(to_device(q), to_device(kc), to_device(vc), to_device(lens), lse=d_lse,
                        k_scale=to_device(ks), v_scale=to_device(vs), sync=True, **kw)

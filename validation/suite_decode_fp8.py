@@ -95,7 +95,7 @@ def _judge(tag, x, out, lse, mma=False):
     return checks
 
 
-def _run(x, mode, defect, page=None, layout="HND", method="auto"):
+def _run(x, mode, defect, page=None, layout="HND", method="fast"):
     q, kc, vc, ks, vs = x["q"], x["k_codes"], x["v_codes"], x["k_scale"], x["v_scale"]
     m, h, d = q.shape
     lens = np.asarray(x["seq_lens"], np.int32)

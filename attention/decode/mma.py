@@ -97,11 +97,10 @@ S is multiplied by ``k_scale`` after ``scale`` (two roundings, the
 fast kernel's order) and the output by ``v_scale`` (before ``1 / l``; a split's
 partial before the combine). With both scales 1 the result is the 16-bit
 kernel's over an f16 cache holding the codes' values, bit for bit
-(``tests/test_decode_mma_fp8.py``). ``DecodePlan`` takes it with
-``method="mma"`` only (``"auto"`` keeps the CUDA-core kernel for fp8, which the
-validation's fp8 entries run through the default method; on the H200 this one
-is 1.37x faster at B 32 / L 4096, notes/bench.md); registry entry
-``decode_mma_fp8``.
+(``tests/test_decode_mma_fp8.py``). ``DecodePlan`` takes it for an fp8 cache
+with q float16 under ``method="auto"`` or ``"mma"`` (on the H200 it is 1.37x the
+CUDA-core kernel's speed at B 32 / L 4096, notes/bench.md; the validation's
+``decode_fp8`` entries pin ``method="fast"``); registry entry ``decode_mma_fp8``.
 
 Per-(token, kv head) scales (``scales="token_head"``; ``mma_decode`` takes them
 when ``k_scale`` / ``v_scale`` are arrays in the cache's layout without D,
@@ -114,7 +113,8 @@ vary along its k), so they go into P, and a row normaliser keeps P in f16's
 range: with ``u`` a row's running max of ``P vs`` (rescaled by the softmax's
 ``alpha`` as ``O`` is), each tile takes ``u' = max(u alpha, max_tile P vs)``,
 rounds ``P' = P vs / u'`` (in [0, 1]) to f16 for the mma, rescales ``o`` by
-``alpha u / u'`` and keeps ``O = u' o``; ``o`` is multiplied by ``u`` before
+``(u alpha) / u'`` (exactly 1 while the normaliser stands: ``u (1 / u')`` would
+drift o by 2^-24 a tile for some ``u``) and keeps ``O = u' o``; ``o`` is multiplied by ``u`` before
 the warps' merge. Without the normaliser (planted ``fp8_p_unnormalized``) V
 scales near 1e-6 put ``P vs`` among f16's subnormals and the rule fails. ``l``
 sums the unscaled fp32 ``P``. Registry entry ``decode_mma_fp8_tok``.
@@ -826,18 +826,23 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 else:
                     w0 = group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4)
                     w1 = group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4)
-                    nu0 = max(float32(u0 * alpha0), w0)
-                    nu1 = max(float32(u1 * alpha1), w1)
+                    # o's rescale alpha u / u' as (u alpha) / u': exactly 1 while the
+                    # row's normaliser stands (a product u (1 / u') is 1 - 2^-24 for
+                    # about one u in seven, a drift of o on every later tile)
+                    au0 = float32(u0 * alpha0)
+                    au1 = float32(u1 * alpha1)
+                    nu0 = max(au0, w0)
+                    nu1 = max(au1, w1)
                     inv0 = float32(0.0)  # a row with no weight yet: o and P' stay 0
                     inv1 = float32(0.0)
                     f0 = alpha0
                     f1 = alpha1
                     if nu0 > float32(0.0):
                         inv0 = float32(1.0) / nu0
-                        f0 = float32(alpha0 * float32(u0 * inv0))
+                        f0 = float32(au0 / nu0)
                     if nu1 > float32(0.0):
                         inv1 = float32(1.0) / nu1
-                        f1 = float32(alpha1 * float32(u1 * inv1))
+                        f1 = float32(au1 / nu1)
                     for h in range(2):
                         for e in range(2):
                             s[4 * h + e] = float32(s[4 * h + e] * inv0)

@@ -309,16 +309,15 @@ class DecodePlan:
                   and T adds no mma): 16-bit caches with q in the cache's dtype,
                   or fp8 e4m3 caches with either scale mode and q float16 (the
                   codes converted to f16 in registers as ``ldmatrix`` gives
-                  them; chosen by "mma" only, not yet by "auto", whose fp8
-                  choice the validation's fp8 entries rely on: on the H200
-                  it takes 89.8 us against the CUDA-core kernel's 122.9 at
-                  T = 1, B 32 / L 4096, notes/bench.md),
+                  them: on the H200 it took 89.8 us against the CUDA-core
+                  kernel's 122.9 at T = 1, B 32 / L 4096, notes/bench.md),
                   D in 32, 64, 128, H / H_kv x T <= 16, batch-invariant plans
                   too (a fixed chunk: ``mma.invariant_chunk``); P is rounded to the
                   cache's dtype before P.V, as FlashAttention and FlashInfer do
                   (the validation judges it by the rounded-P baseline); a
                   plan it cannot take raises naming the reason. "auto": "mma"
-                  where it can take the plan and T > 1, else "fast". On the
+                  where it can take the plan and T > 1 or the cache is fp8
+                  (q float16), else "fast". On the
                   H200 (notes/bench.md run 20, B 32 / H 32 / H_kv 8 / D 128 /
                   L 4096 fp16) T = 4 took 154.5 us on the tensor-core kernel
                   (1.03x its T = 1) and 406.2 us on the CUDA-core one, which
@@ -413,7 +412,7 @@ class DecodePlan:
         why = _mma_unsupported(kind, cdt, qdt, head_dim, n_heads // n_kv, t_q,
                                batch_invariant, defect, method, fp8_scales)
         if method == "auto":
-            method = "mma" if t_q > 1 and why is None else "fast"
+            method = "mma" if why is None and (t_q > 1 or kind == MMA.FP8_KIND) else "fast"
         elif method == "mma" and why is not None:
             raise checks.AttentionInputError(
                 f"method: 'mma' (the tensor-core decode) cannot take this plan: {why}")
@@ -828,14 +827,10 @@ class DecodePlan:
 def _mma_unsupported(kind, cdt, qdt, head_dim, group, t_q, batch_invariant, defect, method,
                      fp8_scales="tensor"):
     """None when the tensor-core decode can take the plan, else why not (for
-    ``method="auto"`` a planted defect keeps the fast kernel, and so does an fp8
-    cache: the tensor-core fp8 path is chosen by ``method="mma"`` only: the
-    validation's fp8 entries run the CUDA-core kernel through ``"auto"``)."""
+    ``method="auto"`` a planted defect keeps the fast kernel)."""
     if kind == MMA.FP8_KIND:
         if qdt != np.dtype(np.float16):
             return f"q_dtype {qdt}: with an fp8 cache it takes q in float16"
-        if method == "auto":
-            return "an fp8 cache (its fp8 path is chosen by method='mma')"
     elif kind not in MMA.KINDS:
         return f"cache_dtype {cdt}: it takes float16, bfloat16 or fp8 e4m3 caches"
     elif qdt != cdt:
