@@ -124,7 +124,7 @@ def time_plan(timer, shape, kind, q, k, v, lens, table, reps, warps=None, stages
     t_q = int(q.shape[1])
     pl = mma.plan(b, h, kv, d, seq, kind, t_q=t_q, paging=paging, scales=scales,
                   warps=mma.WARPS if warps is None else warps,
-                  stages=mma.STAGES if stages is None else stages)
+                  stages=stages)  # None: mma.default_stages
     out = cuda.device_array((b, t_q, h, d), np.float32)
     lse = cuda.device_array((b, t_q, h), np.float32)
     pa, pm = fast.scratch(b, t_q * h, d, pl["n_split"])
@@ -306,7 +306,7 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
         log(f"pooled_fp8 {mode:<10} T_q={t_q}  mma {ms_m * 1e3:7.1f} us {gb_m:7.1f} GB/s "
             f"({gb_m / copy_gbps:5.3f} of copy)  fast {ms_f * 1e3:7.1f} us {gb_f:7.1f} GB/s "
             f"({gb_f / copy_gbps:5.3f} of copy)  fast/mma x{ms_f / ms_m:5.2f}  diff {diff:.1e}  "
-            f"splits mma {pl['n_split']} fast {plan.n_split}  regs mma "
+            f"splits mma {pl['n_split']} fast {plan.n_split}  stages mma {pl['stages']}  regs mma "
             f"{registers(pl['kernel'])}  bytes {nbytes}")
 
 

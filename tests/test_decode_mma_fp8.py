@@ -476,3 +476,22 @@ def test_plan_counts_blocks_an_sm_by_registers(monkeypatch):
     assert mma.plan(32, 32, 8, 128, 4096, mma.FP8_KIND)["n_split"] == 1
     monkeypatch.setitem(mma.REGISTERS, 128, 128)
     assert mma.plan(32, 32, 8, 128, 4096, mma.FP8_KIND)["n_split"] == 2
+
+
+def test_fp8_rings_are_as_deep_as_the_residency_allows(monkeypatch):
+    """The fp8 plans take the deepest ring (up to ``FP8_STAGES``) that the blocks
+    an SM holds by registers still fit in shared memory: 6 stages at D 128 (2
+    blocks of about 100 KB), token_head too; 16-bit plans keep ``STAGES``.
+    Positive control: a register bound that allows 4 blocks brings the fp8 ring
+    back to 3 stages (4 x 100 KB would not fit)."""
+    assert mma.default_stages(mma.FP8_KIND, 128) == mma.FP8_STAGES == 6
+    assert mma.default_stages(mma.FP8_KIND, 128, scales="token_head") == 6
+    assert mma.plan(32, 32, 8, 128, 4096, mma.FP8_KIND)["stages"] == 6
+    assert mma.plan(32, 32, 8, 128, 4096, "f16")["stages"] == mma.STAGES
+    for d in (32, 64, 128):
+        s = mma.default_stages(mma.FP8_KIND, d)
+        dyn = 4 * mma.smem_words(d, mma.WARPS, s, fp8=True)
+        assert mma.blocks_by_registers(d) * (dyn + 1024) <= mma.SMEM_PER_SM
+    monkeypatch.setitem(mma.REGISTERS, 128, 128)
+    assert mma.blocks_by_registers(128) == 4
+    assert mma.default_stages(mma.FP8_KIND, 128) == mma.STAGES

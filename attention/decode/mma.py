@@ -17,7 +17,8 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
   of 16 positions of the block's chunk. Each tile's K and V rows ``[16, D]``
   arrive in a swizzled shared stage of the warp's ring of ``stages`` stages
   (``cp.async`` 16-byte copies, ``stages - 1`` tiles in flight while one is
-  computed; on the simulator plain copies). A paged cache's rows are found
+  computed; on the simulator plain copies; ``STAGES`` by default, fp8 rings as
+  deep as the residency allows, ``default_stages``). A paged cache's rows are found
   through the page table row by row, or once a tile where P is a multiple of
   16 (a tile's 16 positions start at a multiple of 16, so they share a page).
   Rows past the block's last position, and rows whose page entry is out of
@@ -184,7 +185,12 @@ TILE_ROWS = 16  # query rows of a block: one m16 tile
 KT = 16  # positions of a warp's tile (the k of P.V)
 HEAD_DIMS = (32, 64, 128)
 WARPS = 4
-STAGES = 3  # ring stages a warp (stages - 1 tiles in flight)
+STAGES = 3  # ring stages a warp (stages - 1 tiles in flight): 16-bit caches
+# fp8: the deepest ring, up to this, that the blocks an SM holds by registers still
+# fit in its shared memory (``default_stages``: 6 at D 128, 100 KB a block; the H200
+# took 78.4 us at B 32 / L 4096 with 4 warps x 6 stages, 85-86 us with 3 or 4 stages
+# and 8 warps, all one split, notes/bench.md)
+FP8_STAGES = 6
 SMEM_PER_SM = 227 * 1024  # H100 / H200: a block's shared memory at most, and an SM's
 RESIDENT_MAX = 4  # blocks an SM, at most, for the split heuristic
 REGS_PER_SM = 65536  # H100 / H200: 32-bit registers an SM
@@ -1003,8 +1009,30 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 # plan and launch
 # ---------------------------------------------------------------------------
 
+def blocks_by_registers(head_dim, warps=WARPS):
+    """Blocks of ``warps`` warps an SM holds by registers (``REGISTERS``'s bound
+    a thread for the head dim), at most ``RESIDENT_MAX``."""
+    return max(1, min(RESIDENT_MAX,
+                      REGS_PER_SM // (REGISTERS.get(int(head_dim), 256) * int(warps) * WARP)))
+
+
+def default_stages(kind, head_dim, warps=WARPS, scales="tensor"):
+    """Ring stages a warp when none are given: ``STAGES`` for 16-bit caches; for
+    fp8 the most, up to ``FP8_STAGES``, with which the blocks an SM holds by
+    registers (``blocks_by_registers``) still fit in its shared memory (a
+    stage holds a quarter of a 16-bit one, so deeper rings cost no residency)."""
+    if kind != FP8_KIND:
+        return STAGES
+    blocks = blocks_by_registers(head_dim, warps)
+    for s in range(FP8_STAGES, STAGES, -1):
+        dyn = 4 * smem_words(head_dim, warps, s, fp8=True, token_head=scales == "token_head")
+        if blocks * (dyn + 1024) <= SMEM_PER_SM:
+            return s
+    return STAGES
+
+
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
-         warps=WARPS, stages=STAGES, paging=None, defect=None, checked=False,
+         warps=WARPS, stages=None, paging=None, defect=None, checked=False,
          scales="tensor", chunk=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
@@ -1019,7 +1047,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     (``FP8_SCALES``). ``chunk`` (not with ``n_split``): the positions a split,
     fixed (rounded up to a whole round of the warps' tiles): a batch-invariant
     plan's (``invariant_chunk``); ``n_split`` then covers ``max_len``.
+    ``stages``: ring stages a warp (default ``default_stages``; they change no
+    result bit, only how many tiles a warp has in flight).
     """
+    if stages is None:
+        stages = default_stages(kind, head_dim, warps, scales)
     t_q, warps, stages = int(t_q), int(warps), int(stages)
     group = int(n_heads) // int(n_kv)
     if scales not in FP8_SCALES or (scales != "tensor" and kind != FP8_KIND):
@@ -1030,8 +1062,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     # blocks an SM holds: by shared memory and by registers (the fp8 kernel's 52 KB
     # would allow 4 at D 128, its 200-210 registers allow 2; the H200 took 90.5 us
     # with the 2 splits that 4 gave, 78-86 us with one split, notes/bench.md)
-    by_regs = REGS_PER_SM // (REGISTERS.get(int(head_dim), 256) * warps * WARP)
-    resident = max(1, min(RESIDENT_MAX, SMEM_PER_SM // (dyn + 1024), by_regs))
+    resident = max(1, min(SMEM_PER_SM // (dyn + 1024), blocks_by_registers(head_dim, warps)))
     chunk, n_split = fast.split_chunk(max_len, KT * warps, m_count * n_kv, resident,
                                       n_split=n_split, chunk=chunk)
     return {
@@ -1056,7 +1087,7 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
 
 
 def invariant_chunk(n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, warps=WARPS,
-                    stages=STAGES, scales="tensor"):
+                    stages=None, scales="tensor"):
     """The split length of a batch-invariant plan (``plan(chunk=...)``): the
     chunk the default plan gives a lone sequence of ``max_len`` positions (so
     one sequence still fills the GPU). It depends on the geometry, the
@@ -1285,7 +1316,7 @@ def _fp8_scales(k_scale, v_scale, k_cache, geo):
 
 def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
                layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
-               stream=None, warps=WARPS, stages=STAGES, defect=None, k_scale=None,
+               stream=None, warps=WARPS, stages=None, defect=None, k_scale=None,
                v_scale=None):
     """Tensor-core decode attention over a pooled or paged 16-bit or fp8 cache.
 
@@ -1312,7 +1343,8 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
                 D] / [M, H] for a 3-D q)
     scale:      default 1 / sqrt(D)
     stream:     numba stream; None synchronises before returning
-    warps, stages: the kernel's warps a block and ring stages a warp
+    warps, stages: the kernel's warps a block and ring stages a warp (default
+                ``default_stages``)
     defect:     None or a planted switch of ``DEFECTS`` (tests only)
     k_scale, v_scale: fp8 caches only: per tensor, a positive float or a float32
                 [1] array (numpy or device); per (token, kv head), float32 arrays
