@@ -26,6 +26,9 @@ device time: CUDA events with the L2 flushed and the host cover of
   the three more queries). The plan's default kernel (``method="auto"``: the
   tensor-core one at 16-bit T > 1; the note names it); ``contiguous_t4_fast``
   the CUDA-core kernel's (``method="fast"``) for comparison;
+  ``contiguous_t4_invariant`` the default kernel with ``batch_invariant=True``
+  (its ``x contiguous`` against ``contiguous_t4``: the cost of invariance on
+  the tensor-core plans); at both shapes (``MULTI``);
 * ``paged_<layout>_p<P>_ordered`` / ``_split2`` (probes, ``PROBES``): the same
   pages in logical order (no shuffle: the access pattern's share of the
   paged rows' cost), and a plan of two splits a sequence;
@@ -62,7 +65,8 @@ PAGES = {(32, 4096): (("HND", 16), ("NHD", 16), ("HND", 64), ("HND", 1), ("NHD",
 # blocks, more bytes in flight an SM)
 PROBES = {(32, 4096): (("HND", 16), ("HND", 1))}
 CHUNKS = (512, 1024, 2048)
-MULTI = {(32, 4096): 4}  # T_q of the multi-token rows (their diff: the last query's, vs T_q 1)
+# T_q of the multi-token rows (their diff: the last query's, vs T_q 1)
+MULTI = {(32, 4096): 4, (1, 32768): 4}
 COLUMNS = ["kernel", "dtype", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms",
            "GBps", "frac_of_copy", "vs_contiguous", "n_split", "chunk", "max_abs_diff", "note"]
 TARGETS = {"p16": 0.97, "p1": 0.80, "sdpa": 1.0, "invariant_cost": 0.03, "t4": 1.2}
@@ -161,8 +165,15 @@ def bench_paged(timer, copy_gbps, torch, rows, log):
                 q_bits = np.repeat(q.view(np.uint16).copy_to_host()[:, None], t_q, axis=1)
                 q_multi = cuda.to_device(q_bits).view(dt)
                 plm = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, **mk)  # "auto": the mma kernel
-                plan_row(f"contiguous_t{t_q}", plm, (k, v), None, ref_out, qq=q_multi)
+                base[f"contiguous_t{t_q}"], _ = plan_row(f"contiguous_t{t_q}", plm, (k, v), None,
+                                                         ref_out, qq=q_multi)
                 del plm
+                # the batch-invariant tensor-core plan (mma.invariant_chunk): its cost
+                # against the default T_q plan, and its last query against T_q 1's
+                pmi = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, batch_invariant=True, **mk)
+                plan_row(f"contiguous_t{t_q}_invariant", pmi, (k, v), None, ref_out,
+                         ref=f"contiguous_t{t_q}", qq=q_multi)
+                del pmi
                 plf = DecodePlan(b, h, kv, d, b, seq, t_q=t_q, method="fast", **mk)
                 plan_row(f"contiguous_t{t_q}_fast", plf, (k, v), None, ref_out, qq=q_multi)
                 del plf
@@ -353,12 +364,14 @@ def summary_lines(rows):
                        f"(target <= {TARGETS['t4']}): {_mark(ratio <= TARGETS['t4'])}")
     for (b, seq) in ((32, 4096), (1, 32768)):
         for dname in DTYPES:
-            c = _find(rows, "contiguous", dname, b, seq)
-            i = _find(rows, "contiguous_invariant", dname, b, seq)
-            if c is None or i is None:
-                continue
-            cost = i["ms"] / c["ms"] - 1
-            out.append(f"- batch-invariant cost {dname} B {b} / L {seq}: {cost * 100:+.1f} % "
-                       f"(splits {c['n_split']} -> {i['n_split']}; default if <= 3 % at "
-                       f"both shapes): {_mark(cost <= TARGETS['invariant_cost'])}")
+            for plain, what in (("contiguous", ""), ("contiguous_t4", " (T_q 4, tensor cores)")):
+                c = _find(rows, plain, dname, b, seq)
+                i = _find(rows, plain + "_invariant", dname, b, seq)
+                if c is None or i is None:
+                    continue
+                cost = i["ms"] / c["ms"] - 1
+                out.append(f"- batch-invariant cost{what} {dname} B {b} / L {seq}: "
+                           f"{cost * 100:+.1f} % (splits {c['n_split']} -> {i['n_split']}; "
+                           f"default if <= 3 % at both shapes): "
+                           f"{_mark(cost <= TARGETS['invariant_cost'])}")
     return out

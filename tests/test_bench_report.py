@@ -271,3 +271,23 @@ def test_paged_summary_judges_each_fp8_row():
     assert "B 1 / L 32768" not in text
     assert [r[0] for r in FP8_ROWS] == ["contiguous_fp8", "contiguous_fp8_fast",
                                         "contiguous_fp8_tok", "contiguous_fp8_tok_fast"]
+
+
+def test_paged_summary_gives_the_tensor_core_invariance_cost():
+    """The T_q 4 (tensor-core) plans' batch-invariant cost is judged beside the
+    T_q 1 one's, against its own default plan."""
+    from bench.paged import summary_lines
+
+    def row(kernel, ms, b=32, seq=4096, splits=1):
+        return {"kernel": kernel, "dtype": "float16", "batch": b, "seq_len": seq, "ms": ms,
+                "GBps": 1.0, "frac_of_copy": 0.5, "vs_contiguous": None, "n_split": splits,
+                "max_abs_diff": None}
+
+    rows = [row("contiguous_t4", 0.100), row("contiguous_t4_invariant", 0.101, splits=2),
+            row("contiguous_t4", 0.050, b=1, seq=32768, splits=32),
+            row("contiguous_t4_invariant", 0.055, b=1, seq=32768, splits=32)]
+    text = "\n".join(summary_lines(rows))
+    assert ("- batch-invariant cost (T_q 4, tensor cores) float16 B 32 / L 4096: +1.0 % "
+            "(splits 1 -> 2; default if <= 3 % at both shapes): met") in text
+    assert ("- batch-invariant cost (T_q 4, tensor cores) float16 B 1 / L 32768: +10.0 %"
+            in text)
