@@ -832,9 +832,10 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                 else:
                     w0 = group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4)
                     w1 = group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4)
-                    # o's rescale alpha u / u' as (u alpha) / u': exactly 1 while the
-                    # row's normaliser stands (a product u (1 / u') is 1 - 2^-24 for
-                    # about one u in seven, a drift of o on every later tile)
+                    # o's rescale alpha u / u': exactly 1 where u' = u alpha (the
+                    # normaliser stands or takes alpha's rounding); a product u (1 / u')
+                    # or a fast-math u / u' is off by an ulp or two for some u, a drift
+                    # of o on every later tile
                     au0 = float32(u0 * alpha0)
                     au1 = float32(u1 * alpha1)
                     nu0 = max(au0, w0)
@@ -845,10 +846,10 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                     f1 = alpha1
                     if nu0 > float32(0.0):
                         inv0 = float32(1.0) / nu0
-                        f0 = float32(au0 / nu0)
+                        f0 = float32(1.0) if nu0 == au0 else float32(au0 * inv0)
                     if nu1 > float32(0.0):
                         inv1 = float32(1.0) / nu1
-                        f1 = float32(au1 / nu1)
+                        f1 = float32(1.0) if nu1 == au1 else float32(au1 * inv1)
                     for h in range(2):
                         for e in range(2):
                             s[4 * h + e] = float32(s[4 * h + e] * inv0)
