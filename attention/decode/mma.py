@@ -114,11 +114,14 @@ vary along its k), so they go into P, and a row normaliser keeps P in f16's
 range: with ``u`` a row's running max of ``P vs`` (rescaled by the softmax's
 ``alpha`` as ``O`` is), each tile takes ``u' = max(u alpha, max_tile P vs)``,
 rounds ``P' = P vs / u'`` (in [0, 1]) to f16 for the mma, rescales ``o`` by
-``(u alpha) / u'`` (exactly 1 while the normaliser stands: ``u (1 / u')`` would
-drift o by 2^-24 a tile for some ``u``) and keeps ``O = u' o``; ``o`` is multiplied by ``u`` before
-the warps' merge. Without the normaliser (planted ``fp8_p_unnormalized``) V
-scales near 1e-6 put ``P vs`` among f16's subnormals and the rule fails. ``l``
-sums the unscaled fp32 ``P``. Registry entry ``decode_mma_fp8_tok``.
+``alpha u / u'`` and keeps ``O = u' o``; ``o`` is multiplied by ``u`` before
+the warps' merge. The rescale is exactly 1 where ``u' = u alpha`` (every tile
+while the normaliser stands), else ``(u alpha) (1 / u')``: formed as ``u (1 /
+u')``, or as a fast-math ``u / u'``, it is an ulp or two off 1 for some ``u``
+and o drifts by that on every later tile (validation.findings). Without the
+normaliser (planted ``fp8_p_unnormalized``) V scales near 1e-6 put ``P vs``
+among f16's subnormals and the rule fails. ``l`` sums the unscaled fp32 ``P``.
+Registry entry ``decode_mma_fp8_tok``.
 
 Head dims 32, 64 and 128 (a row is a power of two of 16-byte chunks, as the
 tile swizzle wants). The kernel sees the arrays as uint32 words (two 16-bit
