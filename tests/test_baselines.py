@@ -214,3 +214,36 @@ def test_tensor_blocked_matmul_is_the_rz_model(scale):
         assert (np.abs(got[got != 0]) < np.finfo(np.float32).tiny).any()
     if scale > 1:
         assert np.isinf(got).any()  # and overflows
+
+
+def test_token_head_baseline_forms_scores_in_the_kernels_order():
+    """``decode_rounded_p(k_scales=)`` (the registry's ``mma16_pv16``): the scores
+    are q summed against the K codes' values, times the scale, times the row's K
+    scale, three float32 roundings as the tensor-core fp8 decode forms them. With
+    K scales of 1 it is the sum over the rows as they are, bit for bit; with
+    real scales at |score| near 1e4 (an ulp of a score is then 1e-3 of its
+    weight) the two orders give different LSEs, so the order is not moot
+    (the finding on decode_mma_fp8_tok/long_d128/large, validation.findings)."""
+    from attention.cache.fp8 import E4M3_VALUES
+    from validation.baselines import decode_rounded_p
+
+    rng = np.random.default_rng(3)
+    m, kv, n, d = 1, 1, 64, 32
+    codes = rng.choice(E4M3_VALUES[np.isfinite(E4M3_VALUES)], (m, kv, n, d)).astype(np.float32)
+    codes /= np.abs(codes).max()
+    v = rng.standard_normal((m, kv, n, d)).astype(np.float32)
+    vs = rng.uniform(0.5, 1.0, (m, kv, n)).astype(np.float32)
+    q = (rng.standard_normal((m, 1, 4, d)) * 3000).astype(np.float16).astype(np.float32)
+    lens = np.array([n])
+    ones = np.ones((m, kv, n), np.float32)
+    plain = decode_rounded_p(q, codes, v, lens, 0.125, np.float16, "mma16", v_scales=vs)
+    same = decode_rounded_p(q, codes, v, lens, 0.125, np.float16, "mma16", v_scales=vs,
+                            k_scales=ones)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, same))
+    ks = rng.uniform(0.9, 1.1, (m, kv, n)).astype(np.float32)
+    dequant = (codes * ks[..., None]).astype(np.float32)
+    kernel_order = decode_rounded_p(q, codes, v, lens, 0.125, np.float16, "mma16",
+                                    v_scales=vs, k_scales=ks)
+    dequant_order = decode_rounded_p(q, dequant, v, lens, 0.125, np.float16, "mma16",
+                                     v_scales=vs)
+    assert not np.array_equal(kernel_order[1], dequant_order[1])  # lse: the top score

@@ -279,11 +279,12 @@ def tok_judged(q, arrays, lens, got, baseline="pv"):
     lens = np.asarray(lens, np.int32)
     scale = 1.0 / np.sqrt(q.shape[-1])
     ref = decode_attention_multi_ref(q, k, v, lens, scale=scale)
-    if baseline == "pv":
+    if baseline == "pv":  # the registry's: scores over the K codes, then the scales
         with np.errstate(invalid="ignore"):
             codes = F.decode_e4m3(vc[:m]).astype(np.float32)
-        base = decode_rounded_p(q, k, codes, lens, scale, F16, sums="mma16",
-                                v_scales=vsc[:m])
+            k_codes = F.decode_e4m3(kc[:m]).astype(np.float32)
+        base = decode_rounded_p(q, k_codes, codes, lens, scale, F16, sums="mma16",
+                                v_scales=vsc[:m], k_scales=ksc[:m])
     else:
         base = decode_rounded_p(q, k, v, lens, scale, F16, sums="mma16")
     return [(name,) + tuple(tolerance.verdict(np.asarray(g), r, b))

@@ -81,8 +81,14 @@ SUM (how the products of a dot product are added, ``dot``)
                      after (``decode_rounded_p(..., v_scales=)``). The same
                      precision as rounding P (weights in [0, 1] rounded to
                      ``T``), other roundings: a changed criterion,
-                     notes/validation.md gives the case that needed it. Decode
-                     cases quantized per (token, kv head) only.
+                     notes/validation.md gives the case that needed it. Its
+                     scores are the kernel's too: q summed against the K
+                     codes' values, times the scale, times the row's K scale
+                     (``k_scales=``; a second changed criterion: at |score|
+                     near 1e4 an ulp of the score is 1e-3 of a weight, and the
+                     sum over the dequantized rows drew other ulps,
+                     notes/validation.md). Decode cases quantized per (token,
+                     kv head) only.
     ``matmul_pT``    the same with S as numpy's float32 ``@``
                      (``decode_rounded_p``'s default; decode only). Not the
                      registry's: at the 'large' fixture (|score| 1e4) the
@@ -644,17 +650,19 @@ def rounded_p_baseline(kind, inputs, label):
         slots = np.asarray(inputs["slot_table"])
         k_rows = np.asarray(inputs["k_cache"], F32)[slots]  # [M, H_kv, max_seq, D]
         v_rows = np.asarray(inputs["v_cache"], F32)[slots]
-        v_scales = None
-        if rounded.group(2):  # the codes' values and their row scales
+        v_scales = k_scales = None
+        if rounded.group(2):  # the codes' values and their row scales, K's and V's
             from attention.cache.fp8 import decode_e4m3
 
             with np.errstate(invalid="ignore"):
+                k_rows = decode_e4m3(np.asarray(inputs["k_codes"])[slots]).astype(F32)
                 v_rows = decode_e4m3(np.asarray(inputs["v_codes"])[slots]).astype(F32)
+            k_scales = np.asarray(inputs["k_scale"], F32)[slots]
             v_scales = np.asarray(inputs["v_scale"], F32)[slots]
         scale = 1.0 / np.sqrt(q.shape[-1])
         out, lse = decode_rounded_p(q[:, None], k_rows, v_rows,
                                     np.asarray(inputs["seq_lens"]), scale, dtype, sums,
-                                    v_scales=v_scales)
+                                    v_scales=v_scales, k_scales=k_scales)
         return {"out": out[:, 0], "lse": lse[:, 0]}
     if kind == "prefill" and sums == "mma16":
         q = np.asarray(inputs["q"], F32)
@@ -813,7 +821,8 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
     return out, lse
 
 
-def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_scales=None):
+def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_scales=None,
+                     k_scales=None):
     """float32 decode with the tensor-core kernel's roundings.
 
     q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
@@ -830,7 +839,11 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
     ``dtype``) V / l, the tensor-core decode's weights (``attention.decode.mma``,
     token_head: V scales into P, normalised a row so that the rounded weights
     lie in [0, 1] whatever the scales' range; its running ``u`` is this one
-    when a row's largest weight comes first)."""
+    when a row's largest weight comes first).
+    ``k_scales`` [M, H_kv, L] float32 (with ``k_rows`` the codes' values): the
+    scores in the tensor-core decode's order, ``s = ((K q) * scale) * ks`` in
+    float32 (the sum over the codes, then the scale, then the row's K scale:
+    three roundings), instead of the sum over the dequantized rows."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
     m_count, t_q, n_heads, head_dim = q.shape
@@ -850,6 +863,8 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
                     s = mma16_scores(qh[None], keys)[0] * F32(scale)  # [n]
                 else:
                     s = (keys @ qh) * F32(scale)  # [n]
+                if k_scales is not None:
+                    s = s * k_scales[m, h // group, :seen].astype(F32)
                 top = s.max()
                 p = np.exp(s - top)  # [n] float32
                 total = p.sum(dtype=F32)

@@ -452,10 +452,11 @@ def _fp8_growth(job):
     lengths = start.copy()
 
     # the reference's dequantized values, pooled [M, H_kv, max_seq, D] float64, NaN past
-    # lengths; and V's code values and row scales (the tensor-core baseline's inputs)
+    # lengths; and K's and V's code values and row scales (the tensor-core baseline's
+    # inputs: its scores are the kernel's, the codes summed, then the scales)
     mirror = {n: np.full((m, h_kv, max_seq, d), np.nan) for n in "kv"}
-    v_codes = np.zeros((m, h_kv, max_seq, d), np.float32)
-    v_scales = np.zeros((m, h_kv, max_seq), np.float32)
+    codes = {n: np.zeros((m, h_kv, max_seq, d), np.float32) for n in "kv"}
+    row_scales = {n: np.zeros((m, h_kv, max_seq), np.float32) for n in "kv"}
 
     def dequantize(first):
         for i in range(m):
@@ -464,8 +465,8 @@ def _fp8_growth(job):
                 for n in "kv":
                     mirror[n][i, :, p] = (fp8.decode_e4m3(ref[n][pg, :, off]).astype(np.float64)
                                           * ref_sc[n][pg, :, off, None])
-                v_codes[i, :, p] = fp8.decode_e4m3(ref["v"][pg, :, off])
-                v_scales[i, :, p] = ref_sc["v"][pg, :, off]
+                    codes[n][i, :, p] = fp8.decode_e4m3(ref[n][pg, :, off])
+                    row_scales[n][i, :, p] = ref_sc[n][pg, :, off]
 
     dequantize(zeros)
 
@@ -487,8 +488,8 @@ def _fp8_growth(job):
         if mma:  # V scales into P, normalised a row, rounded to f16 (mma16_pv16)
             label = baseline_order(job.kernel, {"q": q}, q_dt)
             o32, l32 = baselines.decode_rounded_p(
-                q[:, None], np.nan_to_num(kd).astype(np.float32), v_codes, lengths,
-                1.0 / np.sqrt(d), q_dt, sums="mma16", v_scales=v_scales)
+                q[:, None], codes["k"], codes["v"], lengths, 1.0 / np.sqrt(d), q_dt,
+                sums="mma16", v_scales=row_scales["v"], k_scales=row_scales["k"])
             o32, l32 = o32[:, 0], l32[:, 0]
         else:
             label = baseline_order("fp8_decode", {"q": q}, np.uint8)
