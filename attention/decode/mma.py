@@ -1020,6 +1020,12 @@ def blocks_by_registers(head_dim, warps=WARPS):
                       REGS_PER_SM // (REGISTERS.get(int(head_dim), 256) * int(warps) * WARP)))
 
 
+def blocks_by_smem(dyn_smem):
+    """Blocks an SM holds by shared memory: ``dyn_smem`` bytes a block plus the
+    1 KB the driver reserves a block."""
+    return SMEM_PER_SM // (int(dyn_smem) + 1024)
+
+
 def default_stages(kind, head_dim, warps=WARPS, scales="tensor"):
     """Ring stages a warp when none are given: ``STAGES`` for 16-bit caches; for
     fp8 the most, up to ``FP8_STAGES``, with which the blocks an SM holds by
@@ -1030,7 +1036,7 @@ def default_stages(kind, head_dim, warps=WARPS, scales="tensor"):
     blocks = blocks_by_registers(head_dim, warps)
     for s in range(FP8_STAGES, STAGES, -1):
         dyn = 4 * smem_words(head_dim, warps, s, fp8=True, token_head=scales == "token_head")
-        if blocks * (dyn + 1024) <= SMEM_PER_SM:
+        if blocks_by_smem(dyn) >= blocks:
             return s
     return STAGES
 
@@ -1063,10 +1069,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
                          f"{FP8_KIND!r}, got {scales!r} (kind {kind!r})")
     dyn = 4 * smem_words(head_dim, warps, stages, fp8=kind == FP8_KIND,
                          token_head=scales == "token_head")
-    # blocks an SM holds: by shared memory and by registers (the fp8 kernel's 52 KB
-    # would allow 4 at D 128, its 200-210 registers allow 2; the H200 took 90.5 us
-    # with the 2 splits that 4 gave, 78-86 us with one split, notes/bench.md)
-    resident = max(1, min(SMEM_PER_SM // (dyn + 1024), blocks_by_registers(head_dim, warps)))
+    # blocks an SM holds: by shared memory and by registers (at D 128 the fp8
+    # kernel's 200-210 registers allow 2 whatever its ring; counted by shared memory
+    # alone, its 3-stage 52 KB gave 4, and the H200 took 90.5 us with the 2 splits
+    # that gave, 78-86 us with one split, notes/bench.md)
+    resident = max(1, min(blocks_by_smem(dyn), blocks_by_registers(head_dim, warps)))
     chunk, n_split = fast.split_chunk(max_len, KT * warps, m_count * n_kv, resident,
                                       n_split=n_split, chunk=chunk)
     return {
