@@ -45,7 +45,8 @@ and P is rounded to the 16-bit type before P.V.
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
 ``8 RG KT`` and ``64 RG`` floats of row maxima: 230,400 bytes at RG 4, KT 64, W
-576 (the H200 allows 232,448 a block).
+576 (the H200 allows 232,448 a block); an fp8 cache adds ``KT`` floats of row
+scales (230,656 bytes).
 
 Layouts (C-contiguous device arrays):
     qc        [B, R, W] float32 (R = s_q nh rows of a sequence)
@@ -67,13 +68,19 @@ reads as zero rows. Nothing is read out of bounds.
 fp8 cache (``fp8=`` "tensor" / "token"; ``mla.fp8``: rows of r e4m3 codes and
 d_rope fp16 values, ``r + 2 d_rope`` bytes, with float32 scales ``sc``): the
 same kernel with fp16 operands (``kind`` "f16"). A tile's codes are copied
-(``cp.async``) into two code buffers ``[KT, r]`` bytes; the thread that copied
-a chunk converts it, at the top of the next tile's step, into one f16 c_kv tile
-(the 16-bit layout): ``fp16(fl32(e4m3(c) s))``, the scale of the tensor or of
-the chunk's row (read when the copy is issued). k_pe is copied straight into
-two f16 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a tile;
-the same shared memory as the 16-bit kernel. A zero-filled row (past the end,
-a bad page entry) converts to zeros and its scale is never read.
+(``cp.async``) into two code buffers ``[KT, r]`` bytes; at the top of the next
+tile's step the block converts them into one f16 c_kv tile (the 16-bit
+layout): ``fp16(fl32(e4m3(c) s))``, the scale of the tensor or of the code's
+row. A thread converts units of 8 codes (a uint64 load, a 16-byte chunk of the
+tile stored as two uint64), a warp 32 consecutive units of a row: no bank
+conflicts (the first version, where each thread converted the 32-bit words of
+the chunks it had copied, had 4- and 8-way conflicts and ran slower than the
+16-bit cache: notes/bench.md). Per token, threads below KT load their row's
+scale when the tile's copy is issued and store it to shared memory (``KT``
+more words) once the tile has landed. k_pe is copied straight into two f16
+buffers of its ``d_rope`` columns. One more ``__syncthreads`` a tile. A
+zero-filled row (past the end, a bad page entry) converts to zeros (its scale
+taken as 0, never read).
 
 Planted defects (``defect=``, compile-time switches for the tests and the
 defect catalogue; without one the kernel is unchanged, its name has no suffix):
@@ -96,7 +103,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from attention.core.device import (
     SIMULATOR,
@@ -187,10 +194,12 @@ def supported(rank, d_rope):
     return None
 
 
-def smem_words(width, row_groups, tile):
-    """uint32 words of a block's dynamic shared memory (module docstring)."""
+def smem_words(width, row_groups, tile, fp8=None):
+    """uint32 words of a block's dynamic shared memory (module docstring); an fp8
+    cache (``fp8`` "tensor" / "token") adds a tile's row scales."""
     rows = 16 * row_groups
-    return rows * width // 2 + 2 * tile * width // 2 + rows * tile // 2 + CQ * rows
+    words = rows * width // 2 + 2 * tile * width // 2 + rows * tile // 2 + CQ * rows
+    return words + (tile if fp8 is not None else 0)
 
 
 def sub_word(rows, row, col):
@@ -215,7 +224,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     2 d_rope`` bytes) with that scale mode (module docstring, "fp8 cache").
 
     Grid ``(n_split, ceil(R / 16 RG), B)``, block ``128 RG``, dynamic shared
-    memory ``4 smem_words(W, RG, KT)`` bytes. Arguments:
+    memory ``4 smem_words(W, RG, KT, fp8)`` bytes. Arguments:
         qc        [B, R, W] float32
         lat       [N * W / 2] uint32, the cache's words, flat (fp8: [N * RB / 4])
         sc        fp8: float32 scales, flat ([1] per tensor, [N] per token: the
@@ -276,18 +285,24 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     LAT0B = QB
     P0B = LAT0B + 2 * LATB  # the P tile [ROWS, KT] 16-bit
     RED = (P0B + ROWS * KT * 2) // 4  # float32 words: [CQ, ROWS]
+    SCL = RED + CQ * ROWS  # fp8: float32 words [KT], the converted tile's row scales
     QBLK = ROWS * 128  # bytes a 64-column block of Q
     KBLK = KT * 128  # ... of a latent tile
 
     # fp8 cache: rows of RB bytes; a tile's codes are staged (cp.async, two
     # buffers of [KT, r] bytes) and converted into one f16 tile of the r c_kv
     # columns; k_pe (16-bit in the row) is copied straight into two buffers of
-    # its d_rope columns. Same total bytes as the two 16-bit tiles.
+    # its d_rope columns. Same total bytes as the two 16-bit tiles. The
+    # conversion's unit is 8 codes (a uint64 of a staged row, one 16-byte chunk
+    # of the f16 tile); a warp converts 32 consecutive units of one row, so its
+    # loads and stores are free of bank conflicts.
     DROPE = int(d_rope)
     WRB = (RANK + 2 * DROPE) // 4  # words an fp8 row
     CPRN = RANK // 16  # 16-byte chunks of codes a row
     CPRR = max(1, DROPE // 8)  # 16-byte chunks of k_pe a row
     COPIES_N = -(-KT * CPRN // NTH)
+    UPR = RANK // 8  # conversion units a row
+    UNITS = -(-KT * UPR // NTH)  # units of a tile a thread converts (at most)
     COPIES_R = -(-KT * CPRR // NTH) if DROPE else 0
     ROW_STEP_N, CHUNK_STEP_N = NTH // CPRN, NTH % CPRN
     ROW_STEP_R, CHUNK_STEP_R = NTH // CPRR, NTH % CPRR
@@ -378,13 +393,22 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     next_chunk = device_fn(next_chunk)
 
-    def issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row, tile0,
+    def issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages, slot_row, tile0,
                end, nb, tid):
         # fp8: start copying tile tile0's codes into code buffer nb and its k_pe into
         # k_pe buffer nb (rows at or past end, or of a bad page entry: zeros); the
-        # thread's code chunks are (row, c), then NTH chunks on each time: per token,
-        # scn[a] gets chunk a's row scale (0 for a zero row)
+        # thread's code chunks are (row, c), then NTH chunks on each time. Returns,
+        # per token, the scale of the tile's row tid (threads below KT; 0 for a
+        # zero row; it lands while the tile is in flight and goes to shared memory
+        # when the tile has landed), else 0.
         tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
+        s_row = float32(0.0)
+        if PER_TOKEN and tid < KT:
+            ri = pos_row(tb, tid, table, seq, tile0 + tid, end, page, shift, n_pages)
+            if ri >= 0:
+                if WRONG_TOKEN:
+                    ri = min(ri + 1, int64(sc.shape[0] - 1))
+                s_row = sc[ri]
         row = tid // CPRN
         c = tid % CPRN
         for a in range(COPIES_N):
@@ -394,15 +418,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
                     copy(smem, sbase + dst, lat, ri * WRB + 4 * c)
-                    if PER_TOKEN:
-                        if WRONG_TOKEN:
-                            ri = min(ri + 1, int64(sc.shape[0] - 1))
-                        scn[a] = sc[ri]
                 else:
                     for x in range(4):
                         smem[(dst >> 2) + x] = uint32(0)
-                    if PER_TOKEN:
-                        scn[a] = float32(0.0)
             row, c = next_chunk(row, c, ROW_STEP_N, CHUNK_STEP_N, CPRN)
         row = tid // CPRR
         c = tid % CPRR
@@ -421,34 +439,37 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     for x in range(4):
                         smem[(dst >> 2) + x] = uint32(0)
             row, c = next_chunk(row, c, ROW_STEP_R, CHUNK_STEP_R, CPRR)
+        return s_row
 
     issue8 = device_fn(issue8)
 
-    def convert8(smem, scn, s_all, nb, tid):
-        # fp8: this thread's code chunks of buffer nb (the ones it copied) into the
-        # f16 c_kv tile: fp16(fl32(e4m3(c) s)) (two 16-byte chunks of 8 values each)
-        row = tid // CPRN
-        c = tid % CPRN
-        for a in range(COPIES_N):
-            if KT * CPRN % NTH == 0 or row < KT:
-                s = scn[a] if PER_TOKEN else s_all
-                src = (STG0B + nb * STGB + row * RANK + 16 * c) >> 2
+    def convert8(smem, smem64, smf, s_all, nb, tid):
+        # fp8: code buffer nb into the f16 c_kv tile, fp16(fl32(e4m3(c) s)) (s: the
+        # tensor's, or the row's from the scale words SCL). Unit u = tid + NTH k is
+        # row u // UPR, codes 8 (u % UPR) ..: a uint64 load, one 16-byte chunk of
+        # the tile stored as two uint64 (the half of odd column blocks first: the
+        # 16 lanes of a store cover the 32 banks)
+        for k in range(UNITS):
+            u = tid + NTH * k
+            if KT * UPR % NTH == 0 or u < KT * UPR:
+                row = u // UPR
+                p = u % UPR
+                s = smf[SCL + row] if PER_TOKEN else s_all
+                codes = smem64[(STG0B + nb * STGB + row * RANK + 8 * p) >> 3]
                 key = row & 7
                 if SWIZZLE_OFF:
                     key = (row + 1) & 7
+                dst = (NOPE0B + (p >> 3) * KBLK + row * 128 + (((p & 7) ^ key) << 4)) >> 3
+                first = (p >> 3) & 1
                 for h in range(2):
-                    dst = (NOPE0B + (c >> 2) * KBLK + row * 128
-                           + ((((2 * c + h) & 7) ^ key) << 4)) >> 2
-                    for j in range(2):
-                        v0, v1, v2, v3 = codes4(smem[src + 2 * h + j])
-                        for _ in range(SCALINGS):
-                            v0 = float32(v0 * s)
-                            v1 = float32(v1 * s)
-                            v2 = float32(v2 * s)
-                            v3 = float32(v3 * s)
-                        smem[dst + 2 * j] = pack(v0, v1)
-                        smem[dst + 2 * j + 1] = pack(v2, v3)
-            row, c = next_chunk(row, c, ROW_STEP_N, CHUNK_STEP_N, CPRN)
+                    v0, v1, v2, v3 = codes4(uint32((codes >> uint64(32 * h)) & uint64(0xFFFFFFFF)))
+                    for _ in range(SCALINGS):
+                        v0 = float32(v0 * s)
+                        v1 = float32(v1 * s)
+                        v2 = float32(v2 * s)
+                        v3 = float32(v3 * s)
+                    smem64[dst + (h ^ first)] = (uint64(pack(v0, v1))
+                                                 | (uint64(pack(v2, v3)) << uint64(32)))
 
     convert8 = device_fn(convert8)
 
@@ -500,14 +521,15 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         n_tiles = (end - start + KT - 1) // KT if end > start else 0
         crow = tid // CPR  # this thread's first chunk of a tile
         cc = tid % CPR
-        scn = cuda.local.array(COPIES_N, float32)  # fp8 per token: its chunks' scales
+        smem64 = cuda.shared.array(0, uint64)
+        s_next = float32(0.0)  # fp8 per token: the scale of the next tile's row tid
         s_all = float32(1.0)
         if FP8 and not PER_TOKEN:
             s_all = sc[0]
         if n_tiles > 0:  # the first tile's copies go out before Q is staged
             if FP8:
-                issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages, slot_row,
-                       start, end, 0, tid)
+                s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
+                                slot_row, start, end, 0, tid)
             else:
                 issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, start,
                       end, LAT0B, crow, cc)
@@ -551,16 +573,20 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
         for it in range(n_tiles):
             wait_all()  # this thread's copies of tile it have landed
+            if PER_TOKEN and tid < KT:
+                smf[SCL + tid] = s_next  # (the last tile's conversion read them)
             cuda.syncthreads()  # ... every thread's; tile it - 1's buffer and P are free
             kdelta = 0  # fp8: the k_pe column blocks' offset from the c_kv ones'
             if FP8:
-                convert8(smem, scn, s_all, it % 2, tid)  # before issue8 reuses scn
+                convert8(smem, smem64, smf, s_all, it % 2, tid)
                 if it + 1 < n_tiles:
-                    issue8(smem, sbase, lat, sc, scn, table, seq, page, shift, n_pages,
-                           slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid)
+                    s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
+                                    slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid)
                 commit()
                 cuda.syncthreads()  # the f16 c_kv tile is complete
-                kb = NOPE0B
+                # (kb opaque to the compiler, it & 2^30 being 0: a constant kb let it
+                # hoist every V fragment's address out of the tile loop, and spill them)
+                kb = NOPE0B + (it & 0x40000000)
                 kdelta = ROPE0B + (it % 2) * ROPEB - NOPE0B - NCBN * KBLK
             else:
                 if it + 1 < n_tiles:
@@ -713,7 +739,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         tile = 64
     row_groups, tile = int(row_groups), int(tile)
     width = int(rank) + int(d_rope)
-    dyn = 4 * smem_words(width, row_groups, tile)
+    dyn = 4 * smem_words(width, row_groups, tile, fp8)
     if dyn > SMEM_BLOCK_MAX:
         raise ValueError(f"row_groups {row_groups}, tile {tile}, W {width}: {dyn} bytes of "
                          f"shared memory, more than a block's {SMEM_BLOCK_MAX}")

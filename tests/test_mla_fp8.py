@@ -343,6 +343,9 @@ def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
     assert ptx.count("mma.sync.aligned.m16n8k16") == 576 // 16 * 2 + 4 * 16
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
+    # the conversion's units: a uint64 of codes in, a 16-byte f16 chunk out as two
+    # uint64 (the 32-bit form had bank conflicts: mla.mma's docstring)
+    assert ptx.count("ld.shared.u64") == 1 and ptx.count("st.shared.u64") == 2
 
 
 # ---------------------------------------------------------------------------
