@@ -17,6 +17,9 @@
     ncu --clock-control none -k regex:prefill_ --launch-skip 1 --launch-count 1 \
         python3 -m bench.profile prefill float16|bfloat16|float32 [T]
 
+    ncu --clock-control none -k regex:mla_mma --launch-skip 2 --launch-count 1 \
+        python3 -m bench.profile mla_mma fp16|tensor|token [heads]
+
 The first form runs the fast decode at B ``batch`` (default 32), H 32, H_kv 8,
 D 128 and length L three times; the second runs ``mla.pipeline.mla_decode``
 twice at the MLA benchmark's shape (B 64, 128 heads, latent 512 + 64, L 4096)
@@ -34,6 +37,8 @@ shuffled page table) at B 32, q in the cache's dtype, three times. The sixth
 runs a tensor-core prefill twice at the prefill benchmark's shape (T 4096, H 32,
 H_kv 8, D 128, causal): ``attention.prefill.mma`` for float16 / bfloat16,
 ``attention.prefill.tf32`` for float32 (skip 1, count 1: the second launch).
+The seventh runs the prepared tensor-core MLA call (``mla.mma``) three times at
+the MLA benchmark's shape over the fp16 latent cache or its fp8 quantization.
 """
 
 import math
@@ -146,7 +151,29 @@ def prefill(dname, seq=4096):
     print("prefill", dname, "T", seq, run.__module__)
 
 
+def mla_mma(mode="fp16", heads=128):
+    """The prepared tensor-core MLA call (``mla.mma.launch_prepared``) three times
+    at B 64 / L 4096 / latent 512 + 64 and ``heads`` heads, over the fp16 cache
+    (``mode`` "fp16") or its fp8 quantization ("tensor" / "token" scales)."""
+    from mla import mma as MM
+
+    from .mla_mma import COMPUTE, _fp8_prepared, _prepared
+    from .run import mla_inputs
+
+    c = dict(COMPUTE, heads=int(heads))
+    inputs = mla_inputs("float16", c)
+    st = cuda.default_stream()
+    p = _prepared(inputs, st) if mode == "fp16" else _fp8_prepared(inputs, mode, st)[0]
+    for _ in range(3):
+        MM.launch_prepared(p, st)
+    cuda.synchronize()
+    print("mla_mma", mode, heads, {k_: v_ for k_, v_ in p["plan"].items() if k_ != "kernel"})
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "mla_mma":  # mla_mma fp16|tensor|token [heads]
+        return mla_mma(sys.argv[2] if len(sys.argv) > 2 else "fp16",
+                       int(sys.argv[3]) if len(sys.argv) > 3 else 128)
     if len(sys.argv) > 1 and sys.argv[1] == "prefill":  # prefill DTYPE [T]
         return prefill(sys.argv[2] if len(sys.argv) > 2 else "float16",
                        int(sys.argv[3]) if len(sys.argv) > 3 else 4096)

@@ -460,16 +460,18 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 if SWIZZLE_OFF:
                     key = (row + 1) & 7
                 dst = (NOPE0B + (p >> 3) * KBLK + row * 128 + (((p & 7) ^ key) << 4)) >> 3
-                first = (p >> 3) & 1
-                for h in range(2):
-                    v0, v1, v2, v3 = codes4(uint32((codes >> uint64(32 * h)) & uint64(0xFFFFFFFF)))
+                first = (p >> 3) & 1  # the half stored first
+                for hh in range(2):
+                    h = hh ^ first  # codes 4 h .. 4 h + 3 -> the chunk's half h
+                    v0, v1, v2, v3 = codes4(uint32((codes >> uint64(32 * h))
+                                                   & uint64(0xFFFFFFFF)))
                     for _ in range(SCALINGS):
                         v0 = float32(v0 * s)
                         v1 = float32(v1 * s)
                         v2 = float32(v2 * s)
                         v3 = float32(v3 * s)
-                    smem64[dst + (h ^ first)] = (uint64(pack(v0, v1))
-                                                 | (uint64(pack(v2, v3)) << uint64(32)))
+                    smem64[dst + h] = (uint64(pack(v0, v1))
+                                       | (uint64(pack(v2, v3)) << uint64(32)))
 
     convert8 = device_fn(convert8)
 

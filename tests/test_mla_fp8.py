@@ -28,25 +28,25 @@ RANK, D_ROPE, NH, D_NOPE, D_V = 64, 64, 2, 16, 16
 W, RB = RANK + D_ROPE, RANK + 2 * D_ROPE
 
 
-def _case(rng, lens, s_q=1, mode="token", cap=None, nan_unused=True):
-    """q_nope / q_pe [B, s_q, nh, .], weights, an fp8 cache [B, cap, RB] with its
-    scales, and the fp16 cache [B, cap, W] holding the values the decode
-    attends (``fp8.dequantize(..., rounded=True)``)."""
+def _case(rng, lens, s_q=1, mode="token", cap=None, nan_unused=True, rank=RANK):
+    """q_nope / q_pe [B, s_q, nh, .], weights, an fp8 cache [B, cap, rank + 2 D_ROPE]
+    with its scales, and the fp16 cache [B, cap, rank + D_ROPE] holding the values
+    the decode attends (``fp8.dequantize(..., rounded=True)``)."""
     n_b = len(lens)
     cap = cap or max(lens)
     q_nope = rng.standard_normal((n_b, s_q, NH, D_NOPE)).astype(np.float32)
     q_pe = rng.standard_normal((n_b, s_q, NH, D_ROPE)).astype(np.float32)
-    w_uk = (rng.standard_normal((NH, D_NOPE, RANK)) / np.sqrt(RANK)).astype(np.float32)
-    w_uv = (rng.standard_normal((NH, D_V, RANK)) / np.sqrt(RANK)).astype(np.float32)
-    rows = rng.standard_normal((n_b, cap, W)).astype(np.float32)
-    rows[..., :RANK] *= np.float32(2.0) ** rng.integers(-8, 8, (n_b, cap, 1))
+    w_uk = (rng.standard_normal((NH, D_NOPE, rank)) / np.sqrt(rank)).astype(np.float32)
+    w_uv = (rng.standard_normal((NH, D_V, rank)) / np.sqrt(rank)).astype(np.float32)
+    rows = rng.standard_normal((n_b, cap, rank + D_ROPE)).astype(np.float32)
+    rows[..., :rank] *= np.float32(2.0) ** rng.integers(-8, 8, (n_b, cap, 1))
     tensor = None if mode == "token" else np.array([0.05], np.float32)
-    codes, scales = fp8.quantize(rows, RANK, tensor)
+    codes, scales = fp8.quantize(rows, rank, tensor)
     scales = tensor if mode == "tensor" else scales
-    fp16 = fp8.dequantize(codes, scales, RANK, rounded=True).astype(np.float16)
+    fp16 = fp8.dequantize(codes, scales, rank, rounded=True).astype(np.float16)
     if nan_unused:
         for b, n in enumerate(lens):
-            codes[b, n:, :RANK] = 0x7F
+            codes[b, n:, :rank] = 0x7F
             fp16[b, n:] = np.nan
             if mode == "token":
                 scales[b, n:] = np.nan
@@ -114,22 +114,25 @@ def _decode_both(c, paged=None, rng=None, **kw):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("mode", ["token", "tensor"])
-def test_fp8_kernel_gives_the_fp16_kernel_bits(mode):
+@pytest.mark.parametrize("mode,rank", [("token", RANK), ("tensor", RANK), ("token", 256),
+                                       ("tensor", 256)])
+def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank):
     """The kernel alone at one row group (the simulator's cheapest plan): one
     sequence of length 20 in a cache of 26 rows (one tile; NaN codes and scales
-    past the length), 2 heads, one query."""
+    past the length), 2 heads, one query. Rank 256: four 64-column blocks of
+    c_kv (the other cases have one; a conversion that misplaces codes across
+    blocks, or within the chunks of odd blocks, passed them)."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
-    c = _case(np.random.default_rng(5), [20], mode=mode, cap=26)
+    c = _case(np.random.default_rng(5), [20], mode=mode, cap=26, rank=rank)
     rng = np.random.default_rng(6)
-    qc = rng.standard_normal((1, NH, W)).astype(np.float32)
+    qc = rng.standard_normal((1, NH, rank + D_ROPE)).astype(np.float32)
     table = to_device(np.zeros((1, 1), np.int32))
     results = []
     for lat, fp8_mode, sc in ((c["codes"], mode, c["scales"]), (c["fp16"], None, None)):
-        pl = MM.plan(1, NH, RANK, D_ROPE, 20, "f16", row_groups=1, n_split=1, fp8=fp8_mode)
-        o = device_empty((1, NH, RANK), np.float32)
+        pl = MM.plan(1, NH, rank, D_ROPE, 20, "f16", row_groups=1, n_split=1, fp8=fp8_mode)
+        o = device_empty((1, NH, rank), np.float32)
         lse = device_empty((1, NH), np.float32)
         pa, pm = MM.scratch(pl, 1, NH)
         MM.launch(pl, to_device(qc), to_device(lat), to_device(c["lens"]), table, NH, 0.125, o,
