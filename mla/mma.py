@@ -42,6 +42,11 @@ and P is rounded to the 16-bit type before P.V.
   ``attention.decode.fast``'s layout, merged by its combine kernel in column
   slices (``combine_slices``).
 
+Registers: at RG 4 (512 threads) a thread has 128. The lane's shared offsets
+are derived again on every tile from ``tid`` plus an opaque zero (``it &
+2^30``): kept as loop invariants they were spilled, and the refills, once a
+tile, miss the L1 that the shared memory leaves (notes/bench.md).
+
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
 ``8 RG KT`` and ``64 RG`` floats of row maxima: 230,400 bytes at RG 4, KT 64, W
@@ -72,12 +77,10 @@ same kernel with fp16 operands (``kind`` "f16"). A tile's codes are copied
 tile's step the block converts them into one f16 c_kv tile (the 16-bit
 layout): ``fp16(fl32(e4m3(c) s))``, the scale of the tensor or of the code's
 row. A thread converts units of 8 codes (a uint64 load, a 16-byte chunk of the
-tile stored as two uint64), a warp 32 consecutive units of a row: no bank
-conflicts (the first version, where each thread converted the 32-bit words of
-the chunks it had copied, had 4- and 8-way conflicts and ran slower than the
-16-bit cache: notes/bench.md). Per token, threads below KT load their row's
-scale when the tile's copy is issued and store it to shared memory (``KT``
-more words) once the tile has landed. k_pe is copied straight into two f16
+tile stored as two uint64), a warp 32 consecutive units of a row, so its
+loads and stores have no bank conflicts. Per token, threads below KT load
+their row's scale when the tile's copy is issued and store it to shared
+memory (``KT`` more words) once the tile has landed. k_pe is copied straight into two f16
 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a tile. A
 zero-filled row (past the end, a bad page entry) converts to zeros (its scale
 taken as 0, never read).
@@ -475,6 +478,23 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     convert8 = device_fn(convert8)
 
+    def lane_offsets(t):
+        # thread t's shared byte offsets for ldmatrix (a_lane: the x4 row address of
+        # its lane; Q's, K's and P's from it: the XORs of a k step act on the
+        # offset's chunk bits, then the base is added), its first row of the block
+        # (lrow; and lrow + 8), its P tile words (lrow, chunk) (+ 256: lrow + 8) and
+        # their swizzle key
+        lane = t % WARP
+        warp = t // WARP
+        rg = warp // CQ
+        a_lane = ((lane & 7) | (lane & 8)) * 128 + (((lane >> 4) ^ (lane & 7)) << 4)
+        lrow = rg * 16 + lane // 4
+        return (a_lane, Q0B + rg * 16 * 128 + a_lane, (warp % CQ) * 16 * 128 + a_lane,
+                P0B + rg * 16 * 128 + a_lane, lrow, P0B // 4 + lrow * 32 + lane % 4,
+                lrow & 7)
+
+    lane_offsets = device_fn(lane_offsets)
+
     def row_limit(row, n_rows, nh, s_q, length, end):
         # positions below this are seen by query row `row` (0 for a padded row)
         if row >= n_rows:
@@ -547,16 +567,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 word = pack(qc[seq, first + r, col], qc[seq, first + r, col + 1])
             smem[Q0B // 4 + sub_word(ROWS, r, col)] = word
 
-        # -- the lane's ldmatrix offset (docstring) and its P tile words --
-        a_lane = ((lane & 7) | (lane & 8)) * 128 + (((lane >> 4) ^ (lane & 7)) << 4)
-        # (offsets from the base: the XORs act on the offset's chunk bits, then the
-        # base is added)
-        q_lane = Q0B + rg * 16 * 128 + a_lane
-        k_lane = cq * 16 * 128 + a_lane  # + the tile's byte offset
-        p_lane = P0B + rg * 16 * 128 + a_lane
-        lrow = rg * 16 + g  # the lane's first row of the block
-        p_word = P0B // 4 + lrow * 32 + tq  # P tile words of (lrow, chunk), + 256: lrow + 8
-        p_key = lrow & 7
+        # -- the lane's ldmatrix offsets (docstring) and its P tile words --
+        a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid)
 
         # -- the lane's rows (g, g + 8 of its row group): limits, running state --
         lim0 = row_limit(first + lrow, n_rows, nh, s_q, length, end)
@@ -574,17 +586,23 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             s[x] = float32(-math.inf)
 
         for it in range(n_tiles):
+            # the lane's offsets again, from tid plus an opaque zero (it & 2^30): as
+            # loop invariants the compiler kept them in registers, which at 128 a
+            # thread it spilled, and a refill misses the L1 (shared memory takes
+            # nearly all of it: notes/bench.md)
+            tid_z = tid + (it & 0x40000000)
+            a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid_z)
             wait_all()  # this thread's copies of tile it have landed
             if PER_TOKEN and tid < KT:
                 smf[SCL + tid] = s_next  # (the last tile's conversion read them)
             cuda.syncthreads()  # ... every thread's; tile it - 1's buffer and P are free
             kdelta = 0  # fp8: the k_pe column blocks' offset from the c_kv ones'
             if FP8:
-                convert8(smem, smem64, smf, s_all, it % 2, tid)
                 if it + 1 < n_tiles:
                     s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
-                                    slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid)
+                                    slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid_z)
                 commit()
+                convert8(smem, smem64, smf, s_all, it % 2, tid_z)
                 cuda.syncthreads()  # the f16 c_kv tile is complete
                 # (kb opaque to the compiler, it & 2^30 being 0: a constant kb let it
                 # hoist every V fragment's address out of the tile loop, and spill them)
@@ -593,7 +611,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             else:
                 if it + 1 < n_tiles:
                     issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row,
-                          start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB, crow, cc)
+                          start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB,
+                          tid_z // CPR, tid_z % CPR)
                 commit()
                 kb = LAT0B + (it % 2) * LATB
             tile0 = start + it * KT
