@@ -42,10 +42,11 @@ and P is rounded to the 16-bit type before P.V.
   ``attention.decode.fast``'s layout, merged by its combine kernel in column
   slices (``combine_slices``).
 
-Registers: at RG 4 (512 threads) a thread has 128. The lane's shared offsets
-are derived again on every tile from ``tid`` plus an opaque zero (``it &
-2^30``): kept as loop invariants they were spilled, and the refills, once a
-tile, miss the L1 that the shared memory leaves (notes/bench.md).
+Registers: at RG 4 (512 threads) a thread has 128. There the lane's shared
+offsets are derived again on every tile from ``tid`` plus an opaque zero
+(``it & 2^30``): kept as loop invariants they were spilled, and the refills,
+once a tile, miss the L1 that the shared memory leaves (notes/bench.md).
+Fewer row groups keep them in registers.
 
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
@@ -270,6 +271,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     NO_TRANS = defect == "ldmatrix_no_trans"
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
     CAUSAL_EDGE = defect == "causal_tile_edge"
+    # derive the lane's offsets again on every tile (module docstring, Registers):
+    # at RG 4 only; with fewer threads the registers hold them (at RG 2 the
+    # 16-bit kernel ran 13 % slower at 16 heads with it: notes/bench.md)
+    REMAT = RG == 4
 
     ROWS = 16 * RG
     NTH = CQ * RG * WARP
@@ -586,12 +591,14 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             s[x] = float32(-math.inf)
 
         for it in range(n_tiles):
-            # the lane's offsets again, from tid plus an opaque zero (it & 2^30): as
-            # loop invariants the compiler kept them in registers, which at 128 a
-            # thread it spilled, and a refill misses the L1 (shared memory takes
-            # nearly all of it: notes/bench.md)
-            tid_z = tid + (it & 0x40000000)
-            a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid_z)
+            # RG 4: the lane's offsets again, from tid plus an opaque zero (it &
+            # 2^30): as loop invariants the compiler kept them in registers, which
+            # at 128 a thread it spilled, and a refill misses the L1 (shared memory
+            # takes nearly all of it: notes/bench.md)
+            tid_z = tid
+            if REMAT:
+                tid_z = tid + (it & 0x40000000)
+                a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid_z)
             wait_all()  # this thread's copies of tile it have landed
             if PER_TOKEN and tid < KT:
                 smf[SCL + tid] = s_next  # (the last tile's conversion read them)
@@ -612,7 +619,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 if it + 1 < n_tiles:
                     issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row,
                           start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB,
-                          tid_z // CPR, tid_z % CPR)
+                          tid_z // CPR if REMAT else crow, tid_z % CPR if REMAT else cc)
                 commit()
                 kb = LAT0B + (it % 2) * LATB
             tile0 = start + it * KT
