@@ -114,14 +114,16 @@ def _decode_both(c, paged=None, rng=None, **kw):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("mode,rank", [("token", RANK), ("tensor", RANK), ("token", 256),
-                                       ("tensor", 256)])
-def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank):
-    """The kernel alone at one row group (the simulator's cheapest plan): one
-    sequence of length 20 in a cache of 26 rows (one tile; NaN codes and scales
-    past the length), 2 heads, one query. Rank 256: four 64-column blocks of
-    c_kv (the other cases have one; a conversion that misplaces codes across
-    blocks, or within the chunks of odd blocks, passed them)."""
+@pytest.mark.parametrize("mode,rank,row_groups", [
+    ("token", RANK, 1), ("tensor", RANK, 1), ("token", 256, 4), ("tensor", 256, 4),
+    ("tensor", 256, 1)])
+def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups):
+    """The kernel alone (one row group: the simulator's cheapest plan; four: the
+    offsets derived again each tile): one sequence of length 20 in a cache of 26
+    rows (one tile; NaN codes and scales past the length), 2 heads, one query.
+    Rank 256: four 64-column blocks of c_kv (the other cases have one; a
+    conversion that misplaced codes within the chunks of odd blocks passed
+    them)."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
@@ -131,7 +133,8 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank):
     table = to_device(np.zeros((1, 1), np.int32))
     results = []
     for lat, fp8_mode, sc in ((c["codes"], mode, c["scales"]), (c["fp16"], None, None)):
-        pl = MM.plan(1, NH, rank, D_ROPE, 20, "f16", row_groups=1, n_split=1, fp8=fp8_mode)
+        pl = MM.plan(1, NH, rank, D_ROPE, 20, "f16", row_groups=row_groups, n_split=1,
+                     fp8=fp8_mode)
         o = device_empty((1, NH, rank), np.float32)
         lse = device_empty((1, NH), np.float32)
         pa, pm = MM.scratch(pl, 1, NH)

@@ -53,6 +53,8 @@ from validation.tolerance import budget, max_abs_error, same_nonfinite
 F16 = np.dtype(np.float16)
 DIMS = MlaDims(n_head=3, d_nope=16, d_rope=0, d_v=16, kv_rank=64)  # W 64: one column block
 WIDE = MlaDims(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64)  # W 128: two blocks
+# r 256: four column blocks of c_kv, so a warp's V columns (r / 4) span two blocks
+R256 = MlaDims(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=256)
 
 
 # ---------------------------------------------------------------------------
@@ -161,7 +163,7 @@ def rejected(got, ref, base):
 
 @functools.lru_cache(maxsize=None)
 def contiguous(dims_name, s_q, lens, seed=0):
-    dims = {"DIMS": DIMS, "WIDE": WIDE}[dims_name]
+    dims = {"DIMS": DIMS, "WIDE": WIDE, "R256": R256}[dims_name]
     qc, cache, slots, rows, scale = case(dims, list(lens), s_q, seed=seed,
                                          slots=np.arange(len(lens))[::-1])
     ref = oracle(qc, rows, lens, dims.n_head, s_q, scale, dims.kv_rank)
@@ -183,6 +185,25 @@ def test_contiguous_matches_the_oracle(s_q, lens, tile, n_split):
     judge(got, ref, base, f"s_q {s_q} tile {tile} splits {pl['n_split']}")
     empty = np.asarray(lens) == 0
     assert np.all(got[0][empty] == 0) and np.all(got[1][empty] == -np.inf)
+
+
+@pytest.mark.device
+def test_rank_256_at_one_and_four_row_groups():
+    """r 256: a warp's V columns span two column blocks (at r 64 every column a warp
+    owns lies in block 0, so a wrong block stride for V passes every other test on
+    the simulator). Row groups 1 and 4: RG 4 derives the lane's offsets again each
+    tile (mla.mma, Registers); its rows must be RG 1's to the bit."""
+    lens = (20, 45)
+    dims, qc, cache, slots, scale, ref, base = contiguous("R256", 1, lens, seed=2)
+    got = []
+    for rg in (1, 4):
+        out, pl = attend(qc, cache, lens, dims.n_head, scale, dims.kv_rank, table=slots,
+                         tile=64, row_groups=rg)
+        assert pl["row_groups"] == rg
+        judge(out, ref, base, f"r 256, RG {rg}")
+        got.append(out)
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.device
