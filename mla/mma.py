@@ -81,10 +81,10 @@ row. A thread converts units of 8 codes (a uint64 load, a 16-byte chunk of the
 tile stored as two uint64), a warp 32 consecutive units of a row, so its
 loads and stores have no bank conflicts. Per token, threads below KT load
 their row's scale when the tile's copy is issued and store it to shared
-memory (``KT`` more words) once the tile has landed. k_pe is copied straight into two f16
-buffers of its ``d_rope`` columns. One more ``__syncthreads`` a tile. A
-zero-filled row (past the end, a bad page entry) converts to zeros (its scale
-taken as 0, never read).
+memory (``KT`` more words) once the tile has landed. k_pe is copied straight
+into two f16 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a
+tile. A zero-filled row (past the end, a bad page entry) converts to zeros
+(its scale taken as 0, never read).
 
 Planted defects (``defect=``, compile-time switches for the tests and the
 defect catalogue; without one the kernel is unchanged, its name has no suffix):
@@ -520,7 +520,6 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
-        g = lane // 4
         tq = lane % 4
         rg = warp // CQ
         cq = warp % CQ
