@@ -350,7 +350,7 @@ def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
     # the conversion's units: a uint64 of codes in, a 16-byte f16 chunk out as two
-    # uint64 (the 32-bit form had bank conflicts: mla.mma's docstring)
+    # uint64 (a warp's loads and stores free of bank conflicts: mla.mma's docstring)
     assert ptx.count("ld.shared.u64") == 1 and ptx.count("st.shared.u64") == 2
 
 

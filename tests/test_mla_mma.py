@@ -486,10 +486,11 @@ def test_row_groups_4_keep_the_tile_loop_in_registers(fp8):
     ptxas spills at most 16 bytes over the whole contiguous kernel: the lane
     offsets are derived again each tile from an opaque zero rather than kept as
     loop invariants. The kernels before that spilled 60 (16-bit), 260 (fp8 per
-    tensor) and 704 bytes (per token), most of it refilled on every tile, and
-    those refills miss the L1 that shared memory leaves (notes/bench.md). Paged
-    kernels still spill more (not checked here). Needs nvJitLink through
-    cuda.core (the CI image has it); skipped where it is missing."""
+    tensor) and 704 bytes (per token; ptxas 13.0), most of it refilled on every
+    tile, and those refills miss the L1 that shared memory leaves
+    (notes/bench.md). Paged kernels still spill more (not checked here). Needs
+    nvJitLink through cuda.core (the CI image has it); skipped where it is
+    missing."""
     import re
 
     from numba import cuda
