@@ -94,6 +94,10 @@ defect catalogue; without one the kernel is unchanged, its name has no suffix):
                           (``ldmatrix`` reads them with the right one)
     "causal_tile_edge"    a query whose causal end falls on a tile edge (a
                           multiple of 16) sees one more position
+    "v_block_stride"      V's B fragments all read from the latent tile's first
+                          64-column block (the column block's stride dropped:
+                          only ranks past 64, where a warp's r / 4 columns
+                          reach a second block, show it)
   and with an fp8 cache (``FP8_DEFECTS``):
     "fp8_scale_twice"     each value multiplied by its scale twice
     "fp8_no_scale"        the codes' values taken unscaled
@@ -133,7 +137,7 @@ TILES = (64,)  # positions a latent tile (KT)
 ROW_GROUPS = (1, 2, 4)  # row groups of 16 a block (RG)
 SMEM_BLOCK_MAX = 232448  # the H100 / H200 opt-in limit of a block's shared memory
 SMEM_PER_SM = 233472
-DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
+DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge", "v_block_stride")
 # fp8 cache only (``fp8=``): the dequantization's scale applied twice / not at
 # all, the scale of the next cached row (per token), codes decoded as e5m2
 FP8_DEFECTS = ("fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token", "fp8_as_e5m2")
@@ -271,6 +275,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     NO_TRANS = defect == "ldmatrix_no_trans"
     SWIZZLE_OFF = defect == "swizzle_off_by_one"
     CAUSAL_EDGE = defect == "causal_tile_edge"
+    V_BLOCK = 0 if defect == "v_block_stride" else KT * 128  # V's column-block stride (KBLK)
     # derive the lane's offsets again on every tile (module docstring, Registers):
     # at RG 4 only; with fewer threads the registers hold them (at RG 2 the
     # 16-bit kernel ran 13 % slower at 16 heads with it: notes/bench.md)
@@ -683,7 +688,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ (32 * kk)))
                     for nd2 in range(NT // 2):
                         col = cq * NCOL + 16 * nd2
-                        va = sbase + ((a_lane + kb + (col >> 6) * KBLK + kk * 16 * 128)
+                        va = sbase + ((a_lane + kb + (col >> 6) * V_BLOCK + kk * 16 * 128)
                                       ^ (((col >> 3) & 7) << 4))
                         if NO_TRANS:
                             b0, b1, b2, b3 = ld_x4(smem, va)

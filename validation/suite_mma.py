@@ -20,7 +20,9 @@ kernel, so the suite's names say which kernel a defect is planted in:
   kernel (V = the latent tile's first r columns; latent tiles swizzled with the
   next row's key);
 * ``mla_causal_tile_edge``: a query whose causal end is a multiple of 16 sees
-  one position more.
+  one position more;
+* ``mla_v_block_stride``: V's fragments all read from the latent tile's first
+  64-column block (only a rank past 64 shows it: case ``s2_kv49_r128``).
 
 A defect of one kernel runs that kernel's checks; the clean run runs all three.
 
@@ -48,7 +50,9 @@ weights in FlashAttention-2's form, ``exp="ex2fma"``). Checks (each named
   the sequence), 2 heads, d_nope 16, r 64, d_rope 64 (two 64-column blocks),
   an fp16 cache; out judged against
   ``mla.oracle.mla_decode_ref`` and ``baselines.mla_rounded_p`` (the registry's
-  ``mla_mma`` baseline). The pipeline's own plan (it takes no plan keywords).
+  ``mla_mma`` baseline). The pipeline's own plan (it takes no plan keywords);
+* MLA ``s2_kv49_r128``: the same at r 128, where a warp's r / 4 = 32 V columns
+  span two 64-column blocks of the latent tile (at r 64 they lie in one).
 
 On the simulator the kernels run with one warp a block (the tests' plans);
 on a GPU each case also runs with the kernel's default plan.
@@ -208,4 +212,5 @@ def run_suite(defect=None, *, small=True):
             results += check_prefill("t20_gqa2_d32_full", 20, 2, 1, 32, False, plan, defect)
     if defect is None or defect in MLA_DEFECTS:
         results += check_mla("s2_kv49", [49], 2, 2, 16, 64, 64, 16, defect)
+        results += check_mla("s2_kv49_r128", [49], 2, 2, 16, 128, 64, 16, defect)
     return results
