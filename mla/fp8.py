@@ -23,14 +23,19 @@ Scales (the value meant by code ``c`` of a row is ``e4m3(c) * s``), float32:
   and codes 0, never NaN. MLA has one latent "head", so this is the per-(token,
   head) mode of ``attention.cache.fp8``.
 
-What the decode attends (``mla.mma``'s fp8 mode): each c_kv value dequantized in
-float32, ``fl32(e4m3(c) * s)`` (one rounding), then rounded to float16 (to
-nearest even) into the tensor-core tile, the same operand rounding as the
-16-bit cache path; k_pe as stored. ``dequantize(..., rounded=True)`` gives those
-values; ``rounded=False`` the exact ``e4m3(c) * s`` (float64) the oracle takes.
-Values past float16's range (``|e4m3(c) s| > 65504``) become inf: per-token
-scales of float16-range rows never get there; a per-tensor scale must keep
-``448 s`` below it (``check_tensor_scale``).
+What the decode attends (``mla.mma``'s fp8 mode): per token each c_kv value
+dequantized in float32, ``fl32(e4m3(c) * s)`` (one rounding), then rounded to
+float16 (to nearest even) into the tensor-core tile, the same operand rounding
+as the 16-bit cache path; per tensor the codes' values (exact in float16), with
+``s`` applied to the scores' c_kv part and to the output instead. k_pe as
+stored. ``dequantize(..., rounded=True)`` gives the per-token operands (and,
+for a power-of-two tensor scale, values the per-tensor decode's results equal
+bit for bit); ``rounded=False`` the exact ``e4m3(c) * s`` (float64) the oracle
+takes. Values past float16's range (``|e4m3(c) s| > 65504``) would become inf
+in a float16 tile: per-token scales of float16-range rows never get there; a
+per-tensor scale must keep ``448 s`` below it (``check_tensor_scale``), so that
+every dequantized value is a float16 value as in a 16-bit cache, although the
+per-tensor decode itself no longer rounds them.
 """
 
 from __future__ import annotations
@@ -83,8 +88,9 @@ def dequantize(codes, scales, rank, rounded=False):
     per token, or a scalar / ``[1]`` per tensor): ``[..., r + d_rope]``.
 
     ``rounded=False``: float64, ``e4m3(c) * s`` exactly (the oracle's cache);
-    ``rounded=True``: float32 holding the decode's operands, ``fp16(fl32(e4m3(c)
-    * s))`` (module docstring). k_pe is the stored float16 either way."""
+    ``rounded=True``: float32 holding the per-token decode's operands,
+    ``fp16(fl32(e4m3(c) * s))`` (module docstring). k_pe is the stored float16
+    either way."""
     codes = np.asarray(codes, np.uint8)
     c8 = codes[..., :rank]
     pe = np.ascontiguousarray(codes[..., rank:]).view(np.float16)

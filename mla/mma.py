@@ -76,10 +76,17 @@ d_rope fp16 values, ``r + 2 d_rope`` bytes, with float32 scales ``sc``): the
 same kernel with fp16 operands (``kind`` "f16"). A tile's codes are copied
 (``cp.async``) into two code buffers ``[KT, r]`` bytes; at the top of the next
 tile's step the block converts them into one f16 c_kv tile (the 16-bit
-layout): ``fp16(fl32(e4m3(c) s))``, the scale of the tensor or of the code's
-row. A thread converts units of 8 codes (a uint64 load, a 16-byte chunk of the
-tile stored as two uint64), a warp 32 consecutive units of a row, so its
-loads and stores have no bank conflicts. Per token, threads below KT load
+layout). Per tensor the tile holds the codes' values (``cvt.rn.f16x2.e4m3x2``,
+exact) and the scale ``s`` goes on the c_kv part of S (the c_kv column blocks'
+sums times ``s``, one rounding, before k_pe's k steps are added) and on O
+(times ``s`` before ``1 / l``, or before a split's partial is written): one
+conversion instruction a code pair, against three through fp32 (notes/bench.md).
+Per token the tile holds ``fp16(fl32(e4m3(c) s))``, s the code's row's (its
+scale varies along P.V's k, so it cannot leave the tile). A thread converts
+units of 8 codes (a uint64 load, a 16-byte chunk of the tile stored as two
+uint64), a warp 32 consecutive units of a row, so its loads and stores have no
+bank conflicts; it converts the same 8 columns of rows ``NTH / (r / 8)`` apart,
+its addresses a base plus a constant a unit. Per token, threads below KT load
 their row's scale when the tile's copy is issued and store it to shared
 memory (``KT`` more words) once the tile has landed. k_pe is copied straight
 into two f16 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a
@@ -99,7 +106,8 @@ defect catalogue; without one the kernel is unchanged, its name has no suffix):
                           only ranks past 64, where a warp's r / 4 columns
                           reach a second block, show it)
   and with an fp8 cache (``FP8_DEFECTS``):
-    "fp8_scale_twice"     each value multiplied by its scale twice
+    "fp8_scale_twice"     each value multiplied by its scale twice (per tensor:
+                          S's c_kv part and O)
     "fp8_no_scale"        the codes' values taken unscaled
     "fp8_scale_wrong_token"  per token: a row converted with the next row's scale
     "fp8_as_e5m2"         the codes decoded as e5m2
@@ -125,6 +133,7 @@ from attention.core.device import (
 )
 from attention.core.warp import fragment_softmax_step, group_max, group_sum, softmax_finish
 from attention.decode import fast
+from attention.decode.mma import _codes_f16x2
 from attention.gemm import mma16
 
 from . import attn_gemm as G
@@ -268,8 +277,11 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     PAGED = bool(paged)
     FP8 = fp8 is not None
     PER_TOKEN = fp8 == "token"
-    # times a dequantized value is multiplied by its scale (once; the planted
-    # fp8_no_scale / fp8_scale_twice: 0 / 2)
+    # per tensor: the tile holds the codes' values, the scale goes on the c_kv part
+    # of S and on O (module docstring, "fp8 cache")
+    TENSOR = fp8 == "tensor"
+    # times a dequantized value (per tensor: the c_kv part of S, O) is multiplied
+    # by its scale (once; the planted fp8_no_scale / fp8_scale_twice: 0 / 2)
     SCALINGS = {"fp8_no_scale": 0, "fp8_scale_twice": 2}.get(defect, 1)
     WRONG_TOKEN = defect == "fp8_scale_wrong_token"
     NO_TRANS = defect == "ldmatrix_no_trans"
@@ -316,6 +328,11 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     COPIES_N = -(-KT * CPRN // NTH)
     UPR = RANK // 8  # conversion units a row
     UNITS = -(-KT * UPR // NTH)  # units of a tile a thread converts (at most)
+    # where NTH is a multiple of UPR a thread converts the same 8 columns of rows
+    # RS apart (every plan's shape: UPR <= 64 divides 128): its addresses are a
+    # base plus k times a constant, derived once a tile
+    FIXED_COLS = NTH % UPR == 0
+    RS = NTH // UPR if FIXED_COLS else 0
     COPIES_R = -(-KT * CPRR // NTH) if DROPE else 0
     ROW_STEP_N, CHUNK_STEP_N = NTH // CPRN, NTH % CPRN
     ROW_STEP_R, CHUNK_STEP_R = NTH // CPRR, NTH % CPRR
@@ -331,6 +348,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     mma, pack = mma16.ops(kind)
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
+    codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
 
     def tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row):
         # cache row of position tile0 when the tile's KT positions are KT consecutive
@@ -456,37 +474,73 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     issue8 = device_fn(issue8)
 
-    def convert8(smem, smem64, smf, s_all, nb, tid):
-        # fp8: code buffer nb into the f16 c_kv tile, fp16(fl32(e4m3(c) s)) (s: the
-        # tensor's, or the row's from the scale words SCL). Unit u = tid + NTH k is
-        # row u // UPR, codes 8 (u % UPR) ..: a uint64 load, one 16-byte chunk of
-        # the tile stored as two uint64 (the half of odd column blocks first: the
-        # 16 lanes of a store cover the 32 banks)
-        for k in range(UNITS):
-            u = tid + NTH * k
-            if KT * UPR % NTH == 0 or u < KT * UPR:
-                row = u // UPR
-                p = u % UPR
-                s = smf[SCL + row] if PER_TOKEN else s_all
-                codes = smem64[(STG0B + nb * STGB + row * RANK + 8 * p) >> 3]
-                key = row & 7
-                if SWIZZLE_OFF:
-                    key = (row + 1) & 7
-                dst = (NOPE0B + (p >> 3) * KBLK + row * 128 + (((p & 7) ^ key) << 4)) >> 3
-                first = (p >> 3) & 1  # the half stored first
-                for hh in range(2):
-                    h = hh ^ first  # codes 4 h .. 4 h + 3 -> the chunk's half h
-                    v0, v1, v2, v3 = codes4(uint32((codes >> uint64(32 * h))
-                                                   & uint64(0xFFFFFFFF)))
-                    for _ in range(SCALINGS):
-                        v0 = float32(v0 * s)
-                        v1 = float32(v1 * s)
-                        v2 = float32(v2 * s)
-                        v3 = float32(v3 * s)
-                    smem64[dst + h] = (uint64(pack(v0, v1))
-                                       | (uint64(pack(v2, v3)) << uint64(32)))
+    def convert_unit(smem64, smf, nb, row, p):
+        # fp8: unit (row, p) of code buffer nb, codes 8 p .. 8 p + 7 of the row: a
+        # uint64 load, one 16-byte chunk of the f16 tile stored as two uint64 (the
+        # half of odd column blocks first: the 16 lanes of a store cover the 32
+        # banks). Per tensor the codes' values (exact in f16); per token
+        # fp16(fl32(e4m3(c) s)), s the row's from the scale words SCL. Indices
+        # unsigned (no negative-index wraparound): uint64 words
+        key = row & 7
+        if SWIZZLE_OFF:
+            key = (row + 1) & 7
+        src = uint64((STG0B + nb * STGB) // 8 + row * (RANK // 8) + p)
+        dst = uint64(NOPE0B // 8 + (p >> 3) * (KBLK // 8) + row * 16 + (((p & 7) ^ key) << 1))
+        codes = smem64[src]
+        first = (p >> 3) & 1  # the half stored first
+        if PER_TOKEN:
+            s = smf[SCL + row]
+        for hh in range(2):
+            h = hh ^ first  # codes 4 h .. 4 h + 3 -> the chunk's half h
+            word = uint32((codes >> uint64(32 * h)) & uint64(0xFFFFFFFF))
+            if PER_TOKEN:
+                v0, v1, v2, v3 = codes4(word)
+                for _ in range(SCALINGS):
+                    v0 = float32(v0 * s)
+                    v1 = float32(v1 * s)
+                    v2 = float32(v2 * s)
+                    v3 = float32(v3 * s)
+                lo = pack(v0, v1)
+                hi = pack(v2, v3)
+            else:
+                lo, hi = codes_f16x2(word)
+            smem64[dst + uint64(h)] = uint64(lo) | (uint64(hi) << uint64(32))
+
+    convert_unit = device_fn(convert_unit)
+
+    def convert8(smem64, smf, nb, tid):
+        # fp8: code buffer nb into the f16 c_kv tile (module docstring). Unit u =
+        # tid + NTH k is row u // UPR, codes 8 (u % UPR) ..; with FIXED_COLS that
+        # is row tid // UPR + RS k, the same codes of each row
+        if FIXED_COLS:
+            row0 = tid // UPR
+            p = tid % UPR
+            for k in range(UNITS):
+                row = row0 + RS * k
+                if KT % RS == 0 or row < KT:
+                    convert_unit(smem64, smf, nb, row, p)
+        else:
+            for k in range(UNITS):
+                u = tid + NTH * k
+                if KT * UPR % NTH == 0 or u < KT * UPR:
+                    convert_unit(smem64, smf, nb, u // UPR, u % UPR)
 
     convert8 = device_fn(convert8)
+
+    def scale8(sc, c0, c1, c2, c3, d0, d1, d2, d3):
+        # per tensor: the c_kv part of 8 scores times the scale (SCALINGS times)
+        for _ in range(SCALINGS):
+            c0 = float32(c0 * sc)
+            c1 = float32(c1 * sc)
+            c2 = float32(c2 * sc)
+            c3 = float32(c3 * sc)
+            d0 = float32(d0 * sc)
+            d1 = float32(d1 * sc)
+            d2 = float32(d2 * sc)
+            d3 = float32(d3 * sc)
+        return c0, c1, c2, c3, d0, d1, d2, d3
+
+    scale8 = device_fn(scale8)
 
     def lane_offsets(t):
         # thread t's shared byte offsets for ldmatrix (a_lane: the x4 row address of
@@ -613,7 +667,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
                                     slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid_z)
                 commit()
-                convert8(smem, smem64, smf, s_all, it % 2, tid_z)
+                convert8(smem64, smf, it % 2, tid_z)
                 cuda.syncthreads()  # the f16 c_kv tile is complete
                 # (kb opaque to the compiler, it & 2^30 being 0: a constant kb let it
                 # hoist every V fragment's address out of the tile loop, and spill them)
@@ -633,6 +687,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 c0 = c1 = c2 = c3 = float32(0.0)
                 d0 = d1 = d2 = d3 = float32(0.0)
                 for cb in range(NCB):
+                    if TENSOR and cb == NCBN:  # the c_kv part times the tensor's scale
+                        c0, c1, c2, c3, d0, d1, d2, d3 = scale8(
+                            s_all, c0, c1, c2, c3, d0, d1, d2, d3)
                     qa = q_lane + cb * QBLK
                     ka = k_lane + kb + cb * KBLK
                     if FP8 and cb >= NCBN:
@@ -642,6 +699,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         k0, k1, k2, k3 = ld_x4(smem, sbase + (ka ^ (32 * ks)))
                         c0, c1, c2, c3 = mma(a0, a1, a2, a3, k0, k2, c0, c1, c2, c3)
                         d0, d1, d2, d3 = mma(a0, a1, a2, a3, k1, k3, d0, d1, d2, d3)
+                if TENSOR and NCBN == NCB:  # no k_pe columns
+                    c0, c1, c2, c3, d0, d1, d2, d3 = scale8(
+                        s_all, c0, c1, c2, c3, d0, d1, d2, d3)
                 s[0], s[1], s[2], s[3] = c0, c1, c2, c3
                 s[4], s[5], s[6], s[7] = d0, d1, d2, d3
                 # scale and mask: s[4 h + e] row g, s[4 h + 2 + e] row g + 8,
@@ -732,6 +792,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     col = cq * NCOL + nd * 8 + 2 * tq
                     x0 = o[4 * nd + 2 * half]
                     x1 = o[4 * nd + 2 * half + 1]
+                    if TENSOR:  # O over the codes' values, times the tensor's scale
+                        for _ in range(SCALINGS):
+                            x0 = float32(x0 * s_all)
+                            x1 = float32(x1 * s_all)
                     if single:
                         o_lat[seq, row, col] = x0 * inv
                         o_lat[seq, row, col + 1] = x1 * inv

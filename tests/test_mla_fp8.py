@@ -6,7 +6,11 @@
 * the decode over an fp8 cache gives, bit for bit, the 16-bit tensor-core
   decode over the fp16 cache holding the values it dequantizes to (both scale
   modes, contiguous and paged, with NaN codes and NaN scales in every unused
-  row): the fp8 mode changes only how a tile reaches shared memory;
+  row; per tensor with a power-of-two scale, which the kernel's placement of
+  the scale, on S's c_kv part and on O, leaves exact): the fp8 mode changes
+  only how a tile reaches shared memory and where the tensor's scale goes;
+* the per-tensor baseline order (``mma16_pcT``) against the plain rounded-P
+  baseline: equal with a power-of-two scale, apart by a rounding otherwise;
 * the graph over an fp8 cache gives ``mla_decode``'s bits and reads the scales
   in place (an append between runs is seen);
 * the registry entries (``mla_fp8``, ``mla_fp8_tok``) and the defect suite
@@ -40,7 +44,10 @@ def _case(rng, lens, s_q=1, mode="token", cap=None, nan_unused=True, rank=RANK):
     w_uv = (rng.standard_normal((NH, D_V, rank)) / np.sqrt(rank)).astype(np.float32)
     rows = rng.standard_normal((n_b, cap, rank + D_ROPE)).astype(np.float32)
     rows[..., :rank] *= np.float32(2.0) ** rng.integers(-8, 8, (n_b, cap, 1))
-    tensor = None if mode == "token" else np.array([0.05], np.float32)
+    # per tensor a power of two: the kernel takes the codes' values and puts the
+    # scale on S's c_kv part and on O, which then commutes with every rounding,
+    # so the fp16 path over the dequantized values gives the same bits
+    tensor = None if mode == "token" else np.array([2.0 ** -4], np.float32)
     codes, scales = fp8.quantize(rows, rank, tensor)
     scales = tensor if mode == "tensor" else scales
     fp16 = fp8.dequantize(codes, scales, rank, rounded=True).astype(np.float16)
@@ -215,10 +222,46 @@ def test_registry_entries_share_the_tensor_core_shape():
                            dtypes=["float16"])
     assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma", "mla_fp8",
                                                                   "mla_fp8_tok"}
-    for name, mode in (("mla_fp8", "tensor"), ("mla_fp8_tok", "token")):
+    for name, mode, label in (("mla_fp8", "tensor", "mma16_pc16/after"),
+                              ("mla_fp8_tok", "token", "mma16_p16/after")):
         spec = registry.KERNELS_BY_NAME[name]
-        assert (spec.quantize, spec.baseline, spec.storage) == (mode, "mma16_p16/after",
-                                                                ("k_pe",))
+        assert (spec.quantize, spec.baseline, spec.storage) == (mode, label, ("k_pe",))
+
+
+@pytest.mark.parametrize("code_scale,equal", [(2.0 ** -4, True), (0.037, False)])
+def test_per_tensor_order_moves_only_the_scale(code_scale, equal):
+    """``mla_rounded_p(code_scale=)`` (the order ``mma16_pcT``, the per-tensor
+    kernel's) over the codes' values against the plain rounded-P order over the
+    dequantized values rounded to fp16: the same bits with a power-of-two scale
+    (the scale then commutes with every rounding); with another scale apart
+    (a positive control: the two orders are told apart) by about fp16's
+    rounding of the values, no more."""
+    from attention.cache.fp8 import decode_e4m3
+    from validation.baselines import mla_rounded_p
+
+    rng = np.random.default_rng(11)
+    t_q, t_kv = 2, 37
+    q_nope = rng.standard_normal((t_q, NH, D_NOPE)).astype(np.float32)
+    q_pe = rng.standard_normal((t_q, NH, D_ROPE)).astype(np.float32)
+    w_uk = (rng.standard_normal((NH, D_NOPE, RANK)) / np.sqrt(RANK)).astype(np.float32)
+    w_uv = (rng.standard_normal((NH, D_V, RANK)) / np.sqrt(RANK)).astype(np.float32)
+    rows = rng.standard_normal((t_kv, RANK + D_ROPE)).astype(np.float32)
+    codes, _ = fp8.quantize(rows, RANK, np.array([code_scale], np.float32))
+    values = decode_e4m3(codes[:, :RANK]).astype(np.float32)
+    k_pe = rows[:, RANK:].astype(np.float16).astype(np.float32)
+    deq = (values.astype(np.float64) * np.float32(code_scale)).astype(np.float32)
+    scale = 1.0 / np.sqrt(D_NOPE + D_ROPE)
+    got = mla_rounded_p(q_nope, q_pe, values, k_pe, w_uk, w_uv, scale, np.float16,
+                        code_scale=code_scale)
+    want = mla_rounded_p(q_nope, q_pe, deq, k_pe, w_uk, w_uv, scale, np.float16)
+    if equal:
+        np.testing.assert_array_equal(got, want)
+    else:
+        diff = np.abs(got - want).max()
+        assert 0 < diff <= 2.0 ** -9 * np.abs(want).max(), diff
+    with pytest.raises(ValueError, match="code_scale"):
+        mla_rounded_p(q_nope, q_pe, values, k_pe, w_uk, w_uv, scale, np.float16,
+                      sums="matmul", code_scale=code_scale)
 
 
 def test_quantized_case_keeps_exact_values_for_the_oracle():
@@ -254,7 +297,8 @@ def test_registry_case_passes(kernel):
 
     rec = sweep.run_case(registry.Case(kernel, MLA_SHAPE, "large", 0, "float16", True))
     assert rec["status"] == "pass", rec["detail"]
-    assert rec["baseline"] == "mma16_pf16/after" and rec["cast"] == "storage"
+    label = "mma16_pcf16/after" if kernel == "mla_fp8" else "mma16_pf16/after"
+    assert rec["baseline"] == label and rec["cast"] == "storage"
 
 
 @pytest.mark.device
@@ -350,8 +394,14 @@ def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
     # the conversion's units: a uint64 of codes in, a 16-byte f16 chunk out as two
-    # uint64 (a warp's loads and stores free of bank conflicts: mla.mma's docstring)
-    assert ptx.count("ld.shared.u64") == 1 and ptx.count("st.shared.u64") == 2
+    # uint64 (a warp's loads and stores free of bank conflicts: mla.mma's
+    # docstring); the compiler unrolls the units' loop (all 8 at RG 4), so count the
+    # pairs
+    loads = ptx.count("ld.shared.u64")
+    assert loads >= 1 and ptx.count("st.shared.u64") == 2 * loads
+    # per tensor the codes' f16 values go straight to the tile; per token through
+    # fp32, times the row's scale
+    assert ("cvt.ftz.f32.f16" in ptx) == (mode == "token")
 
 
 # ---------------------------------------------------------------------------

@@ -89,6 +89,18 @@ SUM (how the products of a dot product are added, ``dot``)
                      sum over the dequantized rows drew other ulps,
                      notes/validation.md). Decode cases quantized per (token,
                      kv head) only.
+    ``mma16_pcT``    ``mma16_pT`` for the tensor-core MLA decode over an fp8
+                     latent cache with one scale per tensor (``mla.mma``,
+                     ``fp8="tensor"``): the kernel's tile holds the codes'
+                     values (exact in f16), so the c_kv part of each score
+                     is summed over the codes, multiplied by the scale (one
+                     rounding), and the k_pe part's k steps are added to it;
+                     ``o_lat = ((p16 @ codes) * scale) / l``
+                     (``mla_rounded_p(..., code_scale=)``). Before, the kernel
+                     rounded ``fl32(e4m3(c) s)`` to f16 into its tile and the
+                     baseline ``mma16_pT`` did the same: a changed criterion
+                     (notes/validation.md). MLA cases quantized per tensor
+                     only.
     ``matmul_pT``    the same with S as numpy's float32 ``@``
                      (``decode_rounded_p``'s default; decode only). Not the
                      registry's: at the 'large' fixture (|score| 1e4) the
@@ -169,8 +181,9 @@ LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
 _LANES = re.compile(r"^lanes(\d+)x(\d+)$")
 _BLOCKED = re.compile(r"^(blocked|tc)(\d+)$")
-# SUM_pT (P rounded to T) or SUM_pvT (P times each row's V scale, normalised, rounded)
-_ROUNDED_P = re.compile(r"^(matmul|mma16)_p(v?)(16|f16|bf16|f32)$")
+# SUM_pT (P rounded to T), SUM_pvT (P times each row's V scale, normalised, rounded)
+# or SUM_pcT (MLA over fp8 codes, the tensor's scale on the c_kv part of S and on O)
+_ROUNDED_P = re.compile(r"^(matmul|mma16)_p(v|c|)(16|f16|bf16|f32)$")
 
 
 def parse(label):
@@ -187,7 +200,7 @@ def parse(label):
             or exp not in EXPS + ("ex2fma",) or len(parts) > 4):
         raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
                          f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
-                         f"mla_gemm, matmul_pT, mma16_pT, mma16_pvT, "
+                         f"mla_gemm, matmul_pT, mma16_pT, mma16_pvT, mma16_pcT, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
     if _ROUNDED_P.match(how) and (where != "after" or norm != "divide"
                                   or exp not in ("exp", "ex2fma")):
@@ -642,9 +655,15 @@ def rounded_p_baseline(kind, inputs, label):
         raise ValueError(f"rounded_p_baseline: expected a resolved rounded-P order, got "
                          f"{label!r}")
     sums, dtype = rounded.group(1), _rounded_dtype(rounded.group(3))
-    if rounded.group(2) and (kind != "decode" or inputs.get("fp8_scales") != "token_head"):
+    if rounded.group(2) == "v" and (kind != "decode"
+                                    or inputs.get("fp8_scales") != "token_head"):
         raise ValueError(f"rounded_p_baseline: {label!r} (V scales into P) takes a decode "
                          f"case quantized per (token, kv head), got a {kind} case")
+    if rounded.group(2) == "c" and (kind != "mla" or sums != "mma16"
+                                    or inputs.get("fp8_scales") != "tensor"):
+        raise ValueError(f"rounded_p_baseline: {label!r} (fp8 codes, the tensor's scale "
+                         f"out of the sums) takes an mla case quantized per tensor, with "
+                         f"SUM mma16, got a {kind} case")
     if kind == "decode" and exp == "exp":
         q = np.asarray(inputs["q"], F32)  # [M, H, D]
         slots = np.asarray(inputs["slot_table"])
@@ -679,7 +698,14 @@ def rounded_p_baseline(kind, inputs, label):
 
         args = [np.asarray(inputs[n], F32) for n in MLA_ARGS]
         scale = 1.0 / np.sqrt(args[0].shape[2] + args[1].shape[2])
-        return {"out": mla_rounded_p(*args, scale, dtype, sums)}
+        code_scale = None
+        if rounded.group(2) == "c":  # c_kv: the codes' values, the scale apart
+            from attention.cache.fp8 import decode_e4m3
+
+            args[MLA_ARGS.index("c_kv")] = decode_e4m3(
+                np.asarray(inputs["latent_codes"])).astype(F32)
+            code_scale = float(np.asarray(inputs["latent_scale"], F32).reshape(-1)[0])
+        return {"out": mla_rounded_p(*args, scale, dtype, sums, code_scale=code_scale)}
     raise ValueError(f"rounded_p_baseline: {label!r} has no {kind} form (decode and mla: "
                      f"mma16_pT or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
 
@@ -722,7 +748,7 @@ def _truncate32(x):
     return y
 
 
-def mma16_scores(qh, kh, rule="exact_rz"):
+def mma16_scores(qh, kh, rule="exact_rz", acc=None):
     """``qh @ kh.T`` ([R, D] @ [D, S] -> [R, S] float32) accumulated as
     ``mma.m16n8k16`` does it, one 16-wide k step at a time, under ``rule``:
 
@@ -735,10 +761,15 @@ def mma16_scores(qh, kh, rule="exact_rz"):
       every term truncated toward zero 2 bits below fp32's last place at the
       largest of those exponents, the kept terms added exactly, the sum
       truncated. Not the registry's rule yet: changing it is a criterion
-      change, to be made beside a GPU run that reports each case it moves."""
+      change, to be made beside a GPU run that reports each case it moves.
+
+    ``acc`` [R, S] float32: the sum the k steps are added to (default zeros;
+    ``mla_rounded_p``'s per-tensor fp8 order starts k_pe's steps from the
+    scaled c_kv part)."""
     if rule not in ("exact_rz", "ops_e2"):
         raise ValueError(f"rule: expected 'exact_rz' or 'ops_e2', got {rule!r}")
-    acc = np.zeros((qh.shape[0], kh.shape[0]), F32)
+    acc = (np.zeros((qh.shape[0], kh.shape[0]), F32) if acc is None
+           else np.array(acc, F32, copy=True))
     for k0 in range(0, qh.shape[1], 16):
         qs, ks = qh[:, k0:k0 + 16].astype(F64), kh[:, k0:k0 + 16].astype(F64)
         if rule == "exact_rz":
@@ -881,7 +912,8 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
     return out, lse
 
 
-def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma16"):
+def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma16",
+                  code_scale=None):
     """float32 MLA attention of one sequence with the tensor-core kernel's roundings
     (``mla.mma``, ``mla_decode(method="mma")``).
 
@@ -907,6 +939,13 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     * out = o_lat W_UV^T in float32, summed as the decompress GEMM (sgemm,
       ``blocked_matmul``) sums it.
 
+    ``code_scale`` (the order ``mma16_pcT``: an fp8 cache with one scale per
+    tensor, ``c_kv`` then the codes' values, exact in ``dtype``): the c_kv
+    part of s summed over the codes (``mma16_scores``), times ``code_scale``
+    in float32, then k_pe's k steps added to that sum, then ``* scale``; and
+    o_lat = ((p16 @ codes) * code_scale) / l: ``mla.mma``'s per-tensor fp8
+    order. "mma16" sums only.
+
     The absorb and the decompress are summed in sgemm's order for either
     ``sums``: with numpy's einsum there instead, the tensor-core entry's out
     mean error was 1.6x the baseline's at the 'large' fixture (one-hot
@@ -916,6 +955,9 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     Returns out [t_q, nh, d_v] float32 (zeros for a query that sees nothing)."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
+    if code_scale is not None and sums != "mma16":
+        raise ValueError(f"code_scale: the per-tensor fp8 order sums as the mma does "
+                         f"(sums 'mma16'), got {sums!r}")
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (np.asarray(a, F32) for a in
                                             (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
     from attention.gemm.sgemm import PART_K
@@ -926,13 +968,17 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
     rows_q = np.concatenate([q_lat, q_pe], axis=-1).astype(dtype).astype(F32)  # [t_q, nh, W]
     with np.errstate(over="ignore"):
         keys = np.concatenate([c_kv, k_pe], axis=-1).astype(dtype).astype(F32)  # [t_kv, W]
-    c_kv = keys[:, :c_kv.shape[1]]
+    rank = c_kv.shape[1]
+    c_kv = keys[:, :rank]
     out = np.zeros((t_q, n_heads, w_uv.shape[1]), F32)
     for i in range(t_q):
         seen = t_kv - t_q + 1 + i
         if seen <= 0:
             continue
-        if sums == "mma16":
+        if code_scale is not None:  # the c_kv part times the scale, then k_pe's steps
+            part = mma16_scores(rows_q[i][:, :rank], c_kv[:seen]) * F32(code_scale)
+            s = mma16_scores(rows_q[i][:, rank:], keys[:seen, rank:], acc=part) * F32(scale)
+        elif sums == "mma16":
             s = mma16_scores(rows_q[i], keys[:seen]) * F32(scale)  # [nh, seen]
         else:
             s = (rows_q[i] @ keys[:seen].T) * F32(scale)  # [nh, seen]
@@ -940,6 +986,9 @@ def mla_rounded_p(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, dtype, sums="mma1
         p = np.exp(s - top)  # [nh, seen] float32
         total = p.sum(axis=1, dtype=F32)  # [nh]
         p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
-        o_lat = ((p16 @ c_kv[:seen]) / total[:, None]).astype(F32)  # [nh, r]
+        if code_scale is not None:
+            o_lat = (((p16 @ c_kv[:seen]) * F32(code_scale)) / total[:, None]).astype(F32)
+        else:
+            o_lat = ((p16 @ c_kv[:seen]) / total[:, None]).astype(F32)  # [nh, r]
         out[i] = blocked_matmul(w_uv, o_lat[:, :, None], PART_K)[:, :, 0]  # [nh, d_v]
     return out

@@ -788,13 +788,16 @@ KERNELS = (
                "cache, q and P rounded to fp16); one sequence, t_q queries, causal; "
                "r + d_rope and r multiples of 64",
                "mma16_p16/after"),
-    # fp8 latent cache: judged over the dequantized c_kv (the oracle exact, the
-    # baseline rounding it to fp16 as the kernel does); float16 k_pe only
+    # fp8 latent cache: judged over the dequantized c_kv (the oracle exact; the
+    # baseline in the kernel's order: per tensor the codes' values with the scale
+    # apart, per token the dequantized values rounded to fp16 as the kernel
+    # rounds them); float16 k_pe only
     KernelSpec("mla_fp8", "mla_fp8", "mla", "mla.pipeline", "mla_decode", _run_mla_fp8,
                ("k_pe",),
                "MLA decode over an fp8 latent cache, one scale per tensor (mla.fp8: c_kv "
-               "e4m3, k_pe fp16; dequantized into the tensor-core kernel's fp16 tiles)",
-               "mma16_p16/after", quantize="tensor"),
+               "e4m3, k_pe fp16; the codes' values in the tensor-core kernel's fp16 tiles, "
+               "the scale on S's c_kv part and on O)",
+               "mma16_pc16/after", quantize="tensor"),
     KernelSpec("mla_fp8_tok", "mla_fp8", "mla", "mla.pipeline", "mla_decode", _run_mla_fp8,
                ("k_pe",),
                "MLA decode over an fp8 latent cache, one scale a cached row (mla.fp8 "

@@ -22,8 +22,10 @@ Checks (named ``<check>[<case>]``):
   per token: row p of a sequence scaled by ``10**e`` with e running over -6 ..
   4 (scales across 1e-6 .. 1e4 / 448 ... 1e4), an all-zero row (scale 0) at
   position 5. Judged against the float64 oracle over the exactly dequantized
-  cache and ``baselines.mla_rounded_p`` (the dequantized values rounded to
-  fp16 as the kernel rounds them): the sweep's rule (``tolerance.verdict``).
+  cache and ``baselines.mla_rounded_p`` in the kernel's order (per token the
+  dequantized values rounded to fp16 as the kernel rounds them; per tensor
+  the codes' values with the scale on S's c_kv part and on O, the order
+  ``mma16_pcT``): the sweep's rule (``tolerance.verdict``).
 * ``append[token]`` / ``append[tensor]``: ``fp8_append_latent`` of 1 to 3 rows
   a sequence into pages of 4 (shuffled table), rows with values far past
   448 * scale (saturated), an all-zero row; every byte of the cache and every
@@ -82,6 +84,7 @@ def decode_case(mode, lens=(49, 17), s_q=2, seed=0):
 
 def check_decode(mode, defect=None):
     """``out[<mode>_s2]``: the decode against the oracle and the baseline."""
+    from attention.cache.fp8 import decode_e4m3
     from mla.oracle import mla_decode_ref
     from mla.pipeline import mla_decode
     from validation import tolerance
@@ -95,8 +98,11 @@ def check_decode(mode, defect=None):
     base = np.zeros(ref.shape, np.float32)
     for b, n in enumerate(c["lens"]):
         rows = c["exact"][b, :n]
-        base[b] = mla_rounded_p(c["q_nope"][b], c["q_pe"][b], rows[:, :RANK], rows[:, RANK:],
-                                c["w_uk"], c["w_uv"], scale, np.float16)
+        c_kv, code_scale = rows[:, :RANK], None
+        if mode == "tensor":  # the kernel's order: the codes' values, the scale apart
+            c_kv, code_scale = decode_e4m3(c["codes"][b, :n, :RANK]), float(c["scale"][0])
+        base[b] = mla_rounded_p(c["q_nope"][b], c["q_pe"][b], c_kv, rows[:, RANK:],
+                                c["w_uk"], c["w_uv"], scale, np.float16, code_scale=code_scale)
     ok, text = tolerance.verdict(np.asarray(out), ref, base)
     return Check(f"out[{mode}_s2]", ok, text)
 

@@ -296,16 +296,22 @@ def _copy_ops(stages):
 
 
 @functools.lru_cache(maxsize=None)
-def _codes_f16x2():
+def _codes_f16x2(fmt="e4m3"):
     """Device ``codes_f16x2(word) -> (lo, hi)``: the four fp8 e4m3 codes of a
     uint32 word (low byte first) as two f16x2 words, codes 0-1 in ``lo`` and 2-3
     in ``hi``, each code's value in the half of its position (exact: every e4m3
     value is an f16 value). GPU: ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later) on
-    each 16-bit half; simulator: a table of the codes' f16 bits."""
+    each 16-bit half; simulator: a table of the codes' f16 bits. ``fmt`` "e5m2":
+    the codes decoded as e5m2 (a planted defect of ``mla.mma``)."""
+    if fmt not in ("e4m3", "e5m2"):
+        raise ValueError(f"fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
     if SIMULATOR:
         from attention.cache.fp8 import E4M3_VALUES
 
-        bits = E4M3_VALUES.astype(np.float16).view(np.uint16).astype(np.uint32)
+        if fmt == "e5m2":  # e5m2 is float16's upper byte
+            bits = np.arange(256, dtype=np.uint32) << 8
+        else:
+            bits = E4M3_VALUES.astype(np.float16).view(np.uint16).astype(np.uint32)
 
         def codes_f16x2(word):
             w = int(word)
@@ -325,7 +331,7 @@ def _codes_f16x2():
 
         def codegen(context, builder, sig, args):
             i16, i32 = ir.IntType(16), ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i16]), "cvt.rn.f16x2.e4m3x2 $0, $1;",
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i16]), f"cvt.rn.f16x2.{fmt}x2 $0, $1;",
                                "=r,h")
             lo = builder.call(asm, [builder.trunc(args[0], i16)])
             hi = builder.call(asm, [builder.trunc(builder.lshr(args[0], ir.Constant(i32, 16)),
