@@ -19,7 +19,10 @@ and P is rounded to the 16-bit type before P.V.
 * **Latent tiles of ``KT`` positions, double buffered.** The whole block copies
   tile ``t + 1`` (``cp.async``, the same column-block layout) while it computes
   tile ``t``. A tile is both K (all ``W`` columns) and V (the first ``r``).
-  Rows past the split's end and rows of a bad page entry are zero-filled.
+  Rows past the split's end and rows of a bad page entry are zero-filled. A
+  whole tile of consecutive cache rows (contiguous, or pages of a multiple of
+  KT) is copied without position checks, each thread one 16-byte chunk of
+  every ``NTH // (W / 8)``-th row, its source a constant step on.
 * **S = Q K^T:** warp ``(rg, cq)`` scores its 16 rows against the tile's 16
   positions ``16 cq ..`` (KT = 64), ``W / 16`` k steps, Q and K fragments from
   ``ldmatrix`` x4.
@@ -302,6 +305,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     NT = NCOL // 8  # mma n tiles of a warp's O
     N_O = 4 * NT
     COPIES = -(-KT * CPR // NTH)  # chunks of a tile a thread copies (at most)
+    # a whole tile (``issue``): threads below RSC CPR copy one chunk of every RSC-th row
+    RSC = NTH // CPR  # (0: rows wider than NTH chunks, the checked copies only)
+    FULL_COPIES = -(-KT // RSC) if RSC else 0
     ROW_STEP, CHUNK_STEP = NTH // CPR, NTH % CPR  # a thread's next chunk: + NTH
     # byte offsets in shared memory
     QB = ROWS * W * 2  # the Q tile
@@ -335,6 +341,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     RS = NTH // UPR if FIXED_COLS else 0
     COPIES_R = -(-KT * CPRR // NTH) if DROPE else 0
     ROW_STEP_N, CHUNK_STEP_N = NTH // CPRN, NTH % CPRN
+    RSN, RSR = NTH // CPRN, NTH // CPRR  # a whole tile's copies (issue8), as RSC
+    FULL_N = -(-KT // RSN) if RSN else 0
+    FULL_R = -(-KT // RSR) if RSR else 0
     ROW_STEP_R, CHUNK_STEP_R = NTH // CPRR, NTH % CPRR
     NCBN = RANK // CB  # column blocks of c_kv
     NOPE0B = QB  # the f16 c_kv tile [KT, r]
@@ -370,12 +379,41 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     tile_row = device_fn(tile_row)
 
+    def next_chunk(row, c, row_step, chunk_step, per_row):
+        # the chunk NTH chunks on from (row, c) in rows of per_row chunks
+        row += row_step
+        c += chunk_step
+        if c >= per_row:
+            c -= per_row
+            row += 1
+        return row, c
+
+    next_chunk = device_fn(next_chunk)
+
     def issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, tile0, end, kb,
               row, c):
         # start copying the latent rows of positions tile0 .. tile0 + KT - 1 into the
         # tile at byte kb (rows at or past end: zeros); this thread's chunks are
         # (row, c), then NTH chunks on each time
         tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
+        if RSC > 0 and tb >= 0 and tile0 + KT <= end:
+            # a whole tile of consecutive cache rows (the common case): no position
+            # checks, and each thread below RSC CPR copies chunk c of rows row + RSC a
+            # (row, c: its first chunk), its source a constant step on (the per-chunk
+            # checks and index arithmetic were about as many instructions as the
+            # tile's mma work: notes/bench.md)
+            if row < RSC:
+                src = (tb + row) * WR + 4 * c
+                for a in range(FULL_COPIES):
+                    if KT % RSC == 0 or row < KT:
+                        key = row & 7
+                        if SWIZZLE_OFF:
+                            key = (row + 1) & 7
+                        dst = kb + (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
+                        copy(smem, sbase + dst, lat, src)
+                    row += RSC
+                    src += RSC * WR
+            return
         for a in range(COPIES):
             if KT * CPR % NTH == 0 or row < KT:
                 key = row & 7
@@ -389,11 +427,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 else:
                     for x in range(4):
                         smem[(dst >> 2) + x] = uint32(0)
-            row += ROW_STEP
-            c += CHUNK_STEP
-            if c >= CPR:
-                c -= CPR
-                row += 1
+            row, c = next_chunk(row, c, ROW_STEP, CHUNK_STEP, CPR)
 
     issue = device_fn(issue)
 
@@ -413,16 +447,6 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     pos_row = device_fn(pos_row)
 
-    def next_chunk(row, c, row_step, chunk_step, per_row):
-        # the chunk NTH chunks on from (row, c) in rows of per_row chunks
-        row += row_step
-        c += chunk_step
-        if c >= per_row:
-            c -= per_row
-            row += 1
-        return row, c
-
-    next_chunk = device_fn(next_chunk)
 
     def issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages, slot_row, tile0,
                end, nb, tid):
@@ -440,6 +464,33 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 if WRONG_TOKEN:
                     ri = min(ri + 1, int64(sc.shape[0] - 1))
                 s_row = sc[ri]
+        if RSN > 0 and RSR > 0 and tb >= 0 and tile0 + KT <= end:
+            # a whole tile of consecutive cache rows: as ``issue``'s, each thread one
+            # chunk of every RSN-th row (codes) and of every RSR-th row (k_pe)
+            row = tid // CPRN
+            c = tid % CPRN
+            if row < RSN:
+                src = (tb + row) * WRB + 4 * c
+                for a in range(FULL_N):
+                    if KT % RSN == 0 or row < KT:
+                        copy(smem, sbase + STG0B + nb * STGB + row * RANK + 16 * c, lat, src)
+                    row += RSN
+                    src += RSN * WRB
+            row = tid // CPRR
+            c = tid % CPRR
+            if DROPE > 0 and row < RSR:
+                src = (tb + row) * WRB + RANK // 4 + 4 * c
+                for a in range(FULL_R):
+                    if KT % RSR == 0 or row < KT:
+                        key = row & 7
+                        if SWIZZLE_OFF:
+                            key = (row + 1) & 7
+                        dst = (ROPE0B + nb * ROPEB + (c >> 3) * KBLK + row * 128
+                               + (((c & 7) ^ key) << 4))
+                        copy(smem, sbase + dst, lat, src)
+                    row += RSR
+                    src += RSR * WRB
+            return s_row
         row = tid // CPRN
         c = tid % CPRN
         for a in range(COPIES_N):

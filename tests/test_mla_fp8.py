@@ -121,26 +121,28 @@ def _decode_both(c, paged=None, rng=None, **kw):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("mode,rank,row_groups", [
-    ("token", RANK, 1), ("tensor", RANK, 1), ("token", 256, 4), ("tensor", 256, 4),
-    ("tensor", 256, 1)])
-def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups):
+@pytest.mark.parametrize("mode,rank,row_groups,length", [
+    ("token", RANK, 1, 20), ("tensor", RANK, 1, 20), ("token", 256, 4, 20),
+    ("tensor", 256, 4, 20), ("tensor", 256, 1, 20), ("token", 256, 4, 130)])
+def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
     """The kernel alone (one row group: the simulator's cheapest plan; four: the
     offsets derived again each tile): one sequence of length 20 in a cache of 26
     rows (one tile; NaN codes and scales past the length), 2 heads, one query.
     Rank 256: four 64-column blocks of c_kv (the other cases have one; a
     conversion that misplaced codes within the chunks of odd blocks passed
-    them)."""
+    them). Length 130 at rank 256 / RG 4: two whole tiles, whose codes a thread
+    copies in two passes of rows 32 apart (``issue8``'s whole-tile path; at rank
+    64 one pass covers a tile)."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
-    c = _case(np.random.default_rng(5), [20], mode=mode, cap=26, rank=rank)
+    c = _case(np.random.default_rng(5), [length], mode=mode, cap=length + 6, rank=rank)
     rng = np.random.default_rng(6)
     qc = rng.standard_normal((1, NH, rank + D_ROPE)).astype(np.float32)
     table = to_device(np.zeros((1, 1), np.int32))
     results = []
     for lat, fp8_mode, sc in ((c["codes"], mode, c["scales"]), (c["fp16"], None, None)):
-        pl = MM.plan(1, NH, rank, D_ROPE, 20, "f16", row_groups=row_groups, n_split=1,
+        pl = MM.plan(1, NH, rank, D_ROPE, length, "f16", row_groups=row_groups, n_split=1,
                      fp8=fp8_mode)
         o = device_empty((1, NH, rank), np.float32)
         lse = device_empty((1, NH), np.float32)
@@ -159,6 +161,23 @@ def test_fp8_decode_gives_the_fp16_cache_bits_token_contiguous():
     """Per token, contiguous, 2 queries a sequence, lengths 20 and 3."""
     c = _case(np.random.default_rng(1), [20, 3], s_q=2, mode="token")
     (out, lse), (out16, lse16) = _decode_both(c)
+    np.testing.assert_array_equal(out, out16)
+    np.testing.assert_array_equal(lse, lse16)
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("mode,page", [("tensor", None), ("token", 64)])
+def test_fp8_decode_gives_the_fp16_cache_bits_on_whole_tiles(mode, page):
+    """Lengths 130, 64 and 70: whole 64-row tiles, which both kernels copy
+    without position checks (``issue8``'s and ``issue``'s whole-tile paths, one
+    chunk of every n-th row a thread), then a partial one; contiguous per
+    tensor, pages of 64 per token (one page-table read a tile). The fp16
+    kernel's whole-tile copies are judged against the oracle in
+    ``tests/test_mla_mma.py`` (lengths 64 to 130)."""
+    rng = np.random.default_rng(8)
+    c = _case(rng, [130, 64, 70], mode=mode)
+    (out, lse), (out16, lse16) = _decode_both(c, paged=page, rng=rng)
     np.testing.assert_array_equal(out, out16)
     np.testing.assert_array_equal(lse, lse16)
     assert np.isfinite(out).all() and np.abs(out).max() > 0

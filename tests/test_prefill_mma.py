@@ -136,13 +136,16 @@ CASES = [
     # the GPU's plan (4 warps, tiles of 64): rows 40 .. 63 of the one block lie
     # past T (warp 2 in part, warp 3 wholly); each thread stages 1 of 128 chunks
     (40, 1, 1, 16, True, mma.WARPS, mma.BLOCK_N),
+    # the last K / V tile holds 13 positions: a thread copies rows 8 apart, so
+    # the tile's checked copies take two passes with positions below T
+    (45, 2, 1, 32, False, 1, 32),
 ]
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("t_len,n_heads,n_kv,head_dim,causal,warps,block_n", CASES,
                          ids=["causal-gqa-d32", "full-d16-w2", "causal-d64-w2", "causal-d96",
-                              "gpu-plan-d16"])
+                              "gpu-plan-d16", "full-d32-partial-tile"])
 def test_matches_the_oracle(t_len, n_heads, n_kv, head_dim, causal, warps, block_n):
     rng = np.random.default_rng(t_len + head_dim)
     q, k, v = make_qkv(rng, t_len, n_heads, n_kv, head_dim, F16)

@@ -35,7 +35,9 @@ The kernel (``prefill_mma_kernel``):
   ``default_block_n``: 64, 32 for D 256) staged by
   the whole block into two swizzled shared stages (``cp.async`` 16-byte copies:
   the next tile is in flight while one is computed; plain copies on the
-  simulator). Positions at or past T are zero-filled.
+  simulator). Positions at or past T are zero-filled. A thread copies one
+  chunk of rows ``NTH / (D / 8)`` apart, its source a constant step on, and
+  only the tile that reaches past T checks positions (``kv_stage_fn``).
 * **S = Q K^T** on the mma with fp32 accumulation (K rows ``[pos, D]`` are
   ``B^T``: one ``ldmatrix`` x4 gives the B fragments of two 8-position
   n-tiles, each pair in consecutive registers as the mma takes them).
@@ -200,6 +202,77 @@ def row_limit_fn(causal, block_n, causal_tile_edge=False):
     return device_fn(row_limit)
 
 
+def kv_stage_fn(block_n, threads, chunks, row_words, k_at, v_at, copy, zero):
+    """Device ``stage_kv(smem, sbase, kc, vc, k0, t_len, n_kv, kv_head, kb, tid)``
+    of the tensor-core prefills (this module's and ``attention.prefill.tf32``'s):
+    start copying (``copy``: ``mma16.smem_ops``' cp.async of 16 bytes) the K and
+    V rows of positions ``k0 .. k0 + block_n - 1``, kv head ``kv_head``, into the
+    stage at shared word ``kb``: 16-byte chunk ``c`` of tile row ``r`` to words
+    ``kb + k_at(r, c)`` (K) and ``kb + v_at(r, c)`` (V). Global rows are
+    ``[T, n_kv, row_words]`` words (kc, vc flat); ``chunks`` chunks a row.
+    Positions at or past ``t_len``: four ``zero`` words a chunk.
+
+    Where ``threads`` is a multiple of ``chunks``, thread ``tid`` copies chunk
+    ``tid % chunks`` of rows ``tid // chunks + RS a`` (``RS = threads /
+    chunks``): its source index steps by a constant, and only a tile that
+    reaches past T checks positions. Computing each chunk's row, position and
+    source anew took about as many instructions as the tile's mma work
+    (notes/bench.md). Otherwise chunk ``tid + threads a`` of the tile, each
+    checked."""
+    BN, NTH, CPR, WR = int(block_n), int(threads), int(chunks), int(row_words)
+    COPIES = (BN * CPR + NTH - 1) // NTH  # chunks of a tile a thread copies (at most)
+    FIXED_CHUNK = NTH % CPR == 0
+    RS = NTH // CPR if FIXED_CHUNK else 0
+    ZERO = zero
+
+    def stage_kv(smem, sbase, kc, vc, k0, t_len, n_kv, kv_head, kb, tid):
+        if FIXED_CHUNK:
+            row = tid // CPR
+            c = tid - row * CPR
+            src = (int64(k0 + row) * n_kv + kv_head) * WR + 4 * c
+            step = int64(RS) * n_kv * WR
+            if k0 + BN <= t_len:  # every position of the tile is below T
+                for a in range(COPIES):
+                    if BN % RS == 0 or row < BN:
+                        copy(smem, sbase + 4 * (kb + k_at(row, c)), kc, src)
+                        copy(smem, sbase + 4 * (kb + v_at(row, c)), vc, src)
+                    row += RS
+                    src += step
+            else:
+                for a in range(COPIES):
+                    if BN % RS == 0 or row < BN:
+                        dk = kb + k_at(row, c)
+                        dv = kb + v_at(row, c)
+                        if k0 + row < t_len:
+                            copy(smem, sbase + 4 * dk, kc, src)
+                            copy(smem, sbase + 4 * dv, vc, src)
+                        else:
+                            for x in range(4):
+                                smem[dk + x] = ZERO
+                                smem[dv + x] = ZERO
+                    row += RS
+                    src += step
+        else:
+            for a in range(COPIES):
+                ci = tid + NTH * a
+                if BN * CPR % NTH == 0 or ci < BN * CPR:
+                    row = ci // CPR
+                    c = ci - row * CPR
+                    pos = k0 + row
+                    dk = kb + k_at(row, c)
+                    dv = kb + v_at(row, c)
+                    if pos < t_len:
+                        src = (int64(pos) * n_kv + kv_head) * WR + 4 * c
+                        copy(smem, sbase + 4 * dk, kc, src)
+                        copy(smem, sbase + 4 * dv, vc, src)
+                    else:
+                        for x in range(4):
+                            smem[dk + x] = ZERO
+                            smem[dv + x] = ZERO
+
+    return device_fn(stage_kv)
+
+
 @functools.lru_cache(maxsize=None)
 def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, defect=None):
     """The tensor-core prefill kernel (module docstring).
@@ -241,7 +314,6 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
     BQ = ROWS * NW  # query rows a block
     NTH = WARP * NW  # threads a block
     Q_COPIES = (BQ * CPR + NTH - 1) // NTH  # 16-byte chunks a thread stages (Q tile)
-    KV_COPIES = (BN * CPR + NTH - 1) // NTH  # ... (K tile, V tile)
     Q_WORDS = BQ * WP
     TILE = BN * WP  # words of a K or V tile
     STAGE = 2 * TILE  # a stage: the K tile, then the V tile
@@ -284,27 +356,12 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
 
     v_fragments = device_fn(v_fragments)
 
-    def stage_kv(smem, sbase, kc, vc, k0, t_len, n_kv, kv_head, kb, tid):
-        # start copying K and V rows of positions k0 .. k0+BN-1 (kv head kv_head)
-        # into the stage at word kb; positions at or past T: zeros
-        for a in range(KV_COPIES):
-            ci = tid + NTH * a
-            if BN * CPR % NTH == 0 or ci < BN * CPR:
-                row = ci // CPR
-                c = ci - row * CPR
-                pos = k0 + row
-                dk = kb + k_slot(row, c)
-                dv = kb + TILE + slot(row, c)
-                if pos < t_len:
-                    src = (int64(pos) * n_kv + kv_head) * WR + 4 * c
-                    copy(smem, sbase + 4 * dk, kc, src)
-                    copy(smem, sbase + 4 * dv, vc, src)
-                else:
-                    for x in range(4):
-                        smem[dk + x] = uint32(0)
-                        smem[dv + x] = uint32(0)
+    def v_slot(row, chunk):
+        # the V tile's slot (it follows the K tile)
+        return TILE + slot(row, chunk)
 
-    stage_kv = device_fn(stage_kv)
+    v_slot = device_fn(v_slot)
+    stage_kv = kv_stage_fn(BN, NTH, CPR, WR, k_slot, v_slot, copy, uint32(0))
 
     row_limit = row_limit_fn(CAUSAL, BN, CAUSAL_EDGE)
 

@@ -120,7 +120,7 @@ from attention.core.warp import (
 )
 from attention.gemm import mma16, tgemm
 from attention.prefill import frame
-from attention.prefill.mma import row_limit_fn
+from attention.prefill.mma import kv_stage_fn, row_limit_fn
 
 WARP = 32
 ROWS = 16  # query rows of a warp: one m16 tile
@@ -211,7 +211,6 @@ def prefill_tf32_kernel(head_dim, causal, warps=WARPS, block_n=None, defect=None
     BQ = ROWS * NW  # query rows a block
     NTH = WARP * NW  # threads a block
     Q_LOADS = (BQ * D + NTH - 1) // NTH  # Q elements a thread stages
-    KV_COPIES = (BN * CPR + NTH - 1) // NTH  # 16-byte chunks a thread copies (K tile, V tile)
     Q_WORDS = BQ * WS
     TILE = BN * WS  # words of a K or V tile
     STAGE = 2 * TILE  # a stage: the K tile, then the V tile
@@ -278,27 +277,14 @@ def prefill_tf32_kernel(head_dim, causal, warps=WARPS, block_n=None, defect=None
     exec("\n".join(lines), space)  # noqa: S102 - fixed text built above
     pv = device_fn(space["pv"])
 
-    def stage_kv(smem, sbase, kc, vc, k0, t_len, n_kv, kv_head, kb, tid):
-        # start copying K and V rows of positions k0 .. k0+BN-1 (kv head kv_head)
-        # into the stage at word kb; positions at or past T: zeros
-        for a in range(KV_COPIES):
-            ci = tid + NTH * a
-            if BN * CPR % NTH == 0 or ci < BN * CPR:
-                row = ci // CPR
-                c = ci - row * CPR
-                pos = k0 + row
-                dk = kb + row * WS + 4 * c
-                dv = dk + TILE
-                if pos < t_len:
-                    src = (int64(pos) * n_kv + kv_head) * D + 4 * c
-                    copy(smem, sbase + 4 * dk, kc, src)
-                    copy(smem, sbase + 4 * dv, vc, src)
-                else:
-                    for x in range(4):
-                        smem[dk + x] = ZERO
-                        smem[dv + x] = ZERO
+    def k_at(row, chunk):
+        # K and V tiles: rows of WS words, chunk c at word 4 c (no swizzle)
+        return row * WS + 4 * chunk
 
-    stage_kv = device_fn(stage_kv)
+    def v_at(row, chunk):
+        return TILE + row * WS + 4 * chunk
+
+    stage_kv = kv_stage_fn(BN, NTH, CPR, D, device_fn(k_at), device_fn(v_at), copy, ZERO)
 
     row_limit = row_limit_fn(CAUSAL, BN, CAUSAL_EDGE)
 
