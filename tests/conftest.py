@@ -129,8 +129,10 @@ SLOW_SIM = {
         7,
     "tests/test_mla_gemm.py::test_gemm_path_tensor_cores[float16]": 8,
     "tests/test_decode_multi.py::test_each_query_is_the_one_query_plan_on_its_prefix": 18,
-    # the fp8 latent cache: the kernel's token-mode bits test stays (20 s)
-    "tests/test_mla_fp8.py::test_fp8_kernel_gives_the_fp16_kernel_bits[tensor]": 38,
+    # the fp8 latent cache: the kernel's bits tests at length 20 stay (both modes; an
+    # entry "[tensor]" here matched no test id since the rank and row-group parameters
+    # came); the length-130 case (two whole tiles at rank 256 / RG 4) is skipped
+    "tests/test_mla_fp8.py::test_fp8_kernel_gives_the_fp16_kernel_bits[token-256-4-130]": 22,
     "tests/test_mla_fp8.py::test_fp8_decode_gives_the_fp16_cache_bits_*": 86,
     "tests/test_mla_fp8.py::test_decode_graph_reads_the_scales_in_place": 60,
     "tests/test_mla_fp8.py::test_registry_case_passes[*": 35,
