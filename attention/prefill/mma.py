@@ -225,6 +225,18 @@ def kv_stage_fn(block_n, threads, chunks, row_words, k_at, v_at, copy, zero):
     RS = NTH // CPR if FIXED_CHUNK else 0
     ZERO = zero
 
+    def pair(smem, sbase, kc, vc, dk, dv, src, live):
+        # a chunk of K and of V (words dk, dv): copied from word src, or zeros
+        if live:
+            copy(smem, sbase + 4 * dk, kc, src)
+            copy(smem, sbase + 4 * dv, vc, src)
+        else:
+            for x in range(4):
+                smem[dk + x] = ZERO
+                smem[dv + x] = ZERO
+
+    pair = device_fn(pair)
+
     def stage_kv(smem, sbase, kc, vc, k0, t_len, n_kv, kv_head, kb, tid):
         if FIXED_CHUNK:
             row = tid // CPR
@@ -241,15 +253,8 @@ def kv_stage_fn(block_n, threads, chunks, row_words, k_at, v_at, copy, zero):
             else:
                 for a in range(COPIES):
                     if BN % RS == 0 or row < BN:
-                        dk = kb + k_at(row, c)
-                        dv = kb + v_at(row, c)
-                        if k0 + row < t_len:
-                            copy(smem, sbase + 4 * dk, kc, src)
-                            copy(smem, sbase + 4 * dv, vc, src)
-                        else:
-                            for x in range(4):
-                                smem[dk + x] = ZERO
-                                smem[dv + x] = ZERO
+                        pair(smem, sbase, kc, vc, kb + k_at(row, c), kb + v_at(row, c), src,
+                             k0 + row < t_len)
                     row += RS
                     src += step
         else:
@@ -259,16 +264,8 @@ def kv_stage_fn(block_n, threads, chunks, row_words, k_at, v_at, copy, zero):
                     row = ci // CPR
                     c = ci - row * CPR
                     pos = k0 + row
-                    dk = kb + k_at(row, c)
-                    dv = kb + v_at(row, c)
-                    if pos < t_len:
-                        src = (int64(pos) * n_kv + kv_head) * WR + 4 * c
-                        copy(smem, sbase + 4 * dk, kc, src)
-                        copy(smem, sbase + 4 * dv, vc, src)
-                    else:
-                        for x in range(4):
-                            smem[dk + x] = ZERO
-                            smem[dv + x] = ZERO
+                    pair(smem, sbase, kc, vc, kb + k_at(row, c), kb + v_at(row, c),
+                         (int64(pos) * n_kv + kv_head) * WR + 4 * c, pos < t_len)
 
     return device_fn(stage_kv)
 
