@@ -56,7 +56,8 @@ def row_bytes(rank, d_rope):
 
 def check_tensor_scale(name, scale):
     """A host per-tensor scale [1] float32: finite, > 0 and ``448 s <= 65504``
-    (the decode's float16 operands hold every dequantized value). Returns it."""
+    (every dequantized value a float16 value, as in a 16-bit cache; module
+    docstring). Returns it."""
     checks.check_array(name, scale, (("1", 1),), dtypes=(np.float32,))
     s = float(np.asarray(scale)[0])
     if not (np.isfinite(s) and s > 0):
