@@ -359,6 +359,17 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
     codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
 
+    def chunk_at(row, c):
+        # byte offset of 16-byte chunk c of row `row` in a tile stored as 64-column
+        # blocks of [KT, 64] (the layout of every latent tile: swizzle key row & 7;
+        # the planted swizzle_off_by_one: the next row's)
+        key = row & 7
+        if SWIZZLE_OFF:
+            key = (row + 1) & 7
+        return (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
+
+    chunk_at = device_fn(chunk_at)
+
     def tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row):
         # cache row of position tile0 when the tile's KT positions are KT consecutive
         # rows: a contiguous cache, or pages of a multiple of KT rows (tile0 is a
@@ -406,20 +417,13 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 src = (tb + row) * WR + 4 * c
                 for a in range(FULL_COPIES):
                     if KT % RSC == 0 or row < KT:
-                        key = row & 7
-                        if SWIZZLE_OFF:
-                            key = (row + 1) & 7
-                        dst = kb + (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
-                        copy(smem, sbase + dst, lat, src)
+                        copy(smem, sbase + kb + chunk_at(row, c), lat, src)
                     row += RSC
                     src += RSC * WR
             return
         for a in range(COPIES):
             if KT * CPR % NTH == 0 or row < KT:
-                key = row & 7
-                if SWIZZLE_OFF:
-                    key = (row + 1) & 7
-                dst = kb + (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
+                dst = kb + chunk_at(row, c)
                 pos = tile0 + row
                 ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
@@ -482,12 +486,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 src = (tb + row) * WRB + RANK // 4 + 4 * c
                 for a in range(FULL_R):
                     if KT % RSR == 0 or row < KT:
-                        key = row & 7
-                        if SWIZZLE_OFF:
-                            key = (row + 1) & 7
-                        dst = (ROPE0B + nb * ROPEB + (c >> 3) * KBLK + row * 128
-                               + (((c & 7) ^ key) << 4))
-                        copy(smem, sbase + dst, lat, src)
+                        copy(smem, sbase + ROPE0B + nb * ROPEB + chunk_at(row, c), lat, src)
                     row += RSR
                     src += RSR * WRB
             return s_row
@@ -508,11 +507,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         c = tid % CPRR
         for a in range(COPIES_R):
             if KT * CPRR % NTH == 0 or row < KT:
-                key = row & 7
-                if SWIZZLE_OFF:
-                    key = (row + 1) & 7
-                dst = (ROPE0B + nb * ROPEB + (c >> 3) * KBLK + row * 128
-                       + (((c & 7) ^ key) << 4))
+                dst = ROPE0B + nb * ROPEB + chunk_at(row, c)
                 pos = tile0 + row
                 ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
@@ -532,11 +527,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # banks). Per tensor the codes' values (exact in f16); per token
         # fp16(fl32(e4m3(c) s)), s the row's from the scale words SCL. Indices
         # unsigned (no negative-index wraparound): uint64 words
-        key = row & 7
-        if SWIZZLE_OFF:
-            key = (row + 1) & 7
         src = uint64((STG0B + nb * STGB) // 8 + row * (RANK // 8) + p)
-        dst = uint64(NOPE0B // 8 + (p >> 3) * (KBLK // 8) + row * 16 + (((p & 7) ^ key) << 1))
+        dst = uint64((NOPE0B + chunk_at(row, p)) >> 3)
         codes = smem64[src]
         first = (p >> 3) & 1  # the half stored first
         if PER_TOKEN:
