@@ -495,11 +495,9 @@ def test_row_groups_4_keep_the_tile_loop_in_registers(fp8):
     (notes/bench.md). Paged kernels still spill more (not checked here). Needs
     nvJitLink through cuda.core (the CI image has it); skipped where it is
     missing."""
-    import re
-
     from numba import cuda
 
-    from tests.test_prefill_mma import _ptxas_report
+    from tests.test_prefill_mma import _ptxas_report, spill_bytes
 
     kern = MM.mla_mma_kernel("f16", 512, 64, 4, 64, False, None, fp8)
     ptx, _ = cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0), fastmath=True,
@@ -507,8 +505,7 @@ def test_row_groups_4_keep_the_tile_loop_in_registers(fp8):
     report = _ptxas_report(ptx)
     if report is None:
         pytest.skip("no ptxas report: cuda.core (nvJitLink) is not installed")
-    stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", report)]
-    assert stores and max(stores) <= 16, report
+    assert spill_bytes(report) <= 16, report
 
 
 # ---------------------------------------------------------------------------
