@@ -334,15 +334,22 @@ def _ptx(kind, head_dim, causal=True, warps=mma.WARPS, block_n=None, defect=None
 
 def _ptxas_report(ptx):
     """ptxas's verbose report of ``ptx`` for sm_90 (nvJitLink through cuda.core),
-    or None where that is not installed."""
+    headed by the nvJitLink version (spill figures differ between versions), or
+    None where that is not installed."""
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError:
         return None
+    try:
+        from cuda.bindings import nvjitlink
+
+        version = "nvJitLink %d.%d" % tuple(nvjitlink.version())
+    except Exception:  # an older binding: the report alone
+        version = "nvJitLink (version unknown)"
     linker = Linker(ObjectCode.from_ptx(ptx.encode()),
                     options=LinkerOptions(arch="sm_90", verbose=True, ptxas_options=["-v"]))
     linker.link("cubin")
-    return linker.get_info_log()
+    return f"{version}\n{linker.get_info_log()}"
 
 
 def spill_bytes(report):
