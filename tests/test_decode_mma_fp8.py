@@ -105,15 +105,70 @@ def test_scale_one_gives_the_16_bit_kernels_bits(lens, n_kv, group, t_q, head_di
 
 def judged(q, kc, vc, lens, slots, ks, vs, got):
     """[(name, passed, text)] of out and lse against the oracle over the
-    dequantized cache, with the 16-bit kernels' baseline."""
+    dequantized cache, with the registry's baseline (``mma16_pc16``: the 16-bit
+    kernels' order over the codes' values, the K scale on each score and the V
+    scale on the output, as the kernel applies them)."""
     lens = np.asarray(lens, np.int32)
-    k = (F.decode_e4m3(kc) * ks).astype(np.float32)[slots]
-    v = (F.decode_e4m3(vc) * vs).astype(np.float32)[slots]
+    with np.errstate(invalid="ignore"):
+        kv_codes = [F.decode_e4m3(c).astype(np.float32)[slots] for c in (kc, vc)]
+    k, v = ((c.astype(np.float64) * s).astype(np.float32) for c, s in zip(kv_codes, (ks, vs)))
     scale = 1.0 / np.sqrt(q.shape[-1])
     ref = decode_attention_multi_ref(q, k, v, lens, scale=scale)
-    base = decode_rounded_p(q, k, v, lens, scale, F16, sums="mma16")
+    base = decode_rounded_p(q, kv_codes[0], kv_codes[1], lens, scale, F16, sums="mma16",
+                            k_scales=np.full(kv_codes[0].shape[:3], ks, np.float32),
+                            v_scale=vs)
     return [(name,) + tuple(tolerance.verdict(np.asarray(g), r, b))
             for name, g, r, b in zip(("out", "lse"), got, ref, base)]
+
+
+@pytest.mark.parametrize("ks,vs,equal", [(2.0 ** -6, 2.0 ** -3, True),
+                                         (0.037, 0.0051, False)])
+def test_per_tensor_order_moves_only_the_scales(ks, vs, equal):
+    """``decode_rounded_p(k_scales=, v_scale=)`` over the codes' values (the order
+    ``mma16_pcT``, the per-tensor kernel's) against the plain rounded-P order
+    over the dequantized rows: the same bits with power-of-two scales (they then
+    commute with every rounding); with other scales apart (a positive control:
+    the orders are told apart), by at most a rounding of a weight to fp16."""
+    lens = [37, 16, 0]
+    q, kc, vc, _, _, slots = fp8_case(5, lens, 2, 3, 2, 32)
+    with np.errstate(invalid="ignore"):
+        kq, vq = (F.decode_e4m3(c).astype(np.float32)[slots] for c in (kc, vc))
+    kd, vd = (np.float32(x) * np.float32(s) for x, s in ((kq, ks), (vq, vs)))
+    scale = 1.0 / np.sqrt(32)
+    lens = np.asarray(lens, np.int32)
+    got = decode_rounded_p(q, kq, vq, lens, scale, F16, sums="mma16",
+                           k_scales=np.full(kq.shape[:3], ks, np.float32), v_scale=vs)
+    want = decode_rounded_p(q, kd, vd, lens, scale, F16, sums="mma16")
+    for g, w in zip(got, want):
+        if equal:
+            np.testing.assert_array_equal(g, w)
+        else:
+            live = np.isfinite(w)  # lse: -inf for the empty row, in both
+            diff = np.abs(g[live] - w[live]).max()
+            assert 0 < diff <= 2.0 ** -9 * np.abs(w[live]).max(), diff
+
+
+def test_per_tensor_order_takes_per_tensor_cases_only():
+    """The registry's label for ``decode_mma_fp8`` resolves and runs on a decode
+    case quantized per tensor, and is refused for one quantized per (token, kv
+    head), whose scales cannot leave the sums."""
+    from validation import baselines, registry
+
+    spec = registry.KERNELS_BY_NAME["decode_mma_fp8"]
+    assert spec.baseline == "mma16_pc16/after"
+    x = registry.make_inputs("decode", registry.find_shape("decode", "mma_gqa4_d64", True),
+                             "normal", 0)
+    for mode in ("tensor", "token_head"):
+        y = fixtures.fp8_quantize(x, mode)
+        y = dict(y, q=y["q"].astype(F16))
+        label = baselines.resolve(spec.baseline, y, F16)
+        assert label == "mma16_pcf16/after"
+        if mode == "tensor":
+            out = baselines.baseline("decode", y, label)
+            assert np.isfinite(out["out"]).all()
+        else:
+            with pytest.raises(ValueError, match="quantized per tensor"):
+                baselines.baseline("decode", y, label)
 
 
 @pytest.mark.device

@@ -99,8 +99,14 @@ SUM (how the products of a dot product are added, ``dot``)
                      (``mla_rounded_p(..., code_scale=)``). Before, the kernel
                      rounded ``fl32(e4m3(c) s)`` to f16 into its tile and the
                      baseline ``mma16_pT`` did the same: a changed criterion
-                     (notes/validation.md). MLA cases quantized per tensor
-                     only.
+                     (notes/validation.md). The tensor-core decode over an
+                     fp8 cache with one scale per tensor (``attention.decode.
+                     mma``) works the same way: s = ((K_codes q) * scale) *
+                     ks, out = ((p16 @ V_codes) * vs) / l
+                     (``decode_rounded_p(..., k_scales=, v_scale=)``); before,
+                     its baseline summed over the dequantized rows (a second
+                     changed criterion, notes/validation.md). Decode and MLA
+                     cases quantized per tensor only.
     ``matmul_pT``    the same with S as numpy's float32 ``@``
                      (``decode_rounded_p``'s default; decode only). Not the
                      registry's: at the 'large' fixture (|score| 1e4) the
@@ -659,29 +665,34 @@ def rounded_p_baseline(kind, inputs, label):
                                     or inputs.get("fp8_scales") != "token_head"):
         raise ValueError(f"rounded_p_baseline: {label!r} (V scales into P) takes a decode "
                          f"case quantized per (token, kv head), got a {kind} case")
-    if rounded.group(2) == "c" and (kind != "mla" or sums != "mma16"
+    if rounded.group(2) == "c" and (kind not in ("decode", "mla") or sums != "mma16"
                                     or inputs.get("fp8_scales") != "tensor"):
         raise ValueError(f"rounded_p_baseline: {label!r} (fp8 codes, the tensor's scale "
-                         f"out of the sums) takes an mla case quantized per tensor, with "
-                         f"SUM mma16, got a {kind} case")
+                         f"out of the sums) takes a decode or mla case quantized per "
+                         f"tensor, with SUM mma16, got a {kind} case")
     if kind == "decode" and exp == "exp":
         q = np.asarray(inputs["q"], F32)  # [M, H, D]
         slots = np.asarray(inputs["slot_table"])
         k_rows = np.asarray(inputs["k_cache"], F32)[slots]  # [M, H_kv, max_seq, D]
         v_rows = np.asarray(inputs["v_cache"], F32)[slots]
-        v_scales = k_scales = None
-        if rounded.group(2):  # the codes' values and their row scales, K's and V's
+        v_scales = k_scales = v_scale = None
+        if rounded.group(2):  # the codes' values, K's and V's
             from attention.cache.fp8 import decode_e4m3
 
             with np.errstate(invalid="ignore"):
                 k_rows = decode_e4m3(np.asarray(inputs["k_codes"])[slots]).astype(F32)
                 v_rows = decode_e4m3(np.asarray(inputs["v_codes"])[slots]).astype(F32)
-            k_scales = np.asarray(inputs["k_scale"], F32)[slots]
-            v_scales = np.asarray(inputs["v_scale"], F32)[slots]
+            if rounded.group(2) == "v":  # the rows' scales
+                k_scales = np.asarray(inputs["k_scale"], F32)[slots]
+                v_scales = np.asarray(inputs["v_scale"], F32)[slots]
+            else:  # "c": the tensor's, on each score and on the output
+                k_scales = np.full(k_rows.shape[:3],
+                                   np.asarray(inputs["k_scale"], F32).reshape(-1)[0], F32)
+                v_scale = np.asarray(inputs["v_scale"], F32).reshape(-1)[0]
         scale = 1.0 / np.sqrt(q.shape[-1])
         out, lse = decode_rounded_p(q[:, None], k_rows, v_rows,
                                     np.asarray(inputs["seq_lens"]), scale, dtype, sums,
-                                    v_scales=v_scales, k_scales=k_scales)
+                                    v_scales=v_scales, k_scales=k_scales, v_scale=v_scale)
         return {"out": out[:, 0], "lse": lse[:, 0]}
     if kind == "prefill" and sums == "mma16":
         q = np.asarray(inputs["q"], F32)
@@ -853,7 +864,7 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
 
 
 def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_scales=None,
-                     k_scales=None):
+                     k_scales=None, v_scale=None):
     """float32 decode with the tensor-core kernel's roundings.
 
     q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
@@ -874,7 +885,10 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
     ``k_scales`` [M, H_kv, L] float32 (with ``k_rows`` the codes' values): the
     scores in the tensor-core decode's order, ``s = ((K q) * scale) * ks`` in
     float32 (the sum over the codes, then the scale, then the row's K scale:
-    three roundings), instead of the sum over the dequantized rows."""
+    three roundings), instead of the sum over the dequantized rows.
+    ``v_scale`` float (with ``v_rows`` the codes' values; not with ``v_scales``):
+    one V scale for the tensor, applied after P.V as the per-tensor fp8 kernel
+    applies it, out = ((P rounded to ``dtype``) V_codes vs) / l."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
     m_count, t_q, n_heads, head_dim = q.shape
@@ -901,7 +915,10 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
                 total = p.sum(dtype=F32)
                 if v_scales is None:
                     p16 = p.astype(dtype).astype(F32)  # P as the mma takes it
-                    out[m, i, h] = (p16 @ vals) / total
+                    pv = p16 @ vals
+                    if v_scale is not None:
+                        pv = pv * F32(v_scale)
+                    out[m, i, h] = pv / total
                 else:
                     w = p * v_scales[m, h // group, :seen].astype(F32)
                     u = w.max()

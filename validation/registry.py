@@ -694,7 +694,8 @@ KERNELS = (
     KernelSpec("flash_decode", "batched_decode", "decode", "attention.reference.split_decode",
                "flash_decode_attention", _run_flash(None), ("k_cache", "v_cache"),
                "split-KV decode, split count from the heuristic", SPLIT_ORDER),
-    KernelSpec("flash_decode_split3", "batched_decode", "decode", "attention.reference.split_decode",
+    KernelSpec("flash_decode_split3", "batched_decode", "decode",
+               "attention.reference.split_decode",
                "flash_decode_attention", _run_flash(3), ("k_cache", "v_cache"),
                "split-KV decode forced to 3 splits (empty chunks on short sequences)",
                SPLIT_ORDER),
@@ -726,14 +727,16 @@ KERNELS = (
                "NHD pages of 3 (codes and scales shuffled alike); judged over the "
                "dequantized cache, q in the case dtype",
                "decode_fast/before/recip_after/ex2", quantize="token_head"),
-    # the tensor-core decode over an fp8 cache (codes converted to f16 in shared
-    # memory, exact): the 16-bit kernels' rounded-P baseline over the dequantized
-    # cache, P rounded to q's dtype (its storage: float16, the only q it takes)
+    # the tensor-core decode over an fp8 cache (the codes' values in its tiles, exact
+    # in f16; the K scale on each score, the V scale on the output): the 16-bit
+    # kernels' rounded-P baseline in that order (``mma16_pc16``: a changed
+    # criterion, notes/validation.md; it summed over the dequantized rows before),
+    # P rounded to q's dtype (its storage: float16, the only q it takes)
     KernelSpec("decode_mma_fp8", "decode_fp8", "decode", "attention.decode.mma", "mma_decode",
                _run_mma_fp8, ("q",),
                "the tensor-core decode over an fp8 e4m3 cache, per-tensor scales, q float16 "
                "(DecodePlan(method='mma')); judged over the dequantized cache",
-               "mma16_p16/after", quantize="tensor"),
+               "mma16_pc16/after", quantize="tensor"),
     # per-(token, kv head) scales: the V scales go into P, normalised a row, before
     # the rounding to f16 (``attention.decode.mma``), so the baseline rounds the same
     # weights (``mma16_pv16``: a changed criterion, notes/validation.md)
@@ -803,7 +806,8 @@ KERNELS = (
                "MLA decode over an fp8 latent cache, one scale a cached row (mla.fp8 "
                "per token; amax / 448)",
                "mma16_p16/after", quantize="token"),
-    KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels", "prefill_attention",
+    KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels",
+               "prefill_attention",
                _run_prefill("fused"), ("k", "v"), "fused tiled online-softmax prefill",
                "fma/before/recip_after"),
     # the float32 tensor-core prefill (split tf32, three mmas a product, a fresh
@@ -828,11 +832,11 @@ KERNELS = (
     KernelSpec("mla_gemm", "mla_gemm", "mla", "mla.pipeline", "mla_attend", _run_mla("gemm"),
                ("c_kv", "k_pe"),
                "the GEMM path: absorb, scores, softmax, P.V, decompress (mla.attn_gemm; "
-               "scores and P.V on tensor cores, split tf32, where they qualify)", 
+               "scores and P.V on tensor cores, split tf32, where they qualify)",
                "mla_gemm/after/recip_first"),
     KernelSpec("mla_gemm_fma", "mla_gemm", "mla", "mla.pipeline", "mla_attend",
                _run_mla("gemm_fma"), ("c_kv", "k_pe"),
-               "the GEMM path with fp32 FMA GEMMs only (method='gemm_fma')", 
+               "the GEMM path with fp32 FMA GEMMs only (method='gemm_fma')",
                "blocked64/after/recip_first"),
 )
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
