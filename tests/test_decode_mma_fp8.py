@@ -11,8 +11,10 @@ Checked here:
   1 (the conversion, the staging of the codes, their addressing in pooled, HND
   and NHD paged caches, T_q 1 and 4, one split and two); the same cases judged
   against the float64 oracle over the dequantized cache (code x scale) with the
-  16-bit kernels' baseline (``validation.baselines.decode_rounded_p``, the mma
-  sums, P rounded to fp16) with real scales;
+  16-bit kernels' baseline in the kernel's order (``validation.baselines.
+  decode_rounded_p`` over the codes' values, the mma sums, P rounded to fp16, the
+  K scale on each score and the V scale on the output: ``mma16_pc16``) with real
+  scales;
 * ``DecodePlan(cache_dtype=uint8, q_dtype=float16, method="mma")`` runs the same
   kernel (its range check compiled in): the bits of ``mma_decode``, pooled and
   paged; ``method="auto"`` keeps the fast kernel for fp8

@@ -891,6 +891,9 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
     applies it, out = ((P rounded to ``dtype``) V_codes vs) / l."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
+    if v_scale is not None and v_scales is not None:
+        raise ValueError("v_scale (one V scale, after P.V) and v_scales (a V scale a row, "
+                         "into P) exclude each other")
     m_count, t_q, n_heads, head_dim = q.shape
     group = n_heads // k_rows.shape[1]
     out = np.zeros(q.shape, F32)
