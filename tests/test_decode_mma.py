@@ -244,6 +244,24 @@ def test_planted_defect_is_caught(defect):
     assert fails(got, ref, base), f"{defect}: passed the rule"
 
 
+@pytest.mark.device
+def test_p_bf16_mutant_is_caught_on_f16_and_inert_on_bf16():
+    """The precision mutant (P rounded to bf16's 8 bits where the kernel and
+    its baseline round to f16's 11) fails the rule on the f16 defect case; on
+    a bf16 cache P is packed to bf16 anyway, so the mutant's bits are the
+    clean kernel's."""
+    got, ref, base = defect_run("p_bf16")
+    assert fails(got, ref, base), "p_bf16: passed the rule on an f16 cache"
+    rng = np.random.default_rng(3)
+    lens = [21, 9]
+    k, v, slots, _, _ = pooled_case(rng, lens, 1, 32, BFLOAT16)
+    q = queries(rng, 2, 1, 4, 32, BFLOAT16)
+    clean = run(q, k, v, lens, slot_table=slots, warps=1, stages=2)
+    mutant = run(q, k, v, lens, slot_table=slots, warps=1, stages=2, defect="p_bf16")
+    for c, m in zip(clean, mutant):
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(m))
+
+
 # ---------------------------------------------------------------------------
 # host checks (no kernel runs)
 # ---------------------------------------------------------------------------

@@ -189,6 +189,20 @@ def test_matches_the_oracle_over_the_dequantized_cache(lens, n_kv, group, t_q, h
 
 
 @pytest.mark.device
+def test_p_bf16_mutant_fails_the_per_tensor_rule():
+    """Positive control of the per-tensor order's resolving power: P rounded to
+    bf16 (8 significant bits, ``mma.PRECISION_MUTANTS``) where the kernel and
+    the ``mma16_pc16`` baseline round it to f16 fails the rule that passes the
+    clean kernel on the same case."""
+    lens = [45, 30]
+    q, kc, vc, ks, vs, slots = fp8_case(7, lens, 1, 4, 1, 32)
+    clean = run(q, kc, vc, lens, slots, ks, vs, warps=1, stages=2)
+    assert all(ok for _, ok, _ in judged(q, kc, vc, lens, slots, ks, vs, clean))
+    bad = run(q, kc, vc, lens, slots, ks, vs, warps=1, stages=2, defect="p_bf16")
+    assert not all(ok for _, ok, _ in judged(q, kc, vc, lens, slots, ks, vs, bad))
+
+
+@pytest.mark.device
 @pytest.mark.parametrize("defect", ["swizzle_off_by_one", "ldmatrix_no_trans"])
 def test_layout_defects_act_through_the_code_tiles(defect):
     """The code tiles are read by ldmatrix as they are: K's swizzle and V's

@@ -69,7 +69,14 @@ def test_entries_resolve_with_rounded_p_baselines():
         assert spec.family == "mma"
         want = "mma16_p16/after" + ("/divide/ex2fma" if spec.kind == "prefill" else "")
         assert spec.baseline == want
-        assert registry.mutants_of(name) == ()
+        # the pooled 16-bit entry carries the P-in-bf16 precision mutant
+        assert registry.mutants_of(name) == (("p_bf16",) if name == "decode_mma" else ())
+
+
+def test_fp8_decode_entries_carry_their_precision_mutants():
+    """Per tensor: P in bf16 only; per (token, kv head): also the unnormalised P vs."""
+    assert registry.mutants_of("decode_mma_fp8") == ("p_bf16",)
+    assert registry.mutants_of("decode_mma_fp8_tok") == ("p_bf16", "fp8_p_unnormalized")
 
 
 def test_rounded_p_labels_resolve_per_dtype_and_reject_other_orders():

@@ -847,7 +847,11 @@ KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 MUTANT_SOURCES = {
     "decode_fast": ("attention.decode.fast", None),
     "prefill_tf32": ("attention.prefill.tf32", None),
-    "decode_mma_fp8_tok": ("attention.decode.mma", None),
+    # the tensor-core decode: P rounded to bf16 on the 16-bit pooled entry (inert on
+    # its bf16 cases) and both fp8 entries; the unnormalised P vs on token_head only
+    "decode_mma": ("attention.decode.mma", "tensor"),
+    "decode_mma_fp8": ("attention.decode.mma", "tensor"),
+    "decode_mma_fp8_tok": ("attention.decode.mma", "token_head"),
     "mla_gemm": ("mla.attn_gemm", "gemm"),
     "mla_gemm_fma": ("mla.attn_gemm", "gemm_fma"),
 }

@@ -141,6 +141,14 @@ the kernel is unchanged, its name has no suffix):
     "fp8_scale_wrong_token" a row's K and V scales read from the next position
                           of its page (slot), ``(off + 1) % P``
     "fp8_p_unnormalized"  ``P vs`` rounded to f16 as it is (no row normaliser)
+``PRECISION_MUTANTS`` (the registry runs them beside the clean kernel, to show
+what the judge resolves; ``mutant_applies`` says which entry takes which):
+    "p_bf16"              P rounded to bfloat16 (8 significant bits) before the
+                          pack to the mma's 16-bit type, where the kernel and its
+                          baseline round to f16 (11 bits): about 8x the weights'
+                          rounding error, every other step unchanged. Inert on a
+                          bf16 cache (P is packed to bf16 there anyway)
+    "fp8_p_unnormalized"  (above; token_head scales only)
 
 Device guard (the launcher checks on the host first): a length outside
 ``[0, capacity]`` or in ``1 .. T - 1``, or a pooled slot outside the pool, makes
@@ -157,6 +165,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from attention.core import checks
+from attention.core.rounding import round_bf16
 from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
@@ -207,14 +216,23 @@ CACHE_DTYPES = tuple(d for d in (np.dtype(np.float16), BFLOAT16) if d is not Non
 # scales folded into P without the row normaliser (module docstring)
 FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token", "fp8_p_unnormalized")
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
-ALL_DEFECTS = DEFECTS + FP8_TOKEN_DEFECTS  # every switch the kernel takes
-# the registry's precision mutants of the token_head entry (its resolving-power rows)
-PRECISION_MUTANTS = ("fp8_p_unnormalized",)
+# the registry's precision mutants (its resolving-power rows; ``mutant_applies``)
+PRECISION_MUTANTS = ("p_bf16", "fp8_p_unnormalized")
+ALL_DEFECTS = DEFECTS + FP8_TOKEN_DEFECTS + ("p_bf16",)  # every switch the kernel takes
 KINDS = ("f16", "bf16")  # the 16-bit cache kinds (``fast.dtype_kind``'s names)
 FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), q float16
 FP8_SCALES = ("tensor", "token_head")  # a K and a V scale, or one a cached row (token, kv head)
 LAYOUTS = ("HND", "NHD")
 FP8_DTYPE = np.dtype(np.uint8)  # fp8 e4m3 caches: the codes
+
+
+def mutant_applies(defect, scales):
+    """Whether precision mutant ``defect`` is a switch of the kernel with this
+    scale mode (``registry.MUTANT_SOURCES``: "tensor" for the 16-bit and the
+    per-tensor fp8 entries, "token_head"): ``fp8_p_unnormalized`` needs
+    token_head scales, ``p_bf16`` takes both."""
+    return defect in PRECISION_MUTANTS and (defect != "fp8_p_unnormalized"
+                                            or scales == "token_head")
 
 
 def dtype_kind(dt):
@@ -464,6 +482,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     WRONG_HEAD = defect == "fp8_scale_wrong_head"
     WRONG_TOKEN = defect == "fp8_scale_wrong_token"
     UNNORMALIZED = defect == "fp8_p_unnormalized"
+    P_BF16 = defect == "p_bf16"
     PAGED = paging is not None
     NHD = paging == "NHD"
     NO_TRANS = defect == "ldmatrix_no_trans"
@@ -876,6 +895,9 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             m1 = new1
 
             # -- O += P V: P rounded to 16 bits, the score fragments as A --
+            if P_BF16:  # the precision mutant: 8 significant bits before the pack
+                for e in range(8):
+                    s[e] = round_bf16(s[e])
             p0 = pack(s[0], s[1])
             p1 = pack(s[2], s[3])
             p2 = pack(s[4], s[5])
