@@ -1,6 +1,7 @@
 """Tensor-core prefill benchmark: ``attention.prefill.mma`` against torch SDPA.
 
     python3 -m bench.prefill_mma [--reps 30] [--warmup 5] [--no-check] [--csv FILE]
+                                 [--plans 4x64,8x32]
 
 Shapes: T 2048 and 4096, H 32, H_kv 8, D 128, causal, fp16 and bf16 (q, k, v
 in the dtype; ours writes float32 out and lse, torch's output is 16-bit).
@@ -17,6 +18,11 @@ Timing: CUDA events around one enqueue, the L2 flushed and a host cover
 host checks). torch gets K / V unexpanded with ``enable_gqa=True`` and
 ``is_causal=True``; the backend that ran is named (``bench.sdpa.backend_of``).
 ``ratio`` is torch's time over ours (our speed as a fraction of torch's).
+``--plans W x BN, ...`` also times these plans (warps a block x K / V tile
+positions) on the same inputs, each a row of its own beside the default plan's
+(``mma.default_warps`` / ``default_block_n``), with the largest difference of
+its output from the default plan's printed (0 where only the warps differ: a
+row's arithmetic does not depend on them).
 
 Check (unless ``--no-check``): on kv group 0 (query heads 0 .. 3, every row)
 the float64 oracle, the float32 baseline with the kernel's roundings (P
@@ -107,8 +113,15 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-check", action="store_true", help="skip the oracle check")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
+    parser.add_argument("--plans", default="",
+                        help="extra plans to time, comma list of WARPSxBLOCK_N (e.g. 4x64,8x32)")
     args = parser.parse_args(argv)
     reps = max(20, args.reps)
+    try:
+        extra = [tuple(int(x) for x in p.split("x")) for p in args.plans.split(",") if p]
+        assert all(len(p) == 2 for p in extra)
+    except (ValueError, AssertionError):
+        parser.error(f"--plans: expected a comma list of WARPSxBLOCK_N, got {args.plans!r}")
 
     from attention.core.device import device_name, gpu_available
 
@@ -200,6 +213,26 @@ def main(argv=None):
             print(f"  {name:<8} T={t_len:<5} ours {ms:8.3f} ms {row['TFLOPs']:7.1f} TFLOP/s"
                   + (f" | {torch_row['kernel']} {torch_row['ms']:8.3f} ms "
                      f"{torch_row['TFLOPs']:7.1f} TFLOP/s | {ratio}" if torch_row else ""))
+            default_out = d_out.copy_to_host()
+            for warps, block_n in extra:
+                pl_x = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True, warps=warps,
+                                block_n=block_n)
+
+                def theirs_plan():
+                    mma.launch(pl_x, *words, t_len, kv, scale, d_out, d_lse)
+
+                ms_x = timer.time(theirs_plan, reps=reps, warmup=args.warmup)
+                diff = float(np.abs(d_out.copy_to_host() - default_out).max())
+                row_x = {**row, "kernel": f"prefill_mma[w{warps},n{block_n}]", "ms": ms_x,
+                         "TFLOPs": flops / (ms_x * 1e-3) / 1e12}
+                for key in ("max_err", "bound", "cos_diff", "nan_ok"):
+                    row_x.pop(key, None)
+                if torch_row is not None:
+                    row_x["ratio_to_torch"] = torch_row["ms"] / ms_x
+                rows.append(row_x)
+                print(f"    plan w{warps} n{block_n}: {ms_x:8.3f} ms {row_x['TFLOPs']:7.1f} TFLOP/s"
+                      + (f" | {row_x['ratio_to_torch']:.2f}x torch" if torch_row else "")
+                      + f" | max |out - default plan's| {diff:.2e}")
     if args.csv:
         import csv
 

@@ -18,8 +18,8 @@ check). Checked here:
 
 * on the simulator (``device``) and on a GPU: causal and full attention, GQA
   (two query heads a kv head), T not a multiple of the query or K / V tile
-  (40, 37, 20), one and two warps a block (a warp whose rows all lie past T;
-  a warp skipping the tile above its diagonal), K / V tiles of 16, 32 and 64
+  (40, 37, 20, 140), one, two, four and eight warps a block (a warp whose rows
+  all lie past T; a warp skipping the tile above its diagonal), K / V tiles of 16, 32 and 64
   positions, head dims 16, 32, 64 (a row of 8 swizzle chunks) and 96 (stored
   in 128 columns), fp16; bf16 on a GPU (the simulator has no bfloat16);
   device arrays in and caller-given ``out`` / ``lse`` buffers;
@@ -34,7 +34,8 @@ check). Checked here:
   every 16-row block (what the kernel's fragment addresses assume);
 * compile-only: sm_90 kernels with ``mma.sync...m16n8k16``, ``ldmatrix`` x4 and
   x4.trans and ``cp.async``, no local memory in the PTX, and (where nvJitLink
-  is installed) no spills in ptxas's report, at D 64, 128 and 256 with 4 warps;
+  is installed) no spills in ptxas's report, at D 64, 128 and 256 with their
+  default warps (4, 8, 4);
   the online rescale's ``ex2`` takes a difference of two rounded references, not
   a ``mul.f32`` ptxas would contract into an FFMA (``alpha`` != 1 while the max
   stays: the LSE error of the full shape, ``validation/prefill_lse_model.py``);
@@ -136,6 +137,10 @@ CASES = [
     # the GPU's plan (4 warps, tiles of 64): rows 40 .. 63 of the one block lie
     # past T (warp 2 in part, warp 3 wholly); each thread stages 1 of 128 chunks
     (40, 1, 1, 16, True, mma.WARPS, mma.BLOCK_N),
+    # the default plan of 128-column rows (8 warps, tiles of 64) at D 96: the
+    # second block's rows 128 .. 139 are warp 0's, warps 1 .. 7 lie past T; its
+    # second K / V tile (64 .. 127) is whole, the third (128 .. 139) checked
+    (140, 1, 1, 96, True, mma.default_warps(96), mma.BLOCK_N),
     # the last K / V tile holds 13 positions: a thread copies rows 8 apart, so
     # the tile's checked copies take two passes with positions below T
     (45, 2, 1, 32, False, 1, 32),
@@ -145,7 +150,7 @@ CASES = [
 @pytest.mark.device
 @pytest.mark.parametrize("t_len,n_heads,n_kv,head_dim,causal,warps,block_n", CASES,
                          ids=["causal-gqa-d32", "full-d16-w2", "causal-d64-w2", "causal-d96",
-                              "gpu-plan-d16", "full-d32-partial-tile"])
+                              "gpu-plan-d16", "full-d32-partial-tile", "gpu-plan-d96-w8"])
 def test_matches_the_oracle(t_len, n_heads, n_kv, head_dim, causal, warps, block_n):
     rng = np.random.default_rng(t_len + head_dim)
     q, k, v = make_qkv(rng, t_len, n_heads, n_kv, head_dim, F16)
@@ -281,6 +286,18 @@ def test_default_tiles_fit_two_blocks_an_sm():
     assert 4 * mma.smem_words(128, 4, 64) == 80 * 1024  # Q 16 KB + 2 x (K + V) 64 KB
 
 
+def test_default_warps_follow_the_row_width():
+    """8 warps where a shared row is 128 columns (D 80 .. 128), 4 elsewhere; the
+    8-warp block's shared memory (Q 32 KB + 64 KB of stages at D 128) still
+    leaves room for two blocks an SM, and the public call plans with it."""
+    assert [mma.default_warps(d) for d in mma.HEAD_DIMS] == [4, 4, 4, 4, 8, 8, 8, 8, 4]
+    assert 4 * mma.smem_words(128, 8, 64) == 96 * 1024
+    pl = mma.plan(300, 2, 128, "f16", True)
+    assert pl["warps"] == 8 and pl["block"] == 256 and pl["grid"] == (2, 3)
+    assert mma.plan(300, 2, 64, "f16", True)["warps"] == 4
+    assert mma.plan(300, 2, 128, "f16", True, warps=2)["warps"] == 2
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 96, 128, 256])
 def test_tile_layout_is_conflict_free_and_the_same_in_every_16_row_block(head_dim):
     """The shared tiles' swizzle: a bijection onto the tile's 16-byte chunks,
@@ -321,9 +338,10 @@ def _signature():
 _PTX = {}
 
 
-def _ptx(kind, head_dim, causal=True, warps=mma.WARPS, block_n=None, defect=None):
+def _ptx(kind, head_dim, causal=True, warps=None, block_n=None, defect=None):
     from numba import cuda
 
+    warps = mma.default_warps(head_dim) if warps is None else warps
     block_n = mma.default_block_n(head_dim) if block_n is None else block_n
     key = (kind, head_dim, causal, warps, block_n, defect)
     if key not in _PTX:
@@ -473,7 +491,7 @@ def _torch_sdpa(q, k, v, n_heads, n_kv, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_full_shape_matches_the_oracle(dtype):
-    """T 4096, H 32, H_kv 8, D 128, causal (GPU defaults: 4 warps, tiles of 64),
+    """T 4096, H 32, H_kv 8, D 128, causal (GPU defaults: 8 warps, tiles of 64),
     judged on kv groups 0 and 7 (query heads 0-3 and 28-31, every row)."""
     dt = storage_dtype(dtype)
     t_len, n_heads, n_kv, head_dim = 4096, 32, 8, 128

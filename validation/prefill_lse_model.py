@@ -6,8 +6,11 @@ Run: ``python -m validation.prefill_lse_model [--dtypes float16,bfloat16] [--hea
 Inputs: the full-shape GPU test's (``tests/test_prefill_mma.py``,
 ``test_full_shape_matches_the_oracle``): ``default_rng(4096)``, standard-normal
 q [4096, 32*128], k and v [4096, 8*128] rounded to the dtype, causal, scale
-``1 / sqrt(128)``, the GPU plan (4 warps: 64 query rows a block, 16 a warp; K / V
-tiles of 64 positions). Per query head h (kv head ``h // 4``) it builds:
+``1 / sqrt(128)``, the GPU plan (``attention.prefill.mma.default_warps(128)``, 8
+warps: 128 query rows a block, 16 a warp; K / V tiles of 64 positions; a warp
+computes the tiles up to its own diagonal, so the warps a block do not change
+any row's arithmetic: the findings below, made with 4, hold). Per query head h
+(kv head ``h // 4``) it builds:
 
 * the scores S [4096, 4096] float32 as the mma sums them
   (``validation.baselines.mma16_scores``, the kernel's raw scores);
@@ -68,7 +71,7 @@ import numpy as np
 
 F32, F64 = np.float32, np.float64
 T, H, H_KV, D = 4096, 32, 8, 128
-WARPS, ROWS, BN = 4, 16, 64
+WARPS, ROWS, BN = 8, 16, 64  # the plan of D 128 (``default_warps``, ``default_block_n``)
 LOG2E = F32(np.log2(np.e))
 
 VARIANTS = ("kernel", "+1ulp", "f64 ref", "f64 s2", "f64 p", "f64 l", "f64 log", "fix", "fa2")

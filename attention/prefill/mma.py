@@ -17,7 +17,8 @@ Layouts (C-contiguous; numpy arrays are staged, device arrays used in place):
 The kernel (``prefill_mma_kernel``):
 
 * **One block per (query tile, head).** A tile is ``16 W`` rows (``W`` warps,
-  a plan parameter: 4 on a GPU), warp ``w`` owning rows ``16 w .. 16 w + 15``.
+  a plan parameter; ``default_warps``: 8 for head dims stored in 128 columns,
+  4 for the others), warp ``w`` owning rows ``16 w .. 16 w + 15``.
   Grid ``(H, ceil(T / 16 W))``: the heads of a tile run side by side (the heads
   of a GQA group read the same K / V rows), and the tiles run last first, so
   the longest causal blocks start first.
@@ -119,7 +120,8 @@ from attention.prefill import frame
 
 WARP = 32
 ROWS = 16  # query rows of a warp: one m16 tile
-WARPS = 4  # warps a block on a GPU (64 query rows)
+WARPS = 4  # warps a block by default (64 query rows), but see default_warps
+WARPS_128 = 8  # warps a block by default for head dims stored in 128 columns (D 80 .. 128)
 BLOCK_N = 64  # positions of a K / V tile on a GPU
 BLOCK_NS = (16, 32, 64)
 MAX_WARPS = 8
@@ -144,6 +146,17 @@ def default_block_n(head_dim):
     (two stages of 64 positions would take 128 KB of shared memory: one block
     an SM; with 32, 96 KB a block, two fit)."""
     return 32 if head_dim == 256 else BLOCK_N
+
+
+def default_warps(head_dim):
+    """Warps a block a head dim gets by default: ``WARPS_128`` (8: 128 query
+    rows, so each staged K / V tile serves twice the rows) where a shared row is
+    128 columns (D 80, 96, 112, 128), ``WARPS`` (4) otherwise. Timed on an H100
+    (causal fp16, H 32 / H_kv 8, T 4096; notes/bench.md): D 128 0.546 -> 0.499
+    ms and D 96 0.565 -> 0.471 ms with 8 warps; D 64 (0.288 -> 0.359 ms) and D
+    256 (tiles of 32: 1.005 -> 1.095 ms) are slower with 8. D 80 and 112 were
+    not timed: they take the choice of the other 128-column rows."""
+    return WARPS_128 if padded_cols(head_dim) == 128 else WARPS
 
 
 def padded_cols(head_dim):
@@ -555,9 +568,11 @@ def prefill_mma_kernel(kind, head_dim, causal, warps=WARPS, block_n=BLOCK_N, def
 # plan, checks and launch
 # ---------------------------------------------------------------------------
 
-def plan(t_len, n_heads, head_dim, kind, causal, *, warps=WARPS, block_n=None, defect=None):
+def plan(t_len, n_heads, head_dim, kind, causal, *, warps=None, block_n=None, defect=None):
     """Launch plan (a dict): kernel, grid ``(H, ceil(T / 16 W))``, block ``32 W``,
-    dyn_smem (bytes). ``block_n`` None: ``default_block_n(head_dim)``."""
+    dyn_smem (bytes). ``warps`` None: ``default_warps(head_dim)``; ``block_n``
+    None: ``default_block_n(head_dim)``."""
+    warps = default_warps(head_dim) if warps is None else warps
     block_n = default_block_n(head_dim) if block_n is None else block_n
     warps, block_n = int(warps), int(block_n)
     rows = ROWS * warps
@@ -572,7 +587,7 @@ def plan(t_len, n_heads, head_dim, kind, causal, *, warps=WARPS, block_n=None, d
     }
 
 
-def check_inputs(q, k, v, n_heads, n_kv_heads=None, warps=WARPS, block_n=None):
+def check_inputs(q, k, v, n_heads, n_kv_heads=None, warps=None, block_n=None):
     """Validate a call before anything is copied or launched; returns
     ``(T, H, H_kv, D, kind)``. Errors (``checks.*``, ValueError) name the
     argument and the expected shape, dtype or range."""
@@ -597,7 +612,8 @@ def check_inputs(q, k, v, n_heads, n_kv_heads=None, warps=WARPS, block_n=None):
     checks.check_same_dtype([("q", q), ("k", k), ("v", v)])
     for name, x in (("q", q), ("k", k), ("v", v)):
         frame.check_aligned(name, x)
-    frame.check_tiles(warps, block_n, MAX_WARPS, BLOCK_NS)
+    frame.check_tiles(default_warps(head_dim) if warps is None else warps, block_n,
+                      MAX_WARPS, BLOCK_NS)
     return t_len, n_heads, n_kv, head_dim, kind
 
 
@@ -620,7 +636,7 @@ def launch(pl, d_q, d_k, d_v, t_len, n_kv, scale, d_out, d_lse, stream=0):
 
 
 def prefill_attention_mma(q, k, v, n_heads, n_kv_heads=None, *, causal=True, scale=None,
-                          out=None, lse=None, warps=WARPS, block_n=None, stream=None,
+                          out=None, lse=None, warps=None, block_n=None, stream=None,
                           defect=None):
     """Multi-head (GQA) prefill attention over T tokens on the tensor cores.
 
@@ -631,7 +647,8 @@ def prefill_attention_mma(q, k, v, n_heads, n_kv_heads=None, *, causal=True, sca
     scale:      default 1/sqrt(D)
     out, lse:   optional float32 buffers [T, H*D] / [H, T] (device arrays are
                 written in place; numpy ones receive the result)
-    warps:      W, warps a block (16 W query rows)
+    warps:      W, warps a block (16 W query rows); None: ``default_warps(D)``
+                (8 for D 80 .. 128, else 4)
     block_n:    BN, positions a K / V tile (16, 32, 64); None:
                 ``default_block_n(D)`` (64; 32 for D 256)
     stream:     numba stream; None synchronises before returning, a stream only
