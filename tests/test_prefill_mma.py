@@ -160,6 +160,28 @@ def test_matches_the_oracle(t_len, n_heads, n_kv, head_dim, causal, warps, block
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("causal", [True, False])
+def test_warps_a_block_do_not_change_a_bit(causal):
+    """A row's arithmetic does not depend on the warps a block (a warp computes
+    the tiles up to its own diagonal, or all of them, in the same order), so
+    the 8-warp default of 128-column rows gives the 4-warp plan's bits, and the
+    2-warp plan's (T 70, D 32: blocks of 32, 64 and 128 rows, the last one
+    partial, K / V tiles of 32 with a checked last tile; the full-shape GPU
+    timings of D 64, 96, 128 and 256 gave the same bits at 4 and 8 warps:
+    notes/bench.md)."""
+    rng = np.random.default_rng(70)
+    q, k, v = make_qkv(rng, 70, 1, 1, 32, F16)
+    want = run(q, k, v, 1, 1, causal, warps=4, block_n=32)
+    for warps in (2, 8):
+        got = run(q, k, v, 1, 1, causal, warps=warps, block_n=32)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    # the control: tiles of 16 sum in another order, and the comparison sees it
+    other = run(q, k, v, 1, 1, causal, warps=4, block_n=16)
+    assert not np.array_equal(other[0], want[0])
+
+
+@pytest.mark.device
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_dtypes_match_the_oracle(dtype):
     """fp16 and bf16 (P rounded to bf16 in both the kernel and the baseline)."""
