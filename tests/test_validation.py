@@ -471,6 +471,16 @@ def test_shards_partition_the_work_and_merge(tmp_path):
     assert len(merged["cases"]) == 2 and merged["verdict"]["passed"]
     # the fp8 quantization rows are work units too: every shard's rows are kept
     assert [r["shape"] for r in merged["quantization"]] == ["s0", "s1"]
+    # parts of different runs or rules are refused, naming what differs
+    one = json.loads((shard_dir / "shard-1-of-2.json").read_text())
+    for edit, match in ((lambda p: p["config"].update(seeds=[0, 1]), "'seeds' differs"),
+                        (lambda p: p["provenance"].update(criterion_hash="0" * 16),
+                         "different criteria")):
+        bad = json.loads(json.dumps(one))
+        edit(bad)
+        (shard_dir / "shard-1-of-2.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            report.merge(tmp_path)
     (shard_dir / "shard-1-of-2.json").unlink()
     with pytest.raises(ValueError, match="expected 0..1"):
         report.merge(tmp_path)

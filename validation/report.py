@@ -609,9 +609,15 @@ def shard_path(out_dir, index, count):
     return Path(out_dir) / "shards" / f"shard-{index}-of-{count}.json"
 
 
+# the settings every shard of one run shares (``merge`` refuses parts that differ)
+MERGE_SAME = ("device", "small", "quick", "seeds", "dtypes", "steps", "kernels", "growth",
+              "suites", "mutant_seeds")
+
+
 def merge(out_dir):
     """Merge ``<out_dir>/shards/shard-*-of-N.json`` into one report (not written).
-    Raises ValueError when shards are missing or measured different code."""
+    Raises ValueError when shards are missing, measured different code, were
+    judged under different criteria or ran with different settings."""
     files = sorted((Path(out_dir) / "shards").glob("shard-*-of-*.json"))
     if not files:
         raise ValueError(f"no shard files in {Path(out_dir) / 'shards'}")
@@ -626,6 +632,14 @@ def merge(out_dir):
     hashes = {p["provenance"]["kernel_source_hash"] for p in parts}
     if len(hashes) != 1:
         raise ValueError(f"shards measured different kernel sources: {sorted(hashes)}")
+    rules = {p["provenance"].get("criterion_hash") for p in parts}
+    if len(rules) != 1:
+        raise ValueError(f"shards were judged under different criteria: {sorted(map(str, rules))}")
+    for key in MERGE_SAME:  # one run's settings, split: the same in every part
+        values = {json.dumps(p["config"].get(key), sort_keys=True) for p in parts}
+        if len(values) != 1:
+            raise ValueError(f"shards of different runs: config {key!r} differs "
+                             f"({', '.join(sorted(values))})")
     cases, seen = [], set()
     growth, units, broken = [], [], []
     for p in parts:
