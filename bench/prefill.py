@@ -30,6 +30,10 @@ import numpy as np
 PREFILL_SHAPES = [(512, 32, 8, 128), (2048, 32, 8, 128), (4096, 32, 8, 128)]
 # fused and tf32: the product's two kernels; the others: reference paths
 METHODS = ("fused", "tf32", "batched", "per_head")
+# other plans of the tf32 kernel timed beside its default (row name -> plan keywords):
+# 8 warps a block (128 query rows) took 9 % off the 16-bit kernel's time at D 128
+# (notes/bench.md); whether the tf32 kernel gains the same is what this row measures
+TF32_PLANS = {"tf32[w8]": {"warps": 8}}
 COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "causal", "ms",
            "TFLOPs", "frac_of_fma_peak", "frac_of_bf16_peak"]
 
@@ -51,8 +55,13 @@ def bench_prefill(timer, fma_tflops, torch, rows, log, bf16_tflops=None):
 
     from .gpu import random_array
 
+    from attention.prefill.tf32 import prefill_attention_tf32
+
     entry = {"fused": prefill_attention, "tf32": prefill_attention,
              "batched": prefill_attention_reference, "per_head": prefill_attention_reference}
+    for name, plan_kw in TF32_PLANS.items():
+        entry[name] = (lambda q, k, v, h, method=None, plan_kw=plan_kw, **kw:
+                       prefill_attention_tf32(q, k, v, h, **plan_kw, **kw))
 
     for t_len, h, kv, d in PREFILL_SHAPES:
         flops = prefill_flops(t_len, h, d)
@@ -70,7 +79,7 @@ def bench_prefill(timer, fma_tflops, torch, rows, log, bf16_tflops=None):
             log(f"  prefill {name:<10} T={t_len:<5} {ms:9.3f} ms {tf:7.2f} TFLOP/s {note}")
 
         st = cuda.default_stream()
-        for method in METHODS:
+        for method in METHODS + tuple(TF32_PLANS):
             try:
                 def run(method=method):
                     entry[method](q, k, v, h, n_kv_heads=kv, causal=True, method=method,
