@@ -120,7 +120,7 @@ def run(q, k, v, lens, **kw):
 def check_case(q, k_rows, v_rows, lens, got, dtype, what):
     scale = 1.0 / np.sqrt(q.shape[3])
     ref = oracle(q, k_rows, v_rows, lens, scale)
-    base = baseline(q, k_rows, v_rows, lens, scale, dtype)
+    base = baseline(q, k_rows, v_rows, lens, scale, dtype, norm="recip_after")
     judge(got, ref, base, what)
     for m, n in enumerate(lens):
         if n == 0:  # nothing to attend: zeros and -inf
@@ -222,7 +222,8 @@ def defect_case():
         q = queries(rng, 2, 4, 4, 32, F16)
         scale = 1.0 / np.sqrt(32)
         _DEFECT_RUNS["case"] = (q, k, v, slots, lens, oracle(q, k_rows, v_rows, lens, scale),
-                                baseline(q, k_rows, v_rows, lens, scale, F16))
+                                baseline(q, k_rows, v_rows, lens, scale, F16,
+                                         norm="recip_after"))
     return _DEFECT_RUNS["case"]
 
 

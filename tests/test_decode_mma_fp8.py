@@ -118,7 +118,7 @@ def judged(q, kc, vc, lens, slots, ks, vs, got):
     ref = decode_attention_multi_ref(q, k, v, lens, scale=scale)
     base = decode_rounded_p(q, kv_codes[0], kv_codes[1], lens, scale, F16, sums="mma16",
                             k_scales=np.full(kv_codes[0].shape[:3], ks, np.float32),
-                            v_scale=vs)
+                            v_scale=vs, norm="recip_after")
     return [(name,) + tuple(tolerance.verdict(np.asarray(g), r, b))
             for name, g, r, b in zip(("out", "lse"), got, ref, base)]
 
@@ -157,14 +157,14 @@ def test_per_tensor_order_takes_per_tensor_cases_only():
     from validation import baselines, registry
 
     spec = registry.KERNELS_BY_NAME["decode_mma_fp8"]
-    assert spec.baseline == "mma16_pc16/after"
+    assert spec.baseline == "mma16_pc16/after/recip_after"
     x = registry.make_inputs("decode", registry.find_shape("decode", "mma_gqa4_d64", True),
                              "normal", 0)
     for mode in ("tensor", "token_head"):
         y = fixtures.fp8_quantize(x, mode)
         y = dict(y, q=y["q"].astype(F16))
         label = baselines.resolve(spec.baseline, y, F16)
-        assert label == "mma16_pcf16/after"
+        assert label == "mma16_pcf16/after/recip_after"
         if mode == "tensor":
             out = baselines.baseline("decode", y, label)
             assert np.isfinite(out["out"]).all()
@@ -355,9 +355,9 @@ def tok_judged(q, arrays, lens, got, baseline="pv"):
             codes = F.decode_e4m3(vc[:m]).astype(np.float32)
             k_codes = F.decode_e4m3(kc[:m]).astype(np.float32)
         base = decode_rounded_p(q, k_codes, codes, lens, scale, F16, sums="mma16",
-                                v_scales=vsc[:m], k_scales=ksc[:m])
+                                v_scales=vsc[:m], k_scales=ksc[:m], norm="recip_after")
     else:
-        base = decode_rounded_p(q, k, v, lens, scale, F16, sums="mma16")
+        base = decode_rounded_p(q, k, v, lens, scale, F16, sums="mma16", norm="recip_after")
     return [(name,) + tuple(tolerance.verdict(np.asarray(g), r, b))
             for name, g, r, b in zip(("out", "lse"), got, ref, base)]
 

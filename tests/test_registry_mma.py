@@ -67,7 +67,8 @@ def test_entries_resolve_with_rounded_p_baselines():
         status, fn = registry.resolve(spec)
         assert status == "ok", (name, fn)
         assert spec.family == "mma"
-        want = "mma16_p16/after" + ("/divide/ex2fma" if spec.kind == "prefill" else "")
+        want = "mma16_p16/after" + ("/divide/ex2fma" if spec.kind == "prefill"
+                                    else "/recip_after")
         assert spec.baseline == want
         # the pooled 16-bit entry carries the P-in-bf16 precision mutant
         assert registry.mutants_of(name) == (("p_bf16",) if name == "decode_mma" else ())
@@ -90,9 +91,16 @@ def test_rounded_p_labels_resolve_per_dtype_and_reject_other_orders():
     assert baselines.resolve("mma16_p16/after", x, np.float32) == "mma16_pf32/after"
     with pytest.raises(ValueError, match="rounded to the case's dtype"):
         baselines.resolve("mma16_p16/after", x, np.float64)
-    for bad in ("matmul_p16/before", "mma16_pf16/after/recip_after", "mma16_pf8/after"):
+    assert baselines.resolve("mma16_p16/after/recip_after", x,
+                             np.float16) == "mma16_pf16/after/recip_after"
+    for bad in ("matmul_p16/before", "mma16_pf16/after/recip_first", "mma16_pf8/after",
+                "mma16_pf16/after/recip_after/ex2fma"):
         with pytest.raises(ValueError):
             baselines.parse(bad)
+    # the reciprocal epilogue is the tensor-core decode's; the prefill's label divides
+    with pytest.raises(ValueError, match="is a decode order"):
+        baselines.baseline("prefill", _cast_all("prefill", PREFILL_SHAPE),
+                           "mma16_pf16/after/recip_after")
     with pytest.raises(ValueError, match="has no prefill form"):
         baselines.baseline("prefill", _cast_all("prefill", PREFILL_SHAPE), "matmul_pf16/after")
 
@@ -104,11 +112,13 @@ def test_rounded_p_baselines_are_the_tensor_core_functions():
     x = _cast_all("decode", DECODE_SHAPE)
     slots = x["slot_table"]
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
-    for label, sums in (("mma16_pf16/after", "mma16"), ("matmul_pf16/after", "matmul")):
+    for label, sums, norm in (("mma16_pf16/after", "mma16", "divide"),
+                              ("matmul_pf16/after", "matmul", "divide"),
+                              ("mma16_pf16/after/recip_after", "mma16", "recip_after")):
         got = baselines.baseline("decode", x, label)
         out, lse = baselines.decode_rounded_p(x["q"][:, None], x["k_cache"][slots],
                                               x["v_cache"][slots], x["seq_lens"], scale,
-                                              np.float16, sums)
+                                              np.float16, sums, norm=norm)
         np.testing.assert_array_equal(got["out"], out[:, 0])
         np.testing.assert_array_equal(got["lse"], lse[:, 0])
         assert np.isneginf(got["lse"][1]).all() and not np.isnan(got["out"]).any()  # length 0

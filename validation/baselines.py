@@ -113,8 +113,11 @@ SUM (how the products of a dot product are added, ``dot``)
                      tensor-core decode's LSE is 3x this baseline's mean error
                      (truncated sums), and within 1.5x of ``mma16_pT``'s.
                      The rounded-P orders take SCALE ``after``, NORM ``divide``
-                     (``(p16 @ v) / l``, ``l`` the sum of the unrounded P) and
-                     EXP ``exp``, or for the prefill ``ex2fma`` (below).
+                     (``(p16 @ v) / l``, ``l`` the sum of the unrounded P) or,
+                     for decode, ``recip_after`` (``(p16 @ v) * fl(1 / l)``,
+                     the tensor-core decode's epilogue: the registry's decode
+                     entries since a changed criterion, notes/validation.md),
+                     and EXP ``exp``, or for the prefill ``ex2fma`` (below).
 
 SCALE
     ``after``        the scores are multiplied by the scale (the oracle's choice,
@@ -208,11 +211,13 @@ def parse(label):
                          f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
                          f"mla_gemm, matmul_pT, mma16_pT, mma16_pvT, mma16_pcT, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
-    if _ROUNDED_P.match(how) and (where != "after" or norm != "divide"
-                                  or exp not in ("exp", "ex2fma")):
+    if _ROUNDED_P.match(how) and (where != "after" or norm not in ("divide", "recip_after")
+                                  or exp not in ("exp", "ex2fma")
+                                  or (norm == "recip_after" and exp != "exp")):
         raise ValueError(f"baseline order: the rounded-P orders scale after the sum and "
                          f"take NORM divide and EXP exp or ex2fma (decode_rounded_p, "
-                         f"prefill_rounded_p), got {label!r}")
+                         f"prefill_rounded_p), or NORM recip_after and EXP exp (decode), "
+                         f"got {label!r}")
     if exp == "ex2fma" and not (_ROUNDED_P.match(how) and how.startswith("mma16")):
         raise ValueError(f"baseline order: EXP ex2fma (FlashAttention-2's weights) is the "
                          f"rounded-P prefill's only (mma16_pT), got {label!r}")
@@ -232,7 +237,7 @@ def resolve(label, inputs, dtype):
     rounded = _ROUNDED_P.match(how)
     if rounded and rounded.group(3) == "16":  # P rounded to the case's 16-bit dtype
         return f"{rounded.group(1)}_p{rounded.group(2)}{rounded_kind(dtype)}/{where}" + (
-            f"/{norm}/{exp}" if exp != "exp" else "")
+            f"/{norm}/{exp}" if exp != "exp" else f"/{norm}" if norm != "divide" else "")
     if how == "mla_gemm":
         from attention.gemm import sgemm
         from attention.gemm import tgemm
@@ -655,11 +660,14 @@ def rounded_p_baseline(kind, inputs, label):
     through ``prefill_rounded_p``. Scale 1 / sqrt(D), as the kernels' default.
     mla: the ``mla.oracle`` layouts (``registry.MLA_ARGS``) -> out [t_q, nh,
     d_v], through ``mla_rounded_p``, scale 1 / sqrt(d_nope + d_rope)."""
-    how, _, _, exp = parse(label)
+    how, _, norm, exp = parse(label)
     rounded = _ROUNDED_P.match(how)
     if rounded is None or rounded.group(3) == "16":
         raise ValueError(f"rounded_p_baseline: expected a resolved rounded-P order, got "
                          f"{label!r}")
+    if norm != "divide" and kind != "decode":
+        raise ValueError(f"rounded_p_baseline: NORM {norm} is a decode order, got {label!r} "
+                         f"for a {kind} case")
     sums, dtype = rounded.group(1), _rounded_dtype(rounded.group(3))
     if rounded.group(2) == "v" and (kind != "decode"
                                     or inputs.get("fp8_scales") != "token_head"):
@@ -692,7 +700,8 @@ def rounded_p_baseline(kind, inputs, label):
         scale = 1.0 / np.sqrt(q.shape[-1])
         out, lse = decode_rounded_p(q[:, None], k_rows, v_rows,
                                     np.asarray(inputs["seq_lens"]), scale, dtype, sums,
-                                    v_scales=v_scales, k_scales=k_scales, v_scale=v_scale)
+                                    v_scales=v_scales, k_scales=k_scales, v_scale=v_scale,
+                                    norm=norm)
         return {"out": out[:, 0], "lse": lse[:, 0]}
     if kind == "prefill" and sums == "mma16":
         q = np.asarray(inputs["q"], F32)
@@ -864,7 +873,7 @@ def prefill_rounded_p(q, k, v, n_heads, n_kv, causal, scale, dtype, row_block=25
 
 
 def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_scales=None,
-                     k_scales=None, v_scale=None):
+                     k_scales=None, v_scale=None, norm="divide"):
     """float32 decode with the tensor-core kernel's roundings.
 
     q [M, T, H, D], k_rows / v_rows [M, H_kv, L, D] (16-bit values), lens [M]:
@@ -888,9 +897,16 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
     three roundings), instead of the sum over the dequantized rows.
     ``v_scale`` float (with ``v_rows`` the codes' values; not with ``v_scales``):
     one V scale for the tensor, applied after P.V as the per-tensor fp8 kernel
-    applies it, out = ((P rounded to ``dtype``) V_codes vs) / l."""
+    applies it, out = ((P rounded to ``dtype``) V_codes vs) / l.
+    ``norm``: "divide" (the sum over l, as above) or "recip_after" (the sum
+    times fl(1 / l), the tensor-core decode's epilogue, ``softmax_finish``:
+    ``out = (... V vs) * fl(1 / l)`` and per row scale ``(u (p16 V)) * fl(1 /
+    l)``)."""
     if sums not in ("matmul", "mma16"):
         raise ValueError(f"sums: expected 'matmul' or 'mma16', got {sums!r}")
+    if norm not in ("divide", "recip_after"):
+        raise ValueError(f"norm: expected 'divide' or 'recip_after', got {norm!r}")
+    recip = norm == "recip_after"
     if v_scale is not None and v_scales is not None:
         raise ValueError("v_scale (one V scale, after P.V) and v_scales (a V scale a row, "
                          "into P) exclude each other")
@@ -921,13 +937,14 @@ def decode_rounded_p(q, k_rows, v_rows, lens, scale, dtype, sums="matmul", v_sca
                     pv = p16 @ vals
                     if v_scale is not None:
                         pv = pv * F32(v_scale)
-                    out[m, i, h] = pv / total
+                    out[m, i, h] = pv * (F32(1.0) / total) if recip else pv / total
                 else:
                     w = p * v_scales[m, h // group, :seen].astype(F32)
                     u = w.max()
                     if u > 0:
                         p16 = (w / u).astype(dtype).astype(F32)
-                        out[m, i, h] = (u * (p16 @ vals)) / total
+                        pv = u * (p16 @ vals)
+                        out[m, i, h] = pv * (F32(1.0) / total) if recip else pv / total
                 lse[m, i, h] = top + np.log(total)
     return out, lse
 

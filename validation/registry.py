@@ -731,12 +731,15 @@ KERNELS = (
     # in f16; the K scale on each score, the V scale on the output): the 16-bit
     # kernels' rounded-P baseline in that order (``mma16_pc16``: a changed
     # criterion, notes/validation.md; it summed over the dequantized rows before),
-    # P rounded to q's dtype (its storage: float16, the only q it takes)
+    # P rounded to q's dtype (its storage: float16, the only q it takes). Every
+    # tensor-core decode entry ends as the kernel does, the sum times the correctly
+    # rounded 1 / l (NORM ``recip_after``: a changed criterion, notes/validation.md;
+    # it divided before)
     KernelSpec("decode_mma_fp8", "decode_fp8", "decode", "attention.decode.mma", "mma_decode",
                _run_mma_fp8, ("q",),
                "the tensor-core decode over an fp8 e4m3 cache, per-tensor scales, q float16 "
                "(DecodePlan(method='mma')); judged over the dequantized cache",
-               "mma16_pc16/after", quantize="tensor"),
+               "mma16_pc16/after/recip_after", quantize="tensor"),
     # per-(token, kv head) scales: the V scales go into P, normalised a row, before
     # the rounding to f16 (``attention.decode.mma``), so the baseline rounds the same
     # weights (``mma16_pv16``: a changed criterion, notes/validation.md)
@@ -745,7 +748,7 @@ KERNELS = (
                "the tensor-core decode over an fp8 e4m3 cache with per-(token, kv head) "
                "scales, q float16 (DecodePlan(method='mma', fp8_scales='token_head')); "
                "judged over the dequantized cache",
-               "mma16_pv16/after", quantize="token_head"),
+               "mma16_pv16/after/recip_after", quantize="token_head"),
     # the 16-bit tensor-core kernels: P is rounded to the 16-bit type before P.V by
     # design (as FlashAttention and FlashMLA do), so their baseline rounds it too
     # (``validation.baselines`` "mma16_p16": ``decode_rounded_p(sums="mma16")`` and
@@ -762,20 +765,20 @@ KERNELS = (
                _run_mma_decode(), ("k_cache", "v_cache"),
                "tensor-core decode (mma.m16n8k16, P rounded to 16 bits) over a pooled "
                "16-bit cache, q in the cache dtype; D 32/64/128, GQA group <= 16",
-               "mma16_p16/after"),
+               "mma16_p16/after/recip_after"),
     KernelSpec("decode_mma_paged16", "mma", "decode", "attention.decode.mma", "mma_decode",
                _run_mma_decode(16, "HND"), ("k_cache", "v_cache"),
                "the tensor-core decode over pages of 16 (one page a tile), HND, shuffled",
-               "mma16_p16/after"),
+               "mma16_p16/after/recip_after"),
     KernelSpec("decode_mma_paged1_nhd", "mma", "decode", "attention.decode.mma",
                "mma_decode", _run_mma_decode(1, "NHD"), ("k_cache", "v_cache"),
                "the tensor-core decode over NHD pages of 1 (a page entry a row)",
-               "mma16_p16/after"),
+               "mma16_p16/after/recip_after"),
     KernelSpec("decode_mma_t4", "mma", "decode", "attention.decode.mma", "mma_decode",
                _run_mma_decode(16, "HND", t_q=4), ("k_cache", "v_cache"),
                "the tensor-core decode, 4 queries a sequence (causal; group x 4 <= 16 rows) "
                "over pages of 16, HND; each sequence judged at one query",
-               "mma16_p16/after"),
+               "mma16_p16/after/recip_after"),
     KernelSpec("prefill_mma", "mma", "prefill", "attention.prefill.mma",
                "prefill_attention_mma", _run_mma_prefill, ("k", "v"),
                "tensor-core prefill (fp16/bf16 q, k, v; P rounded to 16 bits), causal or "
