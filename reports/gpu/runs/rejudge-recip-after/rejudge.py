@@ -2,16 +2,20 @@
 
     python rejudge.py SRC_validation.json OUT.json SECONDS
 """
-import json, sys, time
-import numpy as np
+import json
+import sys
+import time
+
 from validation import registry, fixtures, baselines, tolerance
 from validation.sweep import _cast_inputs, _float_names
 
 src, out_path, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
 d = json.load(open(src))
-cases = [c for c in d["cases"] if c["kernel"].startswith("decode_mma") and c["status"] in ("pass", "fail")]
+cases = [c for c in d["cases"]
+         if c["kernel"].startswith("decode_mma") and c["status"] in ("pass", "fail")]
 cases.sort(key=lambda c: -max(c.get("mean_margin") or 0, c.get("margin") or 0))
-t0 = time.time(); rows = []
+t0 = time.time()
+rows = []
 for c in cases:
     if time.time() - t0 > limit:
         break
@@ -27,7 +31,8 @@ for c in cases:
     new_label = baselines.resolve(spec.baseline, used, storage)  # the registry's now
     old_label = new_label.replace("/recip_after", "")
     assert new_label != old_label
-    row = {"id": c["id"], "status": c["status"], "recorded": c["baseline"], "old": old_label, "new": new_label}
+    row = {"id": c["id"], "status": c["status"], "recorded": c["baseline"], "old": old_label,
+           "new": new_label}
     for tag, lab in (("old", old_label), ("new", new_label)):
         base = baselines.baseline(spec.kind, used, lab, plain)
         for name, ref in oracle.items():
