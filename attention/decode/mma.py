@@ -165,7 +165,6 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from attention.core import checks
-from attention.core.rounding import round_bf16
 from attention.core.device import (
     BFLOAT16,
     SIMULATOR,
@@ -182,6 +181,7 @@ from attention.core.device import (
     to_device,
     to_host,
 )
+from attention.core.rounding import round_bf16
 from attention.core.warp import (
     batch_reference,
     fragment_softmax_step,
