@@ -310,8 +310,9 @@ def test_default_tiles_fit_two_blocks_an_sm():
 
 def test_default_warps_follow_the_row_width():
     """8 warps where a shared row is 128 columns (D 80 .. 128), 4 elsewhere; the
-    8-warp block's shared memory (Q 32 KB + 64 KB of stages at D 128) still
-    leaves room for two blocks an SM, and the public call plans with it."""
+    8-warp block's shared memory (Q 32 KB + 64 KB of stages at D 128) fits (its
+    registers, 224 a thread under ptxas 13.0, hold one such block an SM: the
+    same 8 warps as two 4-warp blocks), and the public call plans with it."""
     assert [mma.default_warps(d) for d in mma.HEAD_DIMS] == [4, 4, 4, 4, 8, 8, 8, 8, 4]
     assert 4 * mma.smem_words(128, 8, 64) == 96 * 1024
     pl = mma.plan(300, 2, 128, "f16", True)
