@@ -119,8 +119,9 @@ def main(argv=None):
     reps = max(20, args.reps)
     try:
         extra = [tuple(int(x) for x in p.split("x")) for p in args.plans.split(",") if p]
-        assert all(len(p) == 2 for p in extra)
-    except (ValueError, AssertionError):
+    except ValueError:
+        extra = None
+    if extra is None or any(len(p) != 2 for p in extra):
         parser.error(f"--plans: expected a comma list of WARPSxBLOCK_N, got {args.plans!r}")
 
     from attention.core.device import device_name, gpu_available

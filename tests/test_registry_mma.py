@@ -112,6 +112,7 @@ def test_rounded_p_baselines_are_the_tensor_core_functions():
     x = _cast_all("decode", DECODE_SHAPE)
     slots = x["slot_table"]
     scale = 1.0 / np.sqrt(x["q"].shape[-1])
+    outs = {}
     for label, sums, norm in (("mma16_pf16/after", "mma16", "divide"),
                               ("matmul_pf16/after", "matmul", "divide"),
                               ("mma16_pf16/after/recip_after", "mma16", "recip_after")):
@@ -122,6 +123,11 @@ def test_rounded_p_baselines_are_the_tensor_core_functions():
         np.testing.assert_array_equal(got["out"], out[:, 0])
         np.testing.assert_array_equal(got["lse"], lse[:, 0])
         assert np.isneginf(got["lse"][1]).all() and not np.isnan(got["out"]).any()  # length 0
+        outs[norm if sums == "mma16" else sums] = out
+    # the control: the reciprocal epilogue is another rounding, not the division again
+    # (apart somewhere, by at most an ulp or two of each output)
+    diff = np.abs(outs["recip_after"] - outs["divide"])
+    assert 0 < diff.max() <= 2.0 ** -22 * np.abs(outs["divide"]).max()
 
     x = _cast_all("prefill", PREFILL_SHAPE)
     for label, exp in (("mma16_pf16/after", "exp"), ("mma16_pf16/after/divide/ex2fma", "ex2fma")):

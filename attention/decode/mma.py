@@ -218,7 +218,8 @@ FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token", "fp8_p_unn
 DEFECTS = ("ldmatrix_no_trans", "swizzle_off_by_one", "causal_tile_edge")
 # the registry's precision mutants (its resolving-power rows; ``mutant_applies``)
 PRECISION_MUTANTS = ("p_bf16", "fp8_p_unnormalized")
-ALL_DEFECTS = DEFECTS + FP8_TOKEN_DEFECTS + ("p_bf16",)  # every switch the kernel takes
+# every switch the kernel takes
+ALL_DEFECTS = tuple(dict.fromkeys(DEFECTS + FP8_TOKEN_DEFECTS + PRECISION_MUTANTS))
 KINDS = ("f16", "bf16")  # the 16-bit cache kinds (``fast.dtype_kind``'s names)
 FP8_KIND = "f8"  # fp8 e4m3 codes (uint8), q float16
 FP8_SCALES = ("tensor", "token_head")  # a K and a V scale, or one a cached row (token, kv head)
