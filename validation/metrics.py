@@ -40,7 +40,6 @@ import math
 import numpy as np
 
 from validation import tolerance
-from validation.tolerance import MEAN_RATIO, RATIO
 
 REL_FLOOR = 1e-3  # relative error denominators never below this fraction of max|ref|
 

@@ -205,8 +205,8 @@ def study(dtype, head, n_rows):
           f" + floor {floor(ref):.3e}); max |err| of each:")
     print("  " + "  ".join(f"{v} {np.abs(e).max():.3e}" for v, e in errs.items()))
     s2 = F32(F32(scale) * LOG2E)
-    print(f"  worst rows of the kernel model (m raw max; r = m s2 - fl(m s2); alpha - 1 in "
-          f"ulps of 1 (2^-23); n: tiles after the max's):")
+    print("  worst rows of the kernel model (m raw max; r = m s2 - fl(m s2); alpha - 1 in "
+          "ulps of 1 (2^-23); n: tiles after the max's):")
     cols = ["row", "m", "r", "a-1", "n", "l", "baseline"] + list(VARIANTS)
     print("  " + " ".join(f"{c:>9}" for c in cols))
     worst = np.argsort(-np.abs(errs["kernel"]))[:n_rows]
