@@ -462,7 +462,7 @@ def test_shards_partition_the_work_and_merge(tmp_path):
     for i in range(2):
         rep = _report([_case("batched_decode", "pass", 1.0 + i, 0.2, shape=f"s{i}")])
         part = {k: rep[k] for k in ("provenance", "cases", "growth", "defect_units")}
-        part.update(config=dict(rep["config"], shard=[i, 2]), wall_seconds=1.0,
+        part.update(config=dict(rep["config"], shard=[i, 2]), wall_seconds=1.0 + 2 * i,
                     broken_suites=[],
                     quantization=[{"kind": "decode", "shape": f"s{i}", "fixture": "normal",
                                    "max_out": 1.0}])
@@ -471,6 +471,10 @@ def test_shards_partition_the_work_and_merge(tmp_path):
     assert len(merged["cases"]) == 2 and merged["verdict"]["passed"]
     # the fp8 quantization rows are work units too: every shard's rows are kept
     assert [r["shape"] for r in merged["quantization"]] == ["s0", "s1"]
+    # the run's wall time is its longest shard's; the summary also gives the sum
+    assert merged["wall_seconds"] == 3.0 and merged["config"]["shard_wall_seconds"] == [1.0, 3.0]
+    text = report.summary_markdown(merged, [])
+    assert "| wall time | 3.0 s, the longest of 2 shards (4.0 s in all) |" in text
     # parts of different runs or rules are refused, naming what differs
     one = json.loads((shard_dir / "shard-1-of-2.json").read_text())
     for edit, match in ((lambda p: p["config"].update(seeds=[0, 1]), "'seeds' differs"),

@@ -318,7 +318,12 @@ def summary_markdown(report, images):
     L.append(f"| sizes | {'simulator (small)' if cfg.get('small') else 'GPU (full)'}"
              f"{', quick subset' if cfg.get('quick') else ''} |")
     L.append(f"| growth steps | {cfg.get('steps')} |")
-    L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s |")
+    walls = cfg.get("shard_wall_seconds")
+    if walls:  # a merged run: its shards ran apart, in separate processes or machines
+        L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s, the longest of "
+                 f"{len(walls)} shards ({sum(walls):.1f} s in all) |")
+    else:
+        L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s |")
     L.append(f"| command | `{cfg.get('command', '')}` |")
     L.append("")
     L.append("## How a case is judged")
@@ -650,7 +655,8 @@ def merge(out_dir):
         growth.extend(p["growth"])
         units.extend(p["defect_units"])
         broken.extend(b for b in p.get("broken_suites", []) if b not in broken)
-    config = dict(parts[0]["config"], shard=None, merged_from=[str(f) for f in files])
+    config = dict(parts[0]["config"], shard=None, merged_from=[str(f) for f in files],
+                  shard_wall_seconds=[p["wall_seconds"] for p in parts])
     prov = dict(parts[0]["provenance"], devices=sorted({p["provenance"]["device"] for p in parts}))
     wall = max(p["wall_seconds"] for p in parts)
     return build(cases=cases, growth=growth, defect_units=units, broken_suites=broken,
