@@ -490,6 +490,51 @@ def test_shards_partition_the_work_and_merge(tmp_path):
         report.merge(tmp_path)
 
 
+def test_shards_and_workers_take_whole_compile_bundles():
+    """A kind's sweep cases of one shape and dtype (every fixture and seed) compile
+    the same kernels: they form one bundle, run in one worker process and put in
+    one shard, so those kernels are compiled once. The bundles and the shards still
+    partition the run's units, and a share group (one oracle) stays contiguous."""
+    from validation import cli, registry
+
+    def build(*extra):
+        args = cli.parser().parse_args(["--full", "--seeds", "0,1", "--growth", "none",
+                                        "--defects", "none", "--mutants", "none", *extra])
+        return cli.build_units(args, "sim")[0]
+
+    def compile_key(u):
+        if isinstance(u, registry.Case) and not u.mutants:
+            return registry.KERNELS_BY_NAME[u.kernel].kind, u.shape, u.dtype
+        return None
+
+    units = build()
+    bs = cli.bundles(units)
+    assert sorted(i for b in bs for i in b) == list(range(len(units)))
+    home = {}
+    for n, b in enumerate(bs):
+        shares = [cli._share_key(units[i], i) for i in b]
+        assert all(shares.index(k) == j or shares[j - 1] == k for j, k in enumerate(shares))
+        for i in b:
+            if compile_key(units[i]) is not None:
+                assert home.setdefault(compile_key(units[i]), n) == n
+    # a bundle holds the fixtures x seeds of its key (several share groups)
+    assert max(len({cli._share_key(units[i], i) for i in b}) for b in bs) >= 6
+
+    def spread(parts):  # compile keys that more than one part holds
+        seen = {}
+        for n, part in enumerate(parts):
+            for u in part:
+                if compile_key(u) is not None:
+                    seen.setdefault(compile_key(u), set()).add(n)
+        return [k for k, v in seen.items() if len(v) > 1]
+
+    shards = [build("--shard", f"{i}/3") for i in range(3)]
+    assert sorted(u.id for s in shards for u in s) == sorted(u.id for u in units)
+    assert all(shards) and spread(shards) == []
+    # control: the old split, unit by unit, put one kernel's cases in several shards
+    assert spread([units[i::3] for i in range(3)])
+
+
 def test_quantization_rows_are_units_and_a_missed_one_says_why():
     """The fp8 table's rows run as work units of the validation run (sharded, under
     its deadline); a row whose unit did not run is shown with the reason, not
