@@ -535,6 +535,34 @@ def test_shards_and_workers_take_whole_compile_bundles():
     assert spread([units[i::3] for i in range(3)])
 
 
+def test_mutant_cases_group_by_dtype_and_head_geometry():
+    """A product kernel's precision-mutant cases share a worker by kernel, dtype and
+    what its kernels specialise on (the head dim; MLA's dimensions), so no one
+    worker compiles every geometry's mutants alone: one group a dtype held the
+    fast decode's 23 cases over 7 head dims and ran past a 530 s deadline on the
+    H100 while the other workers idled. Control: keyed by dtype alone, the
+    largest group is that long pole again."""
+    from validation import cli, registry
+
+    args = cli.parser().parse_args(["--full", "--seeds", "0", "--growth", "none",
+                                    "--defects", "none"])
+    units = cli.build_units(args, "gpu")[0]
+    groups, by_dtype = {}, {}
+    for i, u in enumerate(units):
+        key = cli._share_key(u, i)
+        if key[0] != "mutants":
+            continue
+        groups.setdefault(key, []).append(u)
+        by_dtype.setdefault(key[:4], []).append(u)
+    fast = [g for k, g in groups.items() if k[1] == "decode_fast"]
+    assert len(fast) >= 3 * 7
+    for g in fast:  # one head dim a group
+        dims = {registry.find_shape("decode", u.shape, False).dims["d"] for u in g}
+        assert len(dims) == 1, dims
+    assert max(len(g) for g in groups.values()) <= 9
+    assert max(len(g) for g in by_dtype.values()) >= 23  # control: the old key
+
+
 def test_quantization_rows_are_units_and_a_missed_one_says_why():
     """The fp8 table's rows run as work units of the validation run (sharded, under
     its deadline); a row whose unit did not run is shown with the reason, not

@@ -330,15 +330,33 @@ def _share_key(unit, index):
     from validation import registry
 
     if isinstance(unit, registry.Case) and unit.mutants:
-        # a product kernel's mutant cases of one dtype share one process: every
-        # mutant compiles its own kernels, once a process (the MLA GEMMs' take
-        # tens of seconds each)
-        return ("mutants", unit.kernel, unit.dtype, unit.small)
+        # a product kernel's mutant cases of one dtype and head geometry share one
+        # process: every mutant compiles its own kernels, once a process and
+        # geometry (the MLA GEMMs' take tens of seconds each). Not one process a
+        # dtype: the fast decode's 23 mutant cases of a dtype (7 head dims) then
+        # ran in one worker for over 530 s on the H100, past the --deadline of a
+        # two-shard GPU run, while the other workers were idle
+        return ("mutants", unit.kernel, unit.dtype, unit.small, _geometry(unit))
     if isinstance(unit, registry.Case):
         spec = registry.KERNELS_BY_NAME.get(unit.kernel)
         kind = spec.kind if spec else unit.kernel
         return ("case", kind, unit.shape, unit.fixture, unit.seed, unit.dtype, unit.small)
     return ("unit", index)
+
+
+def _geometry(case):
+    """What a case's kernels specialise on besides the dtype: the head dim of a
+    decode or prefill shape, the MLA shape's dimensions (``registry.Shape.dims``);
+    None when the shape is not listed."""
+    from validation import registry
+
+    spec = registry.KERNELS_BY_NAME.get(case.kernel)
+    try:
+        shape = registry.find_shape(spec.kind, case.shape, case.small)
+    except (AttributeError, KeyError, LookupError, ImportError):
+        return None
+    dims = shape.dims
+    return repr(dims["dims"]) if "dims" in dims else dims.get("d")
 
 
 def _bundle_key(unit, index):
