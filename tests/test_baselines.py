@@ -247,3 +247,45 @@ def test_token_head_baseline_forms_scores_in_the_kernels_order():
     dequant_order = decode_rounded_p(q, dequant, v, lens, 0.125, np.float16, "mma16",
                                      v_scales=vs)
     assert not np.array_equal(kernel_order[1], dequant_order[1])  # lse: the top score
+
+
+def test_per_tensor_fp8_order_keeps_the_scales_out_of_the_sums():
+    """``lanesLxVc`` (the registry's ``decode_fp8``): each score is the lane sum
+    of q against the K codes' values, then times the K scale (one rounding);
+    the output is ``((e @ V codes) * vs) * fl(1 / l)``, as the fast decode's
+    per-tensor path forms them. Checked element by element against a plain
+    loop of that arithmetic; a case quantized per (token, head) is refused."""
+    from validation import fixtures
+    from validation.baselines import LOG2E, decode_order, fp8_tensor_codes
+
+    x = fixtures.fp8_quantize(_case("decode", "d80"), "tensor")
+    label = baselines.resolve("decode_fast_c/before/recip_after/ex2", x, np.uint8)
+    assert label.startswith("lanes") and label.split("/")[0].endswith("c")
+    got = baselines.baseline("decode", x, label)
+    q, k, v, lens, slots = fp8_tensor_codes(x, label)
+    ks, vs = F32(x["k_scale"][0]), F32(x["v_scale"][0])
+    lanes, vec = (int(t) for t in label.split("/")[0][5:-1].split("x"))
+    scale = F32(1.0 / np.sqrt(q.shape[-1]))
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    for m in range(q.shape[0]):
+        n = int(lens[m])
+        for h in range(n_heads):
+            g = h // (n_heads // n_kv)
+            qs = (q[m, h].astype(F32) * scale).astype(F32)
+            s = np.array([F32(_lanes_loop(k[slots[m], g, j], qs, lanes, vec) * ks)
+                          for j in range(n)], F32)
+            top = s.max()
+            e = np.exp2(((s - top).astype(F32) * LOG2E).astype(F32).astype(np.float64))
+            e = e.astype(F32)
+            acc = (e @ v[slots[m], g, :n]).astype(F32)
+            want = ((acc * vs).astype(F32) * (F32(1) / e.sum()).astype(F32)).astype(F32)
+            assert np.array_equal(got["out"][m, h], want), (m, h)
+    # the dequantized order (the old baseline) is another float32 computation
+    old = baselines.baseline("decode", x, baselines.resolve(
+        "decode_fast/before/recip_after/ex2", x, np.uint8))
+    assert not np.array_equal(old["out"], got["out"])
+    with pytest.raises(ValueError, match="quantized per tensor"):
+        baselines.baseline("decode", fixtures.fp8_quantize(_case("decode", "d80"),
+                                                           "token_head"), label)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        decode_order(q, k, v, lens, slots, label)

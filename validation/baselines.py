@@ -48,6 +48,18 @@ SUM (how the products of a dot product are added, ``dot``)
                      ``blockedP``.
     ``decode_fast``  resolved per case (``resolve``) to the fast decode's
                      ``lanesLxV`` (``attention.decode.fast.row_layout``).
+    ``lanesLxVc``    ``lanesLxV`` over an fp8 cache with one scale per tensor,
+                     in the fast decode's order (``attention.decode.fast``,
+                     ``F8_TENSOR``): q summed against the K codes' values, each
+                     score times the K scale (one rounding), and
+                     ``out = ((e @ V_codes) * vs) * fl(1 / l)``: the scales
+                     stay out of the sums (``decode_order(..., k_scale=,
+                     v_scale=)``). ``decode_fast_c`` resolves to it. Before,
+                     the registry's ``decode_fp8`` took ``decode_fast`` over
+                     the dequantized rows (``fl32(code * s)`` in the sums),
+                     another order: a changed criterion (notes/validation.md,
+                     the case that needed it). Decode cases quantized per
+                     tensor only.
     ``mla_gemm``     resolved per case to ``tc16`` where the attention GEMMs
                      run on tensor cores (more heads than half a tile,
                      ``attention.gemm.tgemm``), else ``blocked64`` (``attention.gemm.sgemm``).
@@ -188,7 +200,7 @@ EXPS = ("exp", "ex2", "ex2lg2")
 LN2 = F32(0.6931471805599453)
 LOG2E = F32(1.4426950408889634)
 MATMUL = "matmul/after"
-_LANES = re.compile(r"^lanes(\d+)x(\d+)$")
+_LANES = re.compile(r"^lanes(\d+)x(\d+)(c?)$")  # c: fp8 codes, scales outside
 _BLOCKED = re.compile(r"^(blocked|tc)(\d+)$")
 # SUM_pT (P rounded to T), SUM_pvT (P times each row's V scale, normalised, rounded)
 # or SUM_pcT (MLA over fp8 codes, the tensor's scale on the c_kv part of S and on O)
@@ -203,13 +215,14 @@ def parse(label):
     how, where = parts[0], parts[1] if len(parts) > 1 else ""
     norm = parts[2] if len(parts) > 2 else "divide"
     exp = parts[3] if len(parts) > 3 else "exp"
-    ok_how = (how in ("matmul", "fma", "interleaved4", "decode_fast", "mla_gemm")
+    ok_how = (how in ("matmul", "fma", "interleaved4", "decode_fast", "decode_fast_c",
+                      "mla_gemm")
               or _LANES.match(how) or _BLOCKED.match(how) or _ROUNDED_P.match(how))
     if (not ok_how or where not in SCALES or norm not in NORMS
             or exp not in EXPS + ("ex2fma",) or len(parts) > 4):
         raise ValueError(f"baseline order: expected 'SUM/SCALE[/NORM[/EXP]]' with SUM in "
-                         f"matmul, fma, lanesLxV, interleaved4, blockedP, tcP, decode_fast, "
-                         f"mla_gemm, matmul_pT, mma16_pT, mma16_pvT, mma16_pcT, "
+                         f"matmul, fma, lanesLxV[c], interleaved4, blockedP, tcP, "
+                         f"decode_fast[_c], mla_gemm, matmul_pT, mma16_pT, mma16_pvT, mma16_pcT, "
                          f"SCALE in {SCALES}, NORM in {NORMS} and EXP in {EXPS}, got {label!r}")
     if _ROUNDED_P.match(how) and (where != "after" or norm not in ("divide", "recip_after")
                                   or exp not in ("exp", "ex2fma")
@@ -229,7 +242,8 @@ def parse(label):
 
 def resolve(label, inputs, dtype):
     """The concrete order of ``label`` for a case: ``decode_fast`` becomes the
-    fast decode's lane layout for the case's head size and cache dtype,
+    fast decode's lane layout for the case's head size and cache dtype
+    (``decode_fast_c``: that layout over fp8 codes, ``lanesLxVc``),
     ``mla_gemm`` the GEMM path's partials, and the rounded-P orders' ``p16``
     the case's 16-bit dtype (``pf16`` / ``pbf16``)."""
     how, where, norm, exp = parse(label)
@@ -247,14 +261,15 @@ def resolve(label, inputs, dtype):
         tensor = int(inputs["q_nope"].shape[1]) > tgemm.tile_shape()[0] // 2
         part = 8 * tgemm.PART_STEPS if tensor else sgemm.PART_K  # k8 mma steps a partial
         return f"{'tc' if tensor else 'blocked'}{part}/{where}/{tail}"
-    if how != "decode_fast":
+    if how not in ("decode_fast", "decode_fast_c"):
         return label
     from attention.decode.fast import LANES, dtype_kind, row_layout
 
     kind = dtype_kind(np.dtype(dtype), fp8=True)  # uint8: fp8 e4m3 codes
     lanes = LANES[kind]
     vec, _ = row_layout(int(inputs["q"].shape[-1]), kind, lanes)
-    return f"lanes{lanes}x{vec}/{where}/{tail}"
+    codes = "c" if how == "decode_fast_c" else ""
+    return f"lanes{lanes}x{vec}{codes}/{where}/{tail}"
 
 
 def _fma_sum(a_t, b_t, total=None):
@@ -329,7 +344,7 @@ def dot(a, b, how):
                      f"got {how!r}")
 
 
-def attend(scores, values, norm, exp="exp", weights_only=False):
+def attend(scores, values, norm, exp="exp", weights_only=False, v_scale=None):
     """``attention.oracle.softmax_attend_rows`` in float32 with the kernel's
     normalisation: ``divide`` (the oracle's ``(e @ v) / sum``), ``recip_after``
     (``(e @ v) * fl(1 / sum)``: the online-softmax kernels' epilogue) or
@@ -337,7 +352,9 @@ def attend(scores, values, norm, exp="exp", weights_only=False):
     write probabilities and multiply them in a GEMM). scores [R, S] float32
     (-inf: masked), values [S, Dv]; returns (out [R, Dv], lse [R]).
     ``weights_only`` (``recip_first``): returns (P [R, S], lse [R]) instead,
-    for a caller that multiplies P in its own order. ``exp``: ``exp`` (numpy's),
+    for a caller that multiplies P in its own order. ``v_scale`` (NORM
+    ``recip_after``; values the fp8 codes' values): ``((e @ v) * v_scale) *
+    fl(1 / sum)``, the per-tensor fp8 decode's epilogue. ``exp``: ``exp`` (numpy's),
     ``ex2`` (fast-math: ``2 ** fl(x * log2 e)``, the argument rounded to
     float32 as ``ex2.approx`` takes it) or ``ex2lg2`` (that, and the LSE as
     ``fma(lg2(l), fl(ln 2), m)``)."""
@@ -361,7 +378,12 @@ def attend(scores, values, norm, exp="exp", weights_only=False):
     if norm == "divide":
         return ((e @ values) / denom[:, None]).astype(F32), lse
     if norm == "recip_after":
-        return ((e @ values) * inv[:, None]).astype(F32), lse
+        acc = (e @ values).astype(F32)
+        if v_scale is not None:
+            acc = (acc * F32(v_scale)).astype(F32)
+        return (acc * inv[:, None]).astype(F32), lse
+    if v_scale is not None:
+        raise ValueError(f"attend: v_scale takes NORM recip_after, got {norm!r}")
     probs = (e * inv[:, None]).astype(F32)
     if weights_only:
         return probs, lse
@@ -373,12 +395,23 @@ def _fold(q, scale):
     return np.asarray(q, F32) * F32(scale), 1.0
 
 
-def decode_order(q, k_cache, v_cache, seq_lens, slot_table, label):
+def decode_order(q, k_cache, v_cache, seq_lens, slot_table, label, k_scale=None,
+                 v_scale=None):
     """``attention.oracle.decode_attention_ref`` in float32 with the scores in
     order ``label``. Shapes as the oracle's batched form: q [M, H, D], caches
     [KV_SLOTS, H_kv, max_seq, D], seq_lens [M], slot_table [M]; returns
-    (out [M, H, D], lse [M, H]) float32."""
+    (out [M, H, D], lse [M, H]) float32. ``k_scale`` / ``v_scale`` (float32
+    scalars; order ``lanesLxVc`` only, and required there): the caches hold
+    fp8 codes' values, each score is multiplied by ``k_scale`` after its sum
+    and the scale, and the P.V sum by ``v_scale`` before ``fl(1 / l)``."""
     how, where, norm, exp = parse(label)
+    lanes = _LANES.match(how)
+    codes = bool(lanes and lanes.group(3))
+    if codes != (k_scale is not None and v_scale is not None) or (
+            codes and norm != "recip_after"):
+        raise ValueError(f"decode_order: order {label!r} takes k_scale and v_scale "
+                         f"{'and NORM recip_after' if codes else 'not'} (lanesLxVc: the fp8 "
+                         f"codes' values with the tensor's scales)")
     q = np.asarray(q, F32)
     scale = 1.0 / np.sqrt(q.shape[-1])
     if where == "before":
@@ -404,7 +437,10 @@ def decode_order(q, k_cache, v_cache, seq_lens, slot_table, label):
             # scores [len(heads), L]: each head's q against the group's rows
             scores = dot(k_cache[slot, g, :length][None], q[m, heads][:, None, :], how)
             scores = (scores * F32(scale)).astype(F32)
-            out[m, heads], lse[m, heads] = attend(scores, v_cache[slot, g, :length], norm, exp)
+            if codes:  # the K scale on each score, one rounding
+                scores = (scores * F32(k_scale)).astype(F32)
+            out[m, heads], lse[m, heads] = attend(scores, v_cache[slot, g, :length], norm, exp,
+                                                  v_scale=v_scale)
     return out, lse
 
 
@@ -730,6 +766,24 @@ def rounded_p_baseline(kind, inputs, label):
                      f"mma16_pT or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
 
 
+def fp8_tensor_codes(inputs, label):
+    """(q, k, v, seq_lens, slot_table) of a decode case quantized per tensor
+    (``fixtures.fp8_quantize(..., "tensor")``) with the caches as the codes'
+    values (float32, NaN where a row is unused): ``decode_order``'s
+    positional arguments for order ``label`` (``lanesLxVc``); ValueError
+    naming the label for another case."""
+    if inputs.get("fp8_scales") != "tensor" or "k_codes" not in inputs:
+        raise ValueError(f"baseline: {label!r} (fp8 codes, the tensor's scales outside the "
+                         f"sums) takes a decode case quantized per tensor, got "
+                         f"fp8_scales={inputs.get('fp8_scales')!r}")
+    from attention.cache.fp8 import decode_e4m3
+
+    with np.errstate(invalid="ignore"):
+        k = decode_e4m3(np.asarray(inputs["k_codes"])).astype(F32)
+        v = decode_e4m3(np.asarray(inputs["v_codes"])).astype(F32)
+    return inputs["q"], k, v, inputs["seq_lens"], inputs["slot_table"]
+
+
 def baseline(kind, inputs, label, plain=None):
     """{output name: float32 array}: the case's baseline in order ``label``
     (already ``resolve``d) for a sweep case's inputs (the registry's input dict
@@ -742,6 +796,12 @@ def baseline(kind, inputs, label, plain=None):
     if _ROUNDED_P.match(parse(label)[0]):
         return rounded_p_baseline(kind, inputs, label)
     if kind == "decode":
+        lanes = _LANES.match(parse(label)[0])
+        if lanes and lanes.group(3):  # fp8 codes' values, the tensor's scales outside
+            o, lse = decode_order(*fp8_tensor_codes(inputs, label), label=label,
+                                  k_scale=np.asarray(inputs["k_scale"], F32).reshape(-1)[0],
+                                  v_scale=np.asarray(inputs["v_scale"], F32).reshape(-1)[0])
+            return {"out": o, "lse": lse}
         o, lse = decode_order(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                               inputs["seq_lens"], inputs["slot_table"], label)
         return {"out": o, "lse": lse}

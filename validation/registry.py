@@ -719,8 +719,9 @@ KERNELS = (
     KernelSpec("decode_fp8", "decode_fp8", "decode", "attention.decode.plan", "DecodePlan",
                _run_fp8("tensor"), ("q",),
                "the fast decode over an fp8 e4m3 cache (the reference encoder's codes), "
-               "per-tensor scales; judged over the dequantized cache, q in the case dtype",
-               "decode_fast/before/recip_after/ex2", quantize="tensor"),
+               "per-tensor scales; judged over the dequantized cache, q in the case dtype; "
+               "its baseline sums over the codes with the scales outside, as the kernel",
+               "decode_fast_c/before/recip_after/ex2", quantize="tensor"),
     KernelSpec("decode_fp8_tok", "decode_fp8", "decode", "attention.decode.plan", "DecodePlan",
                _run_fp8("token_head", 3, "NHD"), ("q",),
                "the fast decode over an fp8 e4m3 cache with per-(token, kv head) scales, "

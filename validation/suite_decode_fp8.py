@@ -66,6 +66,8 @@ MMA_TOKEN_DEFECTS = decode_mma.FP8_TOKEN_DEFECTS  # act on the tensor-core token
 MMA_BASELINE = "mma16_pv16/after"  # the tensor-core token_head decode's (registry)
 CANARY = 0xA5
 BASELINE = "decode_fast/before/recip_after/ex2"  # the fast decode's order (registry)
+# its order over a per-tensor cache: the codes' values, the scales outside the sums
+TENSOR_BASELINE = "decode_fast_c/before/recip_after/ex2"
 
 
 def _dims(small):
@@ -84,10 +86,10 @@ def _judge(tag, x, out, lse, mma=False):
         base = baselines.baseline("decode", x, baselines.resolve(MMA_BASELINE, x, np.float16))
         base, base_lse = base["out"], base["lse"]
     else:
-        label = baselines.resolve(BASELINE, x, np.uint8)
-        base, base_lse = baselines.decode_order(x["q"], x["k_cache"].astype(np.float32),
-                                                x["v_cache"].astype(np.float32),
-                                                x["seq_lens"], x["slot_table"], label)
+        tensor = x.get("fp8_scales") == "tensor"
+        label = baselines.resolve(TENSOR_BASELINE if tensor else BASELINE, x, np.uint8)
+        base = baselines.baseline("decode", x, label)
+        base, base_lse = base["out"], base["lse"]
     checks = []
     for name, got, r, b in (("out", out, ref, base), ("lse", lse, ref_lse, base_lse)):
         ok, text = verdict(got, r, b)

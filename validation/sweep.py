@@ -98,8 +98,8 @@ def _refs(spec, case, used, cast):
             _REF_CACHE.popitem(last=False)
     entry = _REF_CACHE[key]
     storage = used[spec.storage[0]].dtype if spec.storage else np.float32
-    if spec.quantize and "k_codes" in used and baselines.parse(spec.baseline)[0] == \
-            "decode_fast":  # the fast fp8 decode: the lane layout is the fp8 one
+    if spec.quantize and "k_codes" in used and baselines.parse(spec.baseline)[0] in \
+            ("decode_fast", "decode_fast_c"):  # the fast fp8 decode: the fp8 lane layout
         storage = used["k_codes"].dtype
     label = baselines.resolve(spec.baseline, used, storage)
     if label not in entry["orders"]:
