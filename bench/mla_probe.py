@@ -1,0 +1,78 @@
+"""Where the MLA tensor-core decode's time goes (a GPU probe, printed, no report).
+
+    python -m bench.mla_probe
+
+* 16 heads (``bench.mla_mma.MEMORY``: B 64 / L 4096 and B 1 / L 32768, fp16 latent
+  cache): the whole prepared call (absorb, attention, combine, decompress) and the
+  attention launch alone over row groups 1 and 2 and split counts None (the plan's
+  choice), 1, 2, 3, 4, 6, 8, 16. Bytes: the latent rows read, B x L x 576 x 2; the
+  ratio is to a device-to-device copy measured in the same run (``bench.gpu``).
+* 128 heads (``bench.mla_mma.COMPUTE``): the fp16 cache against the fp8 caches (per
+  tensor, per token), the whole call and the attention launch alone.
+"""
+
+from __future__ import annotations
+
+from bench.gpu import Timer, copy_bandwidth
+from bench.mla_mma import COMPUTE, MEMORY, _fp8_prepared, _prepared
+from bench.run import mla_inputs
+from mla import mma as MM
+
+LATENT = 576  # r + d_rope of the DeepSeek shape the bench cases use
+SPLITS = (None, 1, 2, 3, 4, 6, 8, 16)
+
+
+def _attention(p, pl, acc, ml):
+    n_seq, rows = p["n_seq"], p["s_q"] * p["nh"]
+    MM.launch(pl, p["qc"].reshape(n_seq, rows, LATENT), p["latent"], p["lens"], p["table"],
+              p["nh"], p["scale"], p["o_lat"].reshape(n_seq, rows, LATENT - 64),
+              p["lse"].reshape(n_seq, rows), acc, ml, 0, d_scale=p.get("latent_scale"))
+
+
+def memory_bound(t, copy):
+    for c in MEMORY:
+        p = _prepared(mla_inputs("float16", c), 0)
+        n_seq, rows = p["n_seq"], p["s_q"] * p["nh"]
+        nbytes = c["batch"] * c["seq"] * LATENT * 2
+        base = p["plan"]
+        print(f"B {c['batch']} L {c['seq']}: default rg {base['row_groups']} "
+              f"n_split {base['n_split']} chunk {base['chunk']}", flush=True)
+        whole = t.time(lambda: MM.launch_prepared(p, 0), reps=30)
+        print(f"  whole call {whole:.4f} ms  {nbytes / whole / 1e6:.0f} GB/s "
+              f"{nbytes / whole / 1e6 / copy:.3f} of copy", flush=True)
+        for rg in (1, 2):
+            for ns in SPLITS:
+                pl = MM.plan(n_seq, rows, LATENT - 64, 64, c["seq"], "f16", row_groups=rg,
+                             n_split=ns)
+                acc, ml = MM.scratch(pl, n_seq, rows)
+                try:
+                    ms = t.time(lambda: _attention(p, pl, acc, ml), reps=30)
+                except Exception as exc:  # noqa: BLE001 - a plan the kernel refuses
+                    print(f"  rg {rg} ns {ns}: {type(exc).__name__} {exc}")
+                    continue
+                print(f"  attn rg {rg} n_split {pl['n_split']:>2} chunk {pl['chunk']:>5}: "
+                      f"{ms:.4f} ms {nbytes / ms / 1e6:.0f} GB/s "
+                      f"{nbytes / ms / 1e6 / copy:.3f} of copy", flush=True)
+
+
+def compute_bound(t):
+    inputs = mla_inputs("float16", COMPUTE)
+    for name in ("f16", "fp8_tensor", "fp8_token"):
+        p = _prepared(inputs, 0) if name == "f16" else _fp8_prepared(inputs, name[4:], 0)[0]
+        whole = t.time(lambda: MM.launch_prepared(p, 0), reps=20)
+        pl = p["plan"]
+        ms = t.time(lambda: _attention(p, pl, p["part_acc"], p["part_ml"]), reps=20)
+        print(f"128 heads {name}: whole {whole:.4f} ms, attention {ms:.4f} ms "
+              f"(rg {pl['row_groups']} n_split {pl['n_split']})", flush=True)
+
+
+def main():
+    t = Timer()
+    copy = copy_bandwidth(t)[0]
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    memory_bound(t, copy)
+    compute_bound(t)
+
+
+if __name__ == "__main__":
+    main()
