@@ -464,6 +464,8 @@ def test_shards_partition_the_work_and_merge(tmp_path):
         part = {k: rep[k] for k in ("provenance", "cases", "growth", "defect_units")}
         part.update(config=dict(rep["config"], shard=[i, 2]), wall_seconds=1.0 + 2 * i,
                     broken_suites=[],
+                    work_groups=[{"group": f"g{i}", "units": 1, "seconds": 5.0 + i,
+                                  "state": "done"}],
                     quantization=[{"kind": "decode", "shape": f"s{i}", "fixture": "normal",
                                    "max_out": 1.0}])
         (shard_dir / f"shard-{i}-of-2.json").write_text(json.dumps(part))
@@ -475,6 +477,9 @@ def test_shards_partition_the_work_and_merge(tmp_path):
     assert merged["wall_seconds"] == 3.0 and merged["config"]["shard_wall_seconds"] == [1.0, 3.0]
     text = report.summary_markdown(merged, [])
     assert "| wall time | 3.0 s, the longest of 2 shards (4.0 s in all) |" in text
+    # every shard's work-group timings, the longest first
+    assert [g["group"] for g in merged["work_groups"]] == ["g1", "g0"]
+    assert "| work groups | 11 worker-s in 2 finished groups; longest: g1 6 s, g0 5 s |" in text
     # parts of different runs or rules are refused, naming what differs
     one = json.loads((shard_dir / "shard-1-of-2.json").read_text())
     for edit, match in ((lambda p: p["config"].update(seeds=[0, 1]), "'seeds' differs"),
@@ -533,6 +538,38 @@ def test_shards_and_workers_take_whole_compile_bundles():
     assert all(shards) and spread(shards) == []
     # control: the old split, unit by unit, put one kernel's cases in several shards
     assert spread([units[i::3] for i in range(3)])
+
+
+def test_work_groups_are_timed_and_a_deadline_names_the_unfinished(monkeypatch):
+    """``execute`` times each work group in its worker and, when a --deadline
+    strikes, lists the groups still running or never started, so a report says
+    where the run's time went (the long pole of the 08a964d run was invisible:
+    69 cases "not run" and no word of which group held the worker). In-process
+    path (jobs 1), units stubbed: the first group runs past the deadline, the
+    others are not started."""
+    import time
+
+    from validation import cli
+    from validation.defects import DefectUnit
+
+    def slow(unit):
+        time.sleep(0.2)
+        return "defect", {"id": unit.id, "status": "caught"}
+
+    monkeypatch.setattr(cli, "run_unit", slow)
+    timings = []
+    units = [DefectUnit("suite", f"u{i}", True) for i in range(3)]
+    res = cli.execute(units, 1, cli.Progress(3, enabled=False), time.monotonic() + 0.1,
+                      timings)
+    assert [r[1]["status"] for r in res] == ["caught", "error", "error"]
+    assert [t["state"] for t in timings] == ["done", "not started", "not started"]
+    assert timings[0]["group"] == "defects/suite/u0" and timings[0]["seconds"] >= 0.2
+    rep = report.build(cases=[], growth=[], defect_units=[], broken_suites=[], config={},
+                       provenance={}, wall_seconds=1.0, work_groups=timings)
+    line = report.work_group_line(rep)
+    assert line.startswith("0 worker-s in 1 finished groups; longest: defects/suite/u0 0 s")
+    assert line.endswith("at the deadline 0 running or queued to a worker, 2 not started")
+    assert report.work_group_line({"work_groups": []}) is None  # older reports: no line
 
 
 def test_mutant_cases_group_by_dtype_and_head_geometry():

@@ -391,6 +391,33 @@ def run_units(units):
     return [run_unit(u) for u in units]
 
 
+def run_timed(units):
+    """``run_units`` and its wall seconds: (records, seconds)."""
+    import time
+
+    start = time.perf_counter()
+    recs = run_units(units)
+    return recs, time.perf_counter() - start
+
+
+def _cases(n):
+    return f"{n} case" if n == 1 else f"{n} cases"
+
+
+def group_label(units):
+    """A work group's name in the report's timing table: a sweep bundle as
+    ``kernel kind/shape/dtype`` (its kernels, shape, dtype), precision-mutant
+    cases as ``mutants kernel/dtype/geometry``, any other unit by its id."""
+    u = units[0]
+    key = _share_key(u, 0)
+    if key[0] == "mutants":
+        return f"mutants {u.kernel}/{u.dtype}/{key[4]} ({_cases(len(units))})"
+    if key[0] == "case":
+        kernels = sorted({v.kernel for v in units})
+        return f"{','.join(kernels)}/{u.shape}/{u.dtype} ({_cases(len(units))})"
+    return u.id if len(units) == 1 else f"{u.id} (+{len(units) - 1})"
+
+
 def default_jobs(device):
     """Worker processes when ``--jobs`` is not given: on a GPU one a CPU core, at
     most 8 (each compiles its own kernels, which is most of a GPU run's time; a
@@ -400,14 +427,18 @@ def default_jobs(device):
     return min(2, cores) if device == "sim" else min(8, cores)
 
 
-def execute(units, jobs, progress, deadline=None):
+def execute(units, jobs, progress, deadline=None, timings=None):
     """Run units (in worker processes when jobs > 1); returns [(kind, record)] in unit order.
 
     Units that share inputs and oracle run as one group (``_share_key``), and the
     groups whose kernels compile the same as one bundle in one worker
     (``bundles``). ``deadline`` (a ``time.monotonic()`` value): units not finished
     by then are recorded as errors ("not run: deadline reached") and the report is
-    still written.
+    still written. ``timings`` (a list): one dict a work group appended, its
+    ``group`` (``group_label``), ``units``, ``seconds`` (its wall time in its
+    worker) and ``state``: ``done``, ``crashed``, or at the deadline
+    ``running`` (started, or queued to a worker; seconds None) or ``not
+    started``: where a run's time went, and its long poles.
     """
     import time
 
@@ -423,30 +454,45 @@ def execute(units, jobs, progress, deadline=None):
             results[i] = r
             progress.update(units[i].id, _unit_status(*r))
 
+    timings = [] if timings is None else timings
+
+    def timed(idxs, state, seconds=None):
+        timings.append({"group": group_label([units[i] for i in idxs]), "units": len(idxs),
+                        "seconds": None if seconds is None else round(seconds, 2),
+                        "state": state})
+
     if jobs <= 1 or len(groups) <= 1:
         for idxs in groups:
             if deadline is not None and time.monotonic() > deadline:
                 record(idxs, [_crashed(units[i], late) for i in idxs])
+                timed(idxs, "not started")
             else:
-                record(idxs, run_units([units[i] for i in idxs]))
+                recs, seconds = run_timed([units[i] for i in idxs])
+                record(idxs, recs)
+                timed(idxs, "done", seconds)
         return results
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, TimeoutError, as_completed
 
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
-    futures = {pool.submit(run_units, [units[i] for i in idxs]): idxs
+    futures = {pool.submit(run_timed, [units[i] for i in idxs]): idxs
                for idxs in bundles(units)}
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         for fut in as_completed(futures, timeout=timeout):
             idxs = futures[fut]
             try:
-                recs = fut.result()
+                recs, seconds = fut.result()
+                timed(idxs, "done", seconds)
             except Exception as exc:  # noqa: BLE001 - a worker crash fails its units
                 recs = [_crashed(units[i], exc) for i in idxs]
+                timed(idxs, "crashed")
             record(idxs, recs)
     except TimeoutError:
+        for fut, idxs in futures.items():
+            if not fut.done():
+                timed(idxs, "running" if fut.running() else "not started")
         for i, r in enumerate(results):
             if r is None:
                 results[i] = _crashed(units[i], late)
@@ -534,7 +580,8 @@ def main(argv=None):
         print(f"validate: {len(units)} units on {device} ({jobs} worker"
               f"{'s' if jobs > 1 else ''})", file=sys.stderr)
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
-    results = execute(units, jobs, progress, deadline)
+    timings = []
+    results = execute(units, jobs, progress, deadline, timings)
     cases = early + [r for kind, r in results if kind == "case"]
     growth_recs = [r for kind, r in results if kind == "growth"]
     unit_recs = [r for kind, r in results if kind == "defect"]
@@ -551,7 +598,8 @@ def main(argv=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         part = {"schema": report.SCHEMA, "provenance": prov, "config": config,
                 "wall_seconds": wall, "cases": cases, "growth": growth_recs,
-                "defect_units": unit_recs, "broken_suites": broken, "quantization": quant}
+                "defect_units": unit_recs, "broken_suites": broken, "quantization": quant,
+                "work_groups": timings}
         path.write_text(json.dumps(part, indent=1, default=report._json_default))
         bad = [r for r in cases if r["status"] in report.FAILING_CASE]
         bad += [g for g in growth_recs if g["status"] in report.FAILING_GROWTH]
@@ -562,7 +610,7 @@ def main(argv=None):
         return 1 if bad else 0
     rep = report.build(cases=cases, growth=growth_recs, defect_units=unit_recs,
                        broken_suites=broken, config=config, provenance=prov, wall_seconds=wall,
-                       quantization=quant)
+                       quantization=quant, work_groups=timings)
     report.write(rep, out)
     _print_verdict(rep, out)
     return 0 if rep["verdict"]["passed"] else 1

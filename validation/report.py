@@ -48,9 +48,11 @@ FAMILY_ORDER = ("decode", "batched_decode", "prefill", "mla", "mla_gemm")
 
 
 def build(*, cases, growth, defect_units, broken_suites, config, provenance, wall_seconds,
-          quantization=None):
+          quantization=None, work_groups=None):
     """The report dict. ``quantization``: the fp8 format's error table
-    (``validation.fp8_quant.table``), rows shown in the summary as they are."""
+    (``validation.fp8_quant.table``), rows shown in the summary as they are.
+    ``work_groups``: each work group's wall time (``validation.cli.execute``'s
+    ``timings``), the longest first."""
     from validation.defects import aggregate
 
     report = {
@@ -63,9 +65,38 @@ def build(*, cases, growth, defect_units, broken_suites, config, provenance, wal
         "defect_units": defect_units,
         "defects": aggregate(defect_units, broken_suites),
         "quantization": list(quantization or []),
+        "work_groups": sorted(work_groups or [], key=_group_order),
     }
     report["verdict"] = verdict(report)
     return report
+
+
+def _group_order(g):
+    """Unfinished groups first (running, then not started), then by seconds, longest
+    first."""
+    rank = {"running": 0, "not started": 1}.get(g.get("state"), 2)
+    return rank, -(g.get("seconds") or 0.0)
+
+
+def work_group_line(report, top=5):
+    """The summary's line on where the run's worker time went (None without
+    timings): the longest groups, and those a --deadline cut off."""
+    groups = report.get("work_groups") or []
+    if not groups:
+        return None
+    done = [g for g in groups if g.get("state") == "done"]
+    cut = [g for g in groups if g.get("state") in ("running", "not started")]
+    text = f"{sum(g['seconds'] for g in done):.0f} worker-s in {len(done)} finished groups"
+    if done:
+        text += "; longest: " + ", ".join(f"{g['group']} {g['seconds']:.0f} s"
+                                          for g in sorted(done, key=_group_order)[:top])
+    if cut:
+        running = [g["group"] for g in cut if g["state"] == "running"]
+        text += (f"; at the deadline {len(running)} running or queued to a worker"
+                 + (f" ({', '.join(running[:top])}{', ...' if len(running) > top else ''})"
+                    if running else "")
+                 + f", {len(cut) - len(running)} not started")
+    return text
 
 
 def verdict(report):
@@ -324,6 +355,9 @@ def summary_markdown(report, images):
                  f"{len(walls)} shards ({sum(walls):.1f} s in all) |")
     else:
         L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s |")
+    groups = work_group_line(report)
+    if groups:
+        L.append(f"| work groups | {groups} |")
     L.append(f"| command | `{cfg.get('command', '')}` |")
     L.append("")
     L.append("## How a case is judged")
@@ -661,7 +695,8 @@ def merge(out_dir):
     wall = max(p["wall_seconds"] for p in parts)
     return build(cases=cases, growth=growth, defect_units=units, broken_suites=broken,
                  config=config, provenance=prov, wall_seconds=wall,
-                 quantization=[r for p in parts for r in p.get("quantization") or []])
+                 quantization=[r for p in parts for r in p.get("quantization") or []],
+                 work_groups=[g for p in parts for g in p.get("work_groups") or []])
 
 
 # ---------------------------------------------------------------------------
