@@ -5,7 +5,7 @@
 * 16 heads (``bench.mla_mma.MEMORY``: B 64 / L 4096 and B 1 / L 32768, fp16 latent
   cache): the whole prepared call (absorb, attention, combine, decompress) and the
   attention launch alone over row groups 1 and 2 and split counts None (the plan's
-  choice), 1, 2, 3, 4, 6, 8, 16. Bytes: the latent rows read, B x L x 576 x 2; the
+  choice) and ``SPLITS`` (from 1 at B 64; up to 512, chunks of 64 positions, at B 1). Bytes: the latent rows read, B x L x 576 x 2; the
   ratio is to a device-to-device copy measured in the same run (``bench.gpu``).
 * 128 heads (``bench.mla_mma.COMPUTE``): the fp16 cache against the fp8 caches (per
   tensor, per token), the whole call and the attention launch alone.
@@ -19,7 +19,7 @@ from bench.run import mla_inputs
 from mla import mma as MM
 
 LATENT = 576  # r + d_rope of the DeepSeek shape the bench cases use
-SPLITS = (None, 1, 2, 3, 4, 6, 8, 16)
+SPLITS = {64: (None, 1, 2, 3, 4, 6, 8, 16), 1: (None, 16, 32, 64, 128, 256, 512)}
 
 
 def _attention(p, pl, acc, ml):
@@ -41,7 +41,7 @@ def memory_bound(t, copy):
         print(f"  whole call {whole:.4f} ms  {nbytes / whole / 1e6:.0f} GB/s "
               f"{nbytes / whole / 1e6 / copy:.3f} of copy", flush=True)
         for rg in (1, 2):
-            for ns in SPLITS:
+            for ns in SPLITS.get(c["batch"], SPLITS[64]):
                 pl = MM.plan(n_seq, rows, LATENT - 64, 64, c["seq"], "f16", row_groups=rg,
                              n_split=ns)
                 acc, ml = MM.scratch(pl, n_seq, rows)
