@@ -602,3 +602,32 @@ def test_per_tensor_case_judged_in_the_kernels_order():
     assert got_err > 2 * old_err  # the old order's verdict: over its bound
     assert rec["outputs"]["out"]["baseline_abs"] == got_err
     assert spec.baseline.startswith("decode_fast_c/")
+
+
+@pytest.mark.device
+def test_per_tensor_order_resolves_the_precision_mutants():
+    """The positive control of the per-tensor order (``decode_fast_c``): the fast
+    decode's precision mutants run on ``decode_fp8`` too (the validation run's
+    resolving-power table); here three of them, P and the pre-scaled q rounded to
+    16 bits and the coarse exp, on a case where they act: each is over 2x the new
+    baseline and fails the rule, while the kernel passes. A baseline in the
+    kernel's order that excused a 16-bit rounding or a coarser exp would show
+    here."""
+    from attention.decode import fast
+    from validation import baselines, fixtures, metrics, registry
+    from validation.sweep import mutant_record
+
+    assert registry.mutants_of("decode_fp8") == tuple(fast.PRECISION_MUTANTS)
+    spec = registry.KERNELS_BY_NAME["decode_fp8"]
+    shape = registry.find_shape("decode", "gqa9x3_d40", True)
+    x = fixtures.fp8_quantize(registry.make_inputs("decode", shape, "normal", 0), "tensor")
+    _, fn = registry.resolve(spec)
+    oracle, plain = registry.references("decode", x, "float32")
+    label = baselines.resolve(spec.baseline, x, np.uint8)
+    base = baselines.baseline("decode", x, label, plain)
+    clean = spec.run(fn, x)
+    assert metrics.combine({n: metrics.judge(clean[n], oracle[n], base[n])
+                            for n in oracle})["passed"]
+    for name in ("p_fp16", "scale_fp16", "exp_approx"):
+        rec = mutant_record(spec.run(fn, x, defect=name), clean, oracle, base, label)
+        assert not rec["inert"] and rec["detectable"] and rec["caught"], (name, rec)

@@ -381,7 +381,7 @@ def _run_fp8(scales, page=None, layout="HND"):
     ``DTypeError``, and so does a query that overflows the case dtype (the
     'large' fixture in float16): the case is reported unsupported, with the
     reason."""
-    def run(fn, x):
+    def run(fn, x, defect=None):
         from attention.core.device import to_device, to_host
 
         from attention.core.checks import DTypeError
@@ -409,7 +409,8 @@ def _run_fp8(scales, page=None, layout="HND"):
             n_slots = kc.shape[0]
         plan = fn(m, h, kc.shape[2 if layout == "NHD" and page else 1], d, n_slots,
                   x["k_codes"].shape[2], cache_dtype="float8_e4m3fn", q_dtype=q.dtype,
-                  fp8_scales=scales, page_size=page, layout=layout, method="fast")
+                  fp8_scales=scales, page_size=page, layout=layout, method="fast",
+                  defect=defect)
         d_lse = to_device(np.zeros((m, h), np.float32))
         out = plan.run(to_device(q), to_device(kc), to_device(vc), to_device(lens), lse=d_lse,
                        k_scale=to_device(ks), v_scale=to_device(vs), sync=True, **kw)
@@ -850,6 +851,9 @@ KERNELS_BY_NAME = {k.name: k for k in KERNELS}
 # ``mutant_applies`` is asked about, or None for the module's own tuple)
 MUTANT_SOURCES = {
     "decode_fast": ("attention.decode.fast", None),
+    # the same kernel over an fp8 cache, per tensor: the resolving power of its own
+    # baseline order (decode_fast_c, a changed criterion)
+    "decode_fp8": ("attention.decode.fast", None),
     "prefill_tf32": ("attention.prefill.tf32", None),
     # the tensor-core decode: P rounded to bf16 on the 16-bit pooled entry (inert on
     # its bf16 cases) and both fp8 entries; the unnormalised P vs on token_head only
