@@ -356,7 +356,10 @@ def _geometry(case):
     except (AttributeError, KeyError, LookupError, ImportError):
         return None
     dims = shape.dims
-    return repr(dims["dims"]) if "dims" in dims else dims.get("d")
+    if "dims" in dims:  # MLA: the geometry, named compactly for the report
+        g = dims["dims"]
+        return f"nh{g.n_head}_nope{g.d_nope}_rope{g.d_rope}_v{g.d_v}_r{g.kv_rank}"
+    return dims.get("d")
 
 
 def _bundle_key(unit, index):
