@@ -408,9 +408,10 @@ def _cases(n):
 
 
 def group_label(units):
-    """A work group's name in the report's timing table: a sweep bundle as
-    ``kernel kind/shape/dtype`` (its kernels, shape, dtype), precision-mutant
-    cases as ``mutants kernel/dtype/geometry``, any other unit by its id."""
+    """A work group's name in the report's work-group row: a sweep bundle as
+    ``kernels/shape/dtype (n cases)`` (its kernels, comma-separated),
+    precision-mutant cases as ``mutants kernel/dtype/geometry (n cases)``, any
+    other unit by its id."""
     u = units[0]
     key = _share_key(u, 0)
     if key[0] == "mutants":
