@@ -580,12 +580,21 @@ def mla_quantization_lines(rows):
 
 def findings_section(report):
     """Markdown lines: the failing cases and growth runs grouped by the finding
-    that explains them (``validation.findings``), and those no finding covers."""
+    that explains them (``validation.findings``), and those no finding covers.
+    A finding explains a rule's failure (status ``fail``); a case or run that
+    was not judged (``error``, ``broken``: a crash, or not run before a
+    --deadline) is listed apart with its reason, never under a finding."""
     from validation.findings import explain
 
-    failing = [c["id"] for c in report["cases"] if c["status"] in FAILING_CASE]
-    failing += [g["id"] for g in report["growth"] if g["status"] in FAILING_GROWTH]
-    if not failing:
+    recs = [c for c in report["cases"] if c["status"] in FAILING_CASE]
+    recs += [g for g in report["growth"] if g["status"] in FAILING_GROWTH]
+    failing = [r["id"] for r in recs if r["status"] == "fail"]
+    unjudged = {}
+    for r in recs:
+        if r["status"] != "fail":
+            why = str(r.get("detail") or r["status"]).strip().splitlines()
+            unjudged.setdefault(why[-1][:160] if why else r["status"], []).append(r["id"])
+    if not recs:
         return []
     groups, unexplained = {}, []
     for unit_id in failing:
@@ -605,6 +614,11 @@ def findings_section(report):
     if unexplained:
         L.append(f"**Unexplained** ({len(unexplained)}): "
                  + ", ".join(f"`{i}`" for i in unexplained) + ".")
+        L.append("")
+    for why, ids in unjudged.items():
+        L.append(f"**Not judged** ({len(ids)}: {why}): "
+                 + ", ".join(f"`{i}`" for i in ids[:12])
+                 + (f", and {len(ids) - 12} more" if len(ids) > 12 else "") + ".")
         L.append("")
     return L
 
