@@ -590,6 +590,8 @@ def test_work_groups_are_timed_and_a_deadline_names_the_unfinished(monkeypatch):
     assert line.startswith("0 worker-s in 1 finished groups; longest: defects/suite/u0 0 s")
     assert line.endswith("at the deadline 0 running or queued to a worker, 2 not started")
     assert report.work_group_line({"work_groups": []}) is None  # older reports: no line
+    rep["work_groups"].append({"group": "g", "units": 1, "seconds": None, "state": "crashed"})
+    assert report.work_group_line(rep).endswith("; worker crashed in 1 (g)")
 
 
 def test_mutant_cases_group_by_dtype_and_head_geometry():

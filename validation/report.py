@@ -96,6 +96,9 @@ def work_group_line(report, top=5):
                  + (f" ({', '.join(running[:top])}{', ...' if len(running) > top else ''})"
                     if running else "")
                  + f", {len(cut) - len(running)} not started")
+    crashed = [g["group"] for g in groups if g.get("state") == "crashed"]
+    if crashed:
+        text += f"; worker crashed in {len(crashed)} ({', '.join(crashed[:top])})"
     return text
 
 
