@@ -264,7 +264,8 @@ def test_per_tensor_fp8_order_keeps_the_scales_out_of_the_sums():
     got = baselines.baseline("decode", x, label)
     q, k, v, lens, slots = fp8_tensor_codes(x, label)
     ks, vs = F32(x["k_scale"][0]), F32(x["v_scale"][0])
-    lanes, vec = (int(t) for t in label.split("/")[0][5:-1].split("x"))
+    layout = baselines._LANES.match(label.split("/")[0])
+    lanes, vec = int(layout.group(1)), int(layout.group(2))
     scale = F32(1.0 / np.sqrt(q.shape[-1]))
     n_heads, n_kv = q.shape[1], k.shape[1]
     for m in range(q.shape[0]):
@@ -289,3 +290,5 @@ def test_per_tensor_fp8_order_keeps_the_scales_out_of_the_sums():
                                                            "token_head"), label)
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         decode_order(q, k, v, lens, slots, label)
+    with pytest.raises(ValueError, match="v_scale takes NORM recip_after"):
+        baselines.attend(np.zeros((1, 2), F32), np.zeros((2, 3), F32), "divide", v_scale=1.0)

@@ -358,6 +358,8 @@ def attend(scores, values, norm, exp="exp", weights_only=False, v_scale=None):
     ``ex2`` (fast-math: ``2 ** fl(x * log2 e)``, the argument rounded to
     float32 as ``ex2.approx`` takes it) or ``ex2lg2`` (that, and the LSE as
     ``fma(lg2(l), fl(ln 2), m)``)."""
+    if v_scale is not None and norm != "recip_after":
+        raise ValueError(f"attend: v_scale takes NORM recip_after, got {norm!r}")
     if norm == "divide" and exp == "exp":
         return softmax_attend_rows(scores, values)
     m = scores.max(axis=1, keepdims=True)  # [R, 1]
@@ -382,8 +384,6 @@ def attend(scores, values, norm, exp="exp", weights_only=False, v_scale=None):
         if v_scale is not None:
             acc = (acc * F32(v_scale)).astype(F32)
         return (acc * inv[:, None]).astype(F32), lse
-    if v_scale is not None:
-        raise ValueError(f"attend: v_scale takes NORM recip_after, got {norm!r}")
     probs = (e * inv[:, None]).astype(F32)
     if weights_only:
         return probs, lse
@@ -721,11 +721,7 @@ def rounded_p_baseline(kind, inputs, label):
         v_rows = np.asarray(inputs["v_cache"], F32)[slots]
         v_scales = k_scales = v_scale = None
         if rounded.group(2):  # the codes' values, K's and V's
-            from attention.cache.fp8 import decode_e4m3
-
-            with np.errstate(invalid="ignore"):
-                k_rows = decode_e4m3(np.asarray(inputs["k_codes"])[slots]).astype(F32)
-                v_rows = decode_e4m3(np.asarray(inputs["v_codes"])[slots]).astype(F32)
+            k_rows, v_rows = (c[slots] for c in code_values(inputs))
             if rounded.group(2) == "v":  # the rows' scales
                 k_scales = np.asarray(inputs["k_scale"], F32)[slots]
                 v_scales = np.asarray(inputs["v_scale"], F32)[slots]
@@ -766,6 +762,17 @@ def rounded_p_baseline(kind, inputs, label):
                      f"mma16_pT or matmul_pT, EXP exp; prefill: mma16_pT, EXP exp or ex2fma)")
 
 
+def code_values(inputs):
+    """(k, v): the fp8 codes of a quantized decode case (``k_codes`` /
+    ``v_codes``, [KV_SLOTS, H_kv, max_seq, D]) as their e4m3 values in
+    float32 (exact; NaN where a row is unused)."""
+    from attention.cache.fp8 import decode_e4m3
+
+    with np.errstate(invalid="ignore"):
+        return tuple(decode_e4m3(np.asarray(inputs[f"{n}_codes"])).astype(F32)
+                     for n in ("k", "v"))
+
+
 def fp8_tensor_codes(inputs, label):
     """(q, k, v, seq_lens, slot_table) of a decode case quantized per tensor
     (``fixtures.fp8_quantize(..., "tensor")``) with the caches as the codes'
@@ -776,11 +783,7 @@ def fp8_tensor_codes(inputs, label):
         raise ValueError(f"baseline: {label!r} (fp8 codes, the tensor's scales outside the "
                          f"sums) takes a decode case quantized per tensor, got "
                          f"fp8_scales={inputs.get('fp8_scales')!r}")
-    from attention.cache.fp8 import decode_e4m3
-
-    with np.errstate(invalid="ignore"):
-        k = decode_e4m3(np.asarray(inputs["k_codes"])).astype(F32)
-        v = decode_e4m3(np.asarray(inputs["v_codes"])).astype(F32)
+    k, v = code_values(inputs)
     return inputs["q"], k, v, inputs["seq_lens"], inputs["slot_table"]
 
 
