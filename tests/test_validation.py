@@ -622,6 +622,78 @@ def test_mutant_cases_group_by_dtype_and_head_geometry():
     assert max(len(g) for g in by_dtype.values()) >= 23  # control: the old key
 
 
+COSTS_RUN = Path(__file__).resolve().parent.parent / "reports/gpu/runs/00e7132-h100-val"
+
+
+def test_measured_costs_shorten_the_replayed_shards():
+    """--costs orders the bundles longest first and balances the shards on a
+    previous run's work-group seconds. Replayed on the seconds the H100 run of
+    00e7132 recorded (16 workers a shard, the pool's first-in first-out queue):
+    both shards together hold every unit once, their expected sums come out
+    within one bundle of each other, and each finishes sooner than the build
+    order's shards (which both ran past their 540 s deadline there). Control:
+    with no costs the shards are the every-other-bundle split, as before."""
+    from validation import cli, schedule
+
+    table, digest = schedule.load_costs(COSTS_RUN)
+    assert len(digest) == 16 and len(table.seconds) > 300
+
+    def shards(extra):
+        out = []
+        for i in (0, 1):
+            args = cli.parser().parse_args(["--seeds", "0", "--shard", f"{i}/2"] + extra)
+            units, _, _, config = cli.build_units(args, "gpu")
+            groups = cli.bundles(units)
+            est = [table.estimate(cli.group_label([units[j] for j in b]), len(b))
+                   for b in groups]
+            out.append((units, est, config))
+        return out
+
+    before, after = shards([]), shards(["--costs", str(COSTS_RUN)])
+    ids = [u.id for units, _, _ in after for u in units]
+    assert len(ids) == len(set(ids)) == sum(len(units) for units, _, _ in before)
+    assert set(ids) == {u.id for units, _, _ in before for u in units}
+    sums = [sum(est) for _, est, _ in after]
+    assert abs(sums[0] - sums[1]) <= max(max(est) for _, est, _ in after)
+    for (_, old, _), (_, new, config) in zip(before, after):
+        assert new == sorted(new, reverse=True)  # longest first
+        assert schedule.makespan(new, 16) < schedule.makespan(old, 16) - 30
+        assert config["costs"]["sha256"] == digest
+    # control: without costs, shard i holds bundles i, i + 2, ... of the build order
+    args = cli.parser().parse_args(["--seeds", "0"])
+    units = cli.build_units(args, "gpu")[0]
+    whole = cli.bundles(units)
+    assert [u.id for u in before[1][0]] == [units[j].id for b in whole[1::2] for j in b]
+
+
+def test_cost_estimates_fall_back_per_unit_and_shard_greedily():
+    """An unmeasured label costs its class's median seconds a unit times its
+    units; the greedy split puts each bundle, longest first, in the lighter shard."""
+    from validation import schedule
+
+    t = schedule.Table({"growth/a": 300.0, "growth/b": 10.0, "k1,k2/s/float16 (4 cases)": 40.0},
+                       {"growth/a": 1, "growth/b": 1, "k1,k2/s/float16 (4 cases)": 4})
+    assert t.estimate("growth/a", 1) == 300.0
+    assert t.estimate("growth/c", 2) == 2 * 155.0  # median of 300 and 10 a unit
+    assert t.estimate("k1,k2/t/float32 (8 cases)", 8) == 80.0
+    assert t.estimate("defects/x", 3) == 3 * 10.0  # overall median a unit: 300, 10, 10
+    assert schedule.shard([5, 9, 1, 7, 3], 2) == [[1, 4, 2], [3, 0]]
+    assert schedule.order([5, 9, 1, 7, 3]) == [1, 3, 0, 4, 2]
+    assert schedule.makespan([9, 7, 5, 3, 1], 2) == 13
+
+
+def test_costs_from_a_report_without_timings_is_a_usage_error(tmp_path):
+    """--costs naming a report that has no work-group seconds stops the run with
+    exit 2 and a message naming the file."""
+    from validation import cli
+
+    (tmp_path / "validation.json").write_text(json.dumps({"work_groups": []}))
+    args = cli.parser().parse_args(["--seeds", "0", "--costs", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        cli.build_units(args, "gpu")
+    assert exc.value.code == 2
+
+
 def test_quantization_rows_are_units_and_a_missed_one_says_why():
     """The fp8 table's rows run as work units of the validation run (sharded, under
     its deadline); a row whose unit did not run is shown with the reason, not

@@ -99,8 +99,14 @@ def parser():
     ap.add_argument("--out", help="output folder (default: reports on a GPU, reports/sim on "
                                   "the simulator)")
     ap.add_argument("--shard", type=_shard, metavar="I/N",
-                    help="run the I-th of N interleaved parts (0-based) into "
+                    help="run the I-th of N parts (0-based; every N-th bundle, or balanced "
+                         "by --costs) into "
                          "OUT/shards/; combine them with --merge")
+    ap.add_argument("--costs", metavar="REPORT",
+                    help="a previous report (folder or validation.json) whose measured "
+                         "work-group seconds order the run longest first and balance the "
+                         "--shard parts (validation/schedule.py); every shard of a run "
+                         "must name the same file")
     ap.add_argument("--rebuild", action="store_true",
                     help="rewrite summary.md and the plots of OUT from its validation.json "
                          "(e.g. after a run cut short while writing them); runs nothing")
@@ -309,11 +315,28 @@ def build_units(args, device):
         "growth": growth_names, "suites": modules, "mutant_seeds": mutant_seeds,
         "shard": list(args.shard) if args.shard else None,
     }
-    if args.shard:  # whole bundles a shard, so no kernel compiles in two shards
-        i, n = args.shard
-        units = [units[j] for b in bundles(units)[i::n] for j in b]
-        early = early if i == 0 else []
-        broken = broken if i == 0 else []
+    groups = bundles(units)
+    if args.costs:  # longest expected bundle first; shards balanced on the same costs
+        from validation import schedule
+
+        try:
+            table, digest = schedule.load_costs(args.costs)
+        except (OSError, ValueError) as exc:
+            _usage(f"--costs: {exc}")
+        config["costs"] = {"from": str(args.costs), "sha256": digest}
+        est = [table.estimate(group_label([units[j] for j in b]), len(b)) for b in groups]
+        if args.shard:
+            picked = schedule.shard(est, args.shard[1])[args.shard[0]]
+        else:
+            picked = schedule.order(est)
+        groups = [groups[j] for j in picked]
+    elif args.shard:  # every n-th bundle, in build order
+        groups = groups[args.shard[0]::args.shard[1]]
+    # whole bundles a shard, so no kernel compiles in two shards; the pool takes
+    # the bundles in this order (``bundles`` keeps the order of first appearance)
+    units = [units[j] for b in groups for j in b]
+    if args.shard and args.shard[0] != 0:
+        early, broken = [], []
     return units, early, broken, config
 
 

@@ -667,7 +667,7 @@ def shard_path(out_dir, index, count):
 
 # the settings every shard of one run shares (``merge`` refuses parts that differ)
 MERGE_SAME = ("device", "small", "quick", "seeds", "dtypes", "steps", "kernels", "growth",
-              "suites", "mutant_seeds")
+              "suites", "mutant_seeds", "costs")
 
 
 def merge(out_dir):
