@@ -73,11 +73,21 @@ def test_applies():
 
 
 def test_plan_keeps_the_defect():
-    """The plan's kernel and the combine it launches carry the same switch."""
+    """The plan keeps its switch for the combine it launches; a kernel the switch
+    does not act in is the production kernel itself (one compile, not a copy a
+    switch): the main kernel under a combine-only switch, the combine under a
+    main-kernel-only switch. Control: a switch that acts in both is in both."""
     pl = F.plan(2, 8, 2, 64, 100, "f16", n_split=2, defect="combine_drops_split")
-    assert pl["defect"] == "combine_drops_split"
-    assert pl["kernel"].py_func.__name__.endswith("_combine_drops_split")
-    assert F.plan(2, 8, 2, 64, 100, "f16")["defect"] is None
+    clean = F.plan(2, 8, 2, 64, 100, "f16", n_split=2)
+    assert pl["defect"] == "combine_drops_split" and clean["defect"] is None
+    assert pl["kernel"] is clean["kernel"]
+    assert not pl["kernel"].py_func.__name__.endswith("_combine_drops_split")
+    assert F.combine_switch("combine_drops_split") == "combine_drops_split"
+    for d in ("p_fp16", "q_bf16", "split_off_by_one", "ring_stale", "gqa_mod", None):
+        assert F.combine_switch(d) is None, d
+    both = F.plan(2, 8, 2, 64, 100, "f16", n_split=2, defect="exp_approx")
+    assert both["kernel"].py_func.__name__.endswith("_exp_approx")
+    assert F.combine_switch("exp_approx") == "exp_approx"
     assert F.combine_kernel(2, False, "lse_fp16").py_func.__name__ == \
         "decode_fast_combine_c2_lse_fp16"
     assert F.combine_kernel(2, False, "lse_fp16") is F.combine_kernel(2, False, "lse_fp16")

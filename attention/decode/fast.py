@@ -201,6 +201,9 @@ FP8_SCALES = ("tensor", "token_head")
 FP8_TOKEN_DEFECTS = ("fp8_scale_wrong_head", "fp8_scale_wrong_token")  # token_head only
 CHECK_AHEAD = 8  # paged: table entries a thread loads at once in the block's page check
 COMBINE_DEFECTS = ("combine_drops_split", "combine_no_max")  # act in the combine only
+# the switches the combine kernel reads (``combine_kernel``); every other one
+# leaves it the production combine
+COMBINE_SWITCHES = COMBINE_DEFECTS + ("exp_approx", "lse_fp16")
 
 # words of the int32 flag the main kernel counts bad sequences in
 ERR_COUNT, ERR_FIRST, ERR_LENGTHS, ERR_SLOTS = 0, 1, 2, 3
@@ -229,6 +232,13 @@ def check_defect(defect):
     if defect is not None and defect not in known:
         raise ValueError(f"defect: expected None or one of {known}, got {defect!r}")
     return defect
+
+
+def combine_switch(defect):
+    """The switch the combine kernel is built with for a plan's ``defect``: the
+    defect where the combine reads it (``COMBINE_SWITCHES``), else None (the
+    production combine, compiled once for every other switch)."""
+    return defect if defect in COMBINE_SWITCHES else None
 
 
 def applies(defect, kind, n_split, stages):
@@ -2059,9 +2069,14 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, n_split=None,
         n_split = -(-max(max_len, 1) // chunk)
     pdl = pdl_capable() if pdl is None else bool(pdl)
     return {
+        # a switch that acts in the combine only leaves the main kernel the
+        # production one: the same compiled kernel, not a copy compiled again
+        # (each main kernel takes seconds to compile; the validation runs every
+        # precision mutant on every geometry)
         "kernel": fast_decode_kernel(kind, vec, chunks, gb, group, warps, unroll, lanes,
-                                     pipeline, SCATTERED, stages, pdl, defect, paging, t_q,
-                                     fp8_scales),
+                                     pipeline, SCATTERED, stages, pdl,
+                                     None if defect in COMBINE_DEFECTS else defect, paging,
+                                     t_q, fp8_scales),
         "paging": paging,
         "fp8_scales": fp8_scales,
         "t_q": t_q,
@@ -2180,7 +2195,8 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_slots, scale, d_out, d_lse, d_part_acc, 
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
         m_count, n_heads = d_out.shape[0], d_out.shape[1]
-        kern = combine_kernel(-(-int(d_out.shape[2]) // WARP), pl["pdl"], pl.get("defect"))
+        kern = combine_kernel(-(-int(d_out.shape[2]) // WARP), pl["pdl"],
+                              combine_switch(pl.get("defect")))
         grid, block = (n_heads, m_count), combine_warps(pl["n_split"]) * WARP
         cargs = (d_part_acc, d_part_ml, d_out, d_lse)
         if pl["pdl"] and not is_graph_builder(stream):

@@ -548,7 +548,8 @@ class DecodePlan:
         self._combine_kernel = None
         if self.n_split > 1:
             ck = fast.combine_kernel(-(-self.head_dim // fast.WARP), pl.get("pdl", False),
-                                     pl["defect"] if self.method == "fast" else None)
+                                     fast.combine_switch(pl["defect"])
+                                     if self.method == "fast" else None)
             ctypes_ = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"),
                        types.Array(f32, 3, "C"), types.Array(f32, 2, "C"))
             cfn = ck.compile(ctypes_)._codelibrary.get_cufunc()
