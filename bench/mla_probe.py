@@ -3,9 +3,12 @@
     python -m bench.mla_probe
 
 * 16 heads (``bench.mla_mma.MEMORY``: B 64 / L 4096 and B 1 / L 32768, fp16 latent
-  cache): the whole prepared call (absorb, attention, combine, decompress) and the
+  cache): the whole prepared call (absorb, attention, combine, decompress), again
+  with the weight GEMMs' K split off where the call takes one (``sgemm.k_splits``;
+  the outputs compared bit for bit), and the
   attention launch alone over row groups 1 and 2 and split counts None (the plan's
-  choice) and ``SPLITS`` (from 1 at B 64; up to 512, chunks of 64 positions, at B 1). Bytes: the latent rows read, B x L x 576 x 2; the
+  choice) and ``SPLITS`` (from 1 at B 64; up to 512, chunks of 64 positions, at B
+  1). Bytes: the latent rows read, B x L x 576 x 2; the
   ratio is to a device-to-device copy measured in the same run (``bench.gpu``).
 * 128 heads (``bench.mla_mma.COMPUTE``): the fp16 cache against the fp8 caches (per
   tensor, per token), the whole call and the attention launch alone.
@@ -38,8 +41,19 @@ def memory_bound(t, copy):
         print(f"B {c['batch']} L {c['seq']}: default rg {base['row_groups']} "
               f"n_split {base['n_split']} chunk {base['chunk']}", flush=True)
         whole = t.time(lambda: MM.launch_prepared(p, 0), reps=30)
+        splits = {k: v[0] for k, v in (p.get("k_split") or {}).items()}
         print(f"  whole call {whole:.4f} ms  {nbytes / whole / 1e6:.0f} GB/s "
-              f"{nbytes / whole / 1e6 / copy:.3f} of copy", flush=True)
+              f"{nbytes / whole / 1e6 / copy:.3f} of copy; weight GEMMs' K split "
+              f"{splits or 'none'}", flush=True)
+        if splits:  # the same call with the weight GEMMs in one launch each
+            out = p["out"].copy_to_host()
+            kept, p["k_split"] = p["k_split"], {}
+            one = t.time(lambda: MM.launch_prepared(p, 0), reps=30)
+            same = (p["out"].copy_to_host().view("u4") == out.view("u4")).all()
+            p["k_split"] = kept
+            print(f"  whole call, no K split {one:.4f} ms  "
+                  f"{nbytes / one / 1e6 / copy:.3f} of copy; outputs bit-equal: {same}",
+                  flush=True)
         for rg in (1, 2):
             for ns in SPLITS.get(c["batch"], SPLITS[64]):
                 pl = MM.plan(n_seq, rows, LATENT - 64, 64, c["seq"], "f16", row_groups=rg,

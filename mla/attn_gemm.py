@@ -595,7 +595,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
             p["paging"] = "gather"
             p["latent"] = (workspace or Workspace()).rows((n_seq, max(max_vis, 1), width),
                                                          np.dtype(d_latent.dtype), stream)
-    return p
+    return weight_gemm_scratch(p, d_nope, stream)
 
 
 def launch_softmax(p, stream, defect=None, threads=RESIDENT_THREADS):
@@ -638,21 +638,54 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
                 ready=p["smem_ready"], defect=defect)
 
 
-def _weight_gemm(p, a, b, c, n_ext, k_ext, n_len, k_len, b_order, stream, defect):
+def weight_gemm_method(m_len, n_len, k_len, nh, sms):
+    """``("skinny", 1)``, ``("sgemm", S)`` (S > 1: its K split, ``sgemm.k_splits``)
+    or ``("sgemm", 1)``: how a weight GEMM of ``m_len`` rows a head runs on a
+    GPU of ``sms`` SMs (0: the simulator's, no K split)."""
+    if skinny.use_skinny(m_len, n_len, k_len, nh):
+        return "skinny", 1
+    return "sgemm", (sgemm.k_splits(m_len, n_len, k_len, nh, sms) if sms else 1)
+
+
+def weight_gemm_scratch(p, d_nope, stream, sms=None):
+    """The K-split scratch of the absorb and decompress GEMMs, kept in ``p``
+    (``p["k_split"]``: {"absorb" / "decompress": (S, float32 device array)}
+    for each that splits on this GPU; ``sms`` default ``sgemm.sm_count()``).
+    Allocated once with the prepared call, so its launches (and a graph
+    capture of them) allocate nothing."""
+    sms = sgemm.sm_count() if sms is None else int(sms)
+    n_q, nh = p["n_q"], p["nh"]
+    splits = {}
+    for name, n_len, k_len in (("absorb", p["rank"], d_nope),
+                               ("decompress", p["d_v"], p["rank"])):
+        method, k_split = weight_gemm_method(n_q, n_len, k_len, nh, sms)
+        if method == "sgemm" and k_split > 1:
+            size = sgemm.k_scratch_size(nh, k_split, n_q, n_len)
+            splits[name] = (k_split, device_empty(size, np.float32, stream))
+    p["k_split"] = splits
+    return p
+
+
+def _weight_gemm(p, a, b, c, n_ext, k_ext, n_len, k_len, b_order, stream, defect, name):
     """c = a @ op(b) batched over heads, one weight a head (``p["heads"]`` is
     ``arange(nh)``, N and K the same for every head): ``skinny`` where it
     applies (``skinny.use_skinny``: few rows a head and a small ``sgemm``
     grid; the same bits), else ``sgemm``, which also carries the planted
-    switches (``defect``)."""
+    switches (``defect``), with its K split where ``weight_gemm_scratch``
+    planned one for GEMM ``name`` ("absorb" / "decompress"; the same bits,
+    two launches; not with a switch)."""
     m_len, nh = int(a.shape[0]), p["nh"]
     if defect is None and skinny.use_skinny(m_len, n_len, k_len, nh):
         skinny.launch(a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn",
                       n_len=n_len, k_len=k_len, n_batch=nh, stream=stream,
                       ready=p["smem_ready"])
-    else:
-        sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
-                     c_order="mzn", max_n=n_len, n_batch=nh, stream=stream,
-                     ready=p["smem_ready"], defect=defect)
+        return
+    k_split, k_scratch = (p.get("k_split") or {}).get(name, (1, None))
+    if defect is not None:
+        k_split, k_scratch = 1, None
+    sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
+                 c_order="mzn", max_n=n_len, n_batch=nh, stream=stream,
+                 ready=p["smem_ready"], defect=defect, k_split=k_split, k_scratch=k_scratch)
 
 
 def launch_absorb(p, stream, defect=None):
@@ -662,7 +695,7 @@ def launch_absorb(p, stream, defect=None):
     ``defect``: the sgemm switch or None."""
     n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
     _weight_gemm(p, p["q_nope"], p["w_uk"], p["qc"], p["h_rank"], p["h_nope"], rank,
-                 int(p["q_nope"].shape[2]), p["uk_order"], stream, defect)
+                 int(p["q_nope"].shape[2]), p["uk_order"], stream, defect, "absorb")
     if d_rope:
         total = n_q * nh * d_rope
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
@@ -672,7 +705,7 @@ def launch_decompress(p, stream, defect=None):
     """out = o_lat W_UV^T (batched over heads): the ``p`` keys o_lat, w_uv, out,
     heads, h_dv, h_rank, d_v, nh, rank, smem_ready."""
     _weight_gemm(p, p["o_lat"], p["w_uv"], p["out"], p["h_dv"], p["h_rank"], p["d_v"],
-                 p["rank"], "znk", stream, defect)
+                 p["rank"], "znk", stream, defect, "decompress")
 
 
 def launch_prepared(p, stream):

@@ -119,7 +119,8 @@ def _ptx(kind, defect=None, b16=False):
     if kind == "tgemm":
         fn, sig = tgemm.tgemm_kernel("znk", b16, defect=defect).py_func, gemm_signature(b_dtype)
     elif kind == "sgemm":
-        fn, sig = sgemm.sgemm_kernel("znk", defect=defect).py_func, gemm_signature(b_dtype)
+        fn, sig = (sgemm.sgemm_kernel("znk", defect=defect).py_func,
+                   gemm_signature(b_dtype, sgemm_kernel=True))
     elif kind == "rows":
         fn, sig = G.softmax_rows_kernel(defect).py_func, _softmax_signature()
     elif kind == "resident":

@@ -7,7 +7,7 @@
   range on the device attends nothing and is reported by ``check()`` (the
   positive control of that check);
 * GPU (``gpu``): a graph is built, and its replay gives the bits of the plain
-  launch path.
+  launch path, with the weight GEMMs' K split too (and those of the split off).
 """
 
 from __future__ import annotations
@@ -131,3 +131,41 @@ def test_graph_replay_matches_plain_launches():
     replay = g.out.copy_to_host()
     g.run_plain(sync=True)
     np.testing.assert_array_equal(g.out.copy_to_host(), replay)
+
+
+@pytest.mark.device
+@pytest.mark.gpu
+def test_graph_replay_with_the_weight_gemms_k_split(monkeypatch):
+    """More than 16 sequences and weight GEMMs whose grid is a few blocks: the
+    absorb and decompress take the K split on the GPU (two launches each,
+    through scratch allocated with the prepared call). The graph's replay
+    gives the plain launches' bits, and both give the bits of the same decode
+    with the split off (SM count 0)."""
+    from attention.gemm import sgemm
+    from mla.decode_graph import MLADecodeGraph
+    from mla.dims import MlaDims
+
+    assert MODE == "gpu" and not small()
+    dims = MlaDims(n_head=4, d_nope=96, d_rope=8, d_v=32, kv_rank=128)
+    nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
+    rng = np.random.default_rng(17)
+    n_b = 20
+    q_nope = rng.standard_normal((n_b, nh, dims.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((n_b, nh, p_)).astype(np.float32)
+    cache = rng.standard_normal((n_b, 200, r + p_)).astype(np.float32)
+    w_uk = (rng.standard_normal((nh, dims.d_nope, r)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((nh, dims.d_v, r)) / np.sqrt(r)).astype(np.float32)
+    lens = rng.integers(0, 201, size=n_b).astype(np.int32)
+    sms = sgemm.sm_count()
+    assert sgemm.k_splits(n_b, r, dims.d_nope, nh, sms) == 2
+    assert sgemm.k_splits(n_b, dims.d_v, r, nh, sms) == 2
+    g = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
+    assert g.graph is not None, f"no graph: {g.graph_error}"
+    g.run(sync=True)
+    replay = g.out.copy_to_host()
+    g.run_plain(sync=True)
+    np.testing.assert_array_equal(g.out.copy_to_host(), replay)
+    monkeypatch.setattr(sgemm, "sm_count", lambda: 0)
+    off = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
+    off.run_plain(sync=True)
+    np.testing.assert_array_equal(off.out.copy_to_host(), replay)

@@ -38,20 +38,23 @@ def _assert_parity(got, args, label):
 # compile-only
 # ---------------------------------------------------------------------------
 
-def gemm_signature(b_dtype):
+def gemm_signature(b_dtype, sgemm_kernel=False):
     """Argument types of the batched GEMM kernels (``sgemm``, ``tgemm``): a, b,
-    c flat, zb / n_ext / k_ext int32, alpha, m_len and six strides."""
+    c flat, zb / n_ext / k_ext int32, alpha, m_len and six strides; ``sgemm``'s
+    also its K split's partials a batch (``n_ks``)."""
     from numba import types
 
     f1 = types.Array(types.float32, 1, "C")
     i1 = types.Array(types.int32, 1, "C")
-    return (f1, types.Array(b_dtype, 1, "C"), f1, i1, i1, i1, types.float32) + (types.int64,) * 7
+    ints = 8 if sgemm_kernel else 7
+    return (f1, types.Array(b_dtype, 1, "C"), f1, i1, i1, i1, types.float32) + (types.int64,) * ints
 
 
-def _gemm_ptx(b_order, b_dtype):
+def _gemm_ptx(b_order, b_dtype, k_split=False):
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(sgemm.sgemm_kernel(b_order).py_func, gemm_signature(b_dtype),
+    kernel = sgemm.sgemm_kernel(b_order, sgemm.EDGE, 8, 8, None, k_split)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, gemm_signature(b_dtype, sgemm_kernel=True),
                               cc=(9, 0))
     return ptx
 
@@ -59,10 +62,13 @@ def _gemm_ptx(b_order, b_dtype):
 @pytest.mark.compile
 @pytest.mark.parametrize("b_order", sgemm.B_ORDERS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_compile_sgemm(b_order, dtype):
+@pytest.mark.parametrize("k_split", [False, True], ids=["one_launch", "k_split"])
+def test_compile_sgemm(b_order, dtype, k_split):
+    """The one-launch GEMM and its K-split form (a block a partial) compile to the
+    same inner loop: no spills, 16-byte fragment loads, the k-steps written out."""
     from numba import types
 
-    ptx = _gemm_ptx(b_order, getattr(types, dtype))
+    ptx = _gemm_ptx(b_order, getattr(types, dtype), k_split)
     assert ".local" not in ptx, "micro-tile spilled to local memory"
     # 8 x 8 micro-tile: per k, two 16-byte loads of each operand feed 64 FMAs,
     # and all BK = 16 k of a slice are written out (no loop over k): 16 x 4
@@ -73,6 +79,20 @@ def test_compile_sgemm(b_order, dtype):
     # partial and the epilogue): fewer than two a micro-tile element
     assert len(re.findall(r"ld\.shared\.f32", ptx)) <= 2 * 64
     assert ptx.count("bar.sync") == 1  # one barrier per slice (double buffering)
+
+
+@pytest.mark.compile
+def test_compile_k_split_reduce():
+    """The K split's reduce adds with plain ``add.rn`` (fastmath off: no
+    contraction, no reassociation) and keeps nothing in local memory."""
+    from numba import cuda, types
+
+    f1, i1 = types.Array(types.float32, 1, "C"), types.Array(types.int32, 1, "C")
+    sig = (f1, f1, i1, i1, types.float32) + (types.int64,) * 6
+    ptx, _ = cuda.compile_ptx(sgemm.reduce_kernel().py_func, sig, cc=(9, 0))
+    assert ".local" not in ptx
+    assert "add.rn.f32" in ptx or "add.f32" in ptx
+    assert "fma.rn.f32" not in ptx
 
 
 @pytest.mark.compile
@@ -162,6 +182,113 @@ def test_sgemm_matches_numpy(a_order, b_order, c_order):
         want = 0.5 * (a_zmk[z, :, :kk].astype(np.float64) @ b_nk[zb[z], :nn, :kk].T)
         np.testing.assert_allclose(c[z, :, :nn], want, rtol=1e-5, atol=1e-5)
         assert np.isnan(c[z, :, nn:]).all(), f"batch {z}: wrote past n_ext"
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("b_order", sgemm.B_ORDERS)
+def test_sgemm_k_split_gives_the_same_bits(b_order):
+    """The K split (a block a partial of ``PART_K`` k, then the partials added in
+    order) gives the one-launch GEMM's bits: ragged K per batch (3 partials, the
+    last of 22 k; one partial; one k; K = 0), ragged N, a batch table, zeros
+    among the operands, entries past ``n_ext`` untouched. The scratch holds the
+    partials, and adding them in order in numpy float32 gives the output's bits
+    too; control: added in reverse order they differ (the order is what the
+    equality tests). A scratch too small is refused before any launch."""
+    from attention.core.device import to_device, to_host
+
+    rng = np.random.default_rng(5)
+    z_n, m, n, k = 4, 19, 21, 150
+    n_ext = np.array([21, 5, 13, 9], np.int32)
+    k_ext = np.array([150, 16, 1, 0], np.int32)
+    zb = np.array([1, 0, 1, 0], np.int32)
+    a = rng.standard_normal((z_n, m, k)).astype(np.float32)
+    a[0, 3] = 0.0
+    a[0, 4, :70] = -0.0
+    b_nk = rng.standard_normal((2, n, k)).astype(np.float32)
+    b = b_nk if b_order == "znk" else np.ascontiguousarray(b_nk.transpose(0, 2, 1))
+    d_a, d_b = to_device(a), to_device(b)
+    tables = [to_device(x) for x in (zb, n_ext, k_ext)]
+    outs = []
+    splits = -(-k // sgemm.PART_K)
+    scratch = to_device(np.full(sgemm.k_scratch_size(z_n, splits, m, n), np.nan, np.float32))
+    for k_split in (1, splits):
+        d_c = to_device(np.full((z_n, m, n), np.nan, np.float32))
+        sgemm.launch(d_a, d_b, d_c, *tables, 0.5, a_order="zmk", b_order=b_order,
+                     c_order="zmn", max_n=n, n_batch=z_n, stream=0, k_split=k_split,
+                     k_scratch=scratch if k_split > 1 else None)
+        outs.append(to_host(d_c))
+    one, split = outs
+    np.testing.assert_array_equal(one.view(np.uint32), split.view(np.uint32))
+    for z in range(z_n):
+        assert np.isnan(split[z, :, n_ext[z]:]).all(), f"batch {z}: wrote past n_ext"
+    parts = to_host(scratch).reshape(z_n, splits, m, n)
+    nn = n_ext[0]
+    fwd, rev = np.zeros((m, nn), np.float32), np.zeros((m, nn), np.float32)
+    for s_ in range(splits):
+        fwd = fwd + parts[0, s_, :, :nn]
+        rev = rev + parts[0, splits - 1 - s_, :, :nn]
+    np.testing.assert_array_equal((np.float32(0.5) * fwd).view(np.uint32),
+                                  split[0, :, :nn].view(np.uint32))
+    assert not np.array_equal(np.float32(0.5) * rev, split[0, :, :nn])  # control
+    small = to_device(np.zeros(sgemm.k_scratch_size(z_n, splits, m, n) - 1, np.float32))
+    d_c = to_device(np.full((z_n, m, n), 7.0, np.float32))
+    with pytest.raises(ValueError, match="k_scratch"):
+        sgemm.launch(d_a, d_b, d_c, *tables, 0.5, a_order="zmk", b_order=b_order,
+                     c_order="zmn", max_n=n, n_batch=z_n, stream=0, k_split=splits,
+                     k_scratch=small)
+    assert (to_host(d_c) == 7.0).all()
+
+
+def test_k_split_rule():
+    """The K split is taken where the one-launch grid fills at most half the SMs
+    and K spans two partials: the MLA decompress at B 64 / 16 heads on 132 SMs
+    (16 blocks of 64 x 128 -> 8 partials each), its absorb (64 blocks -> 2); not
+    at 128 heads (128 and 512 blocks), nor for K of one partial, nor on the
+    simulator (no SM count: 0)."""
+    gpu = (sgemm.EDGE, 4, 8)  # the GPU plan at M <= 64
+    assert sgemm.k_splits(64, 128, 512, 16, 132, plan=gpu) == 8
+    assert sgemm.k_splits(64, 512, 128, 16, 132, plan=gpu) == 2
+    assert sgemm.k_splits(64, 128, 512, 128, 132, plan=gpu) == 1
+    assert sgemm.k_splits(64, 512, 128, 128, 132, plan=gpu) == 1
+    assert sgemm.k_splits(64, 128, 64, 16, 132, plan=gpu) == 1
+    assert G.weight_gemm_method(64, 128, 512, 16, 0) == ("sgemm", 1)
+    assert G.weight_gemm_method(1, 128, 512, 16, 132)[0] == "skinny"  # B 1 stays skinny
+
+
+@pytest.mark.device
+def test_mla_gemm_decode_k_split_same_bits(monkeypatch):
+    """Forced on the simulator (an SM count past any grid), the absorb and
+    decompress GEMMs take the K split (both seen, S > 1; d_nope 80 and rank 96
+    span two partials) and the decode's output and LSE keep their bits."""
+    from attention.gemm import skinny
+    from mla.dims import MlaDims
+    from mla.pipeline import mla_decode
+
+    dims = MlaDims(n_head=2, d_nope=80, d_rope=4, d_v=8, kv_rank=96)
+    r, p_ = dims.kv_rank, dims.d_rope
+    rng = np.random.default_rng(3)
+    b = skinny.SKINNY_ROWS + 1  # past the few-rows GEMM: sgemm takes both
+    lens = rng.integers(1, 6, size=b).astype(np.int32)
+    q_nope = rng.standard_normal((b, dims.n_head, dims.d_nope)).astype(np.float32)
+    q_pe = rng.standard_normal((b, dims.n_head, p_)).astype(np.float32)
+    cache = rng.standard_normal((b, 6, r + p_)).astype(np.float32)
+    w_uk = (rng.standard_normal((dims.n_head, dims.d_nope, r)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((dims.n_head, dims.d_v, r)) / np.sqrt(r)).astype(np.float32)
+    base = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm_fma",
+                      return_lse=True)
+    seen, real = [], sgemm.launch
+
+    def spy(*args, **kw):
+        seen.append(kw.get("k_split", 1))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sgemm, "sm_count", lambda: 10 ** 6)
+    monkeypatch.setattr(sgemm, "launch", spy)
+    got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm_fma", return_lse=True)
+    assert sorted(x for x in seen if x > 1) == [2, 2], seen
+    for x, y in zip(base, got):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint32),
+                                      np.asarray(y).view(np.uint32))
 
 
 @pytest.mark.device

@@ -60,6 +60,18 @@ the k-steps are written out (``_unrolled``): no loop counter or branch per
 ``k``, constant shared-memory offsets, and the next ``k``'s fragment loads
 issued under this one's FMAs.
 
+K split (``launch(..., k_split=S, k_scratch=...)``): where the grid is a
+fraction of the GPU's SMs and K spans several partials (``k_splits``: the
+MLA weight GEMMs at few heads, e.g. the decompress at B 64 / 16 heads, 16
+blocks of ``K`` = 512 on 132 SMs), block ``(x, y, z S + s)`` computes the
+``s``-th partial alone (``PART_K`` k from ``s PART_K``) into a float32
+scratch ``[Z S, M, max N]``, and ``reduce_kernel`` adds the partials in
+order, from 0, and applies alpha: ``((0 + p_0) + p_1) + ...``, the running
+total's own arithmetic, so the result has **the same bits** as the one-launch
+GEMM (``0 + p`` is ``p`` but for the sign of a zero, which the next addition
+gives back the same; ``tests/test_mla_gemm.py``). A split of more than one
+partial would sum in another order, so ``S = ceil(K / PART_K)``.
+
 Planted switches (falsification suite and precision tests only; compile-time,
 ``sgemm_kernel(..., defect=name)``, the kernel's name suffixed with it; without
 one the kernel is the production one, PTX unchanged): ``no_partials``
@@ -125,7 +137,7 @@ def _unrolled(step, n, a_pitch, b_pitch):
 
 
 @functools.lru_cache(maxsize=None)
-def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
+def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None, k_split=False):
     """Build the GEMM for ``b``'s layout, ``edge x edge`` threads, ``tm x tn`` each.
 
     Arguments: a, b, c flat (1-D views of C-contiguous arrays), zb [Z] int32,
@@ -135,13 +147,17 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
     col]``, (z, m, n) of ``c`` is ``c[z c_z + m c_m + n]`` (``launch`` derives
     them from the layouts). Grid ``(ceil(max N / (edge tn)), ceil(M / (edge
     tm)), Z)``, block ``(edge, edge)``. ``defect``: one of ``DEFECTS`` compiled
-    in (module docstring), or None.
+    in (module docstring), or None. The last argument ``n_ks``: the K split's
+    partials a batch (``k_split`` True; module docstring: grid axis z is then
+    ``Z n_ks``, block z ``z n_ks + s`` computes partial ``s`` of batch ``z``
+    into ``c``'s slot ``z n_ks + s`` with ``c``'s strides); 1 otherwise (unread).
     """
     if b_order not in B_ORDERS:
         raise ValueError(f"b_order: expected one of {B_ORDERS}, got {b_order!r}")
     if defect is not None and defect not in DEFECTS:
         raise ValueError(f"defect: expected one of {DEFECTS} or None, got {defect!r}")
     NO_PARTIALS = defect == "no_partials"
+    KSPLIT = bool(k_split)
     K_TAIL_DROPPED = defect == "k_tail_dropped"
     if (edge * tm * BK) % (edge * edge) or (edge * tn * BK) % (edge * edge):
         raise ValueError(f"sgemm plan: {edge}x{edge} threads cannot stage {tm}x{tn} tiles")
@@ -236,8 +252,12 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
     # offsets, and no loop counter or branch is paid per k
     slice_rest = _unrolled(k_step, BK, AP, BP)
 
-    def kernel(a, b, c, zb, n_ext, k_ext, alpha, m_len, a_z, a_m, b_z, b_r, c_z, c_m):
-        z = cuda.blockIdx.z
+    def kernel(a, b, c, zb, n_ext, k_ext, alpha, m_len, a_z, a_m, b_z, b_r, c_z, c_m, n_ks):
+        zc = cuda.blockIdx.z  # c's slot: the batch, or (batch, partial) when split
+        if KSPLIT:
+            z = zc // n_ks
+        else:
+            z = zc
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * EDGE_ + tx
@@ -245,6 +265,10 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
         col0 = cuda.blockIdx.x * BN
         n_len = n_ext[z]
         k_len = k_ext[z]
+        k_lo = 0
+        if KSPLIT:  # this block's partial alone: k_lo .. k_lo + PART_K
+            k_lo = (zc - z * n_ks) * PART_K
+            k_len = min(k_len, k_lo + PART_K)
         if col0 >= n_len:
             return  # the whole block is past this batch's N (uniform exit)
         bz = zb[z]
@@ -265,9 +289,9 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
         a_row = ty * TM  # this thread's rows: a_row + i; columns: b_col + col_of(j)
         b_col = tx * G
 
-        n_slices = (k_len + BK - 1) // BK
+        n_slices = (k_len - k_lo + BK - 1) // BK
         inner = row0 + BM <= m_len and col0 + BN <= n_len
-        fetch(a, b, z, bz, 0, row0, col0, tid, m_len, n_len, k_len, a_z, a_m, b_z, b_r,
+        fetch(a, b, z, bz, k_lo, row0, col0, tid, m_len, n_len, k_len, a_z, a_m, b_z, b_r,
               a_pre, b_pre, inner)
         for s in range(n_slices):
             a_off = (s & 1) * A_BUF
@@ -288,8 +312,8 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
             cuda.syncthreads()  # slice s staged (and, two slices back, fully read)
             # -- fetch slice s + 1 while this one is multiplied --
             if s + 1 < n_slices:
-                fetch(a, b, z, bz, (s + 1) * BK, row0, col0, tid, m_len, n_len, k_len, a_z,
-                      a_m, b_z, b_r, a_pre, b_pre, inner)
+                fetch(a, b, z, bz, k_lo + (s + 1) * BK, row0, col0, tid, m_len, n_len, k_len,
+                      a_z, a_m, b_z, b_r, a_pre, b_pre, inner)
             # -- multiply: the slice's products into the partial; the first k
             # of every PART_SLICES-th slice starts a fresh one (no zeroing) --
             frags(a_s, b_s, a_off + a_row, b_off + b_col, a_frag, b_frag)
@@ -326,12 +350,80 @@ def sgemm_kernel(b_order, edge=EDGE, tm=8, tn=8, defect=None):
                     col = col0 + b_col + (j // G) * GSTEP + j % G
                     if col < n_len:
                         total = acc_s[uint64((i * TN + j) * THREADS + tid)]
-                        c[uint64(z * c_z + r * c_m + col)] = alpha * total
+                        c[uint64(zc * c_z + r * c_m + col)] = alpha * total
 
     kernel.__name__ = kernel.__qualname__ = (f"sgemm_{b_order}_{edge}e_{tm}x{tn}"
+                                             + ("_ks" if KSPLIT else "")
                                              + (f"_{defect}" if defect else ""))
     # fastmath off: it would let the compiler re-associate the two-level sum
     return jit(kernel, fastmath=False)
+
+
+REDUCE_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def reduce_kernel():
+    """The K split's second launch: ``c[z, m, n] = alpha * (((0 + p_0) + p_1) +
+    ...)`` over the partials ``p_s = part[z n_ks + s, m, n]`` whose k range
+    starts inside batch ``z``'s K (``s PART_K < k_ext[z]``), in order of
+    ``s``; entries ``n >= n_ext[z]`` are not written (as the one-launch GEMM).
+
+    Arguments: part flat (``[Z n_ks, M, max_n]`` float32), c flat, n_ext,
+    k_ext (int32 [Z]), alpha, n_ks, m_len, max_n, z_n, and c's strides (c_z,
+    c_m). A thread an element of ``c``, grid-stride; the threads of a warp take
+    consecutive ``n`` (coalesced reads of every partial)."""
+
+    def kernel(part, c, n_ext, k_ext, alpha, n_ks, m_len, max_n, z_n, c_z, c_m):
+        total_n = z_n * m_len * max_n
+        i = cuda.grid(1)
+        while i < total_n:
+            n = i % max_n
+            zm = i // max_n
+            m = zm % m_len
+            z = zm // m_len
+            if n < n_ext[z]:
+                k_len = k_ext[z]
+                total = float32(0.0)
+                for s in range(n_ks):
+                    if s * PART_K < k_len:
+                        total += part[uint64(((z * n_ks + s) * m_len + m) * max_n + n)]
+                c[uint64(z * c_z + m * c_m + n)] = alpha * total
+            i += cuda.gridsize(1)
+
+    kernel.__name__ = kernel.__qualname__ = "sgemm_k_reduce"
+    return jit(kernel, fastmath=False)
+
+
+def default_plan(m_len):
+    """The ``(edge, tm, tn)`` ``launch`` takes for ``m_len`` rows: ``PLAN``, with
+    half-height tiles when M fills no more than half of one (GPU)."""
+    return PLAN if m_len > 4 * PLAN[0] or SIMULATOR else (PLAN[0], 4, PLAN[2])
+
+
+def k_splits(m_len, max_n, k_len, n_batch, sms, plan=None):
+    """The K split for a GEMM of this shape on a GPU of ``sms`` SMs: ``ceil(K /
+    PART_K)`` partials a batch when the one-launch grid fills at most half the
+    SMs and K spans two partials or more, else 1 (no split). Where it splits
+    the grid grows that many times (the MLA decompress at B 64 / 16 heads: 16
+    blocks -> 128) at the cost of ``Z S M N`` float32 partials written and
+    read back once (4 MB there)."""
+    edge, tm, tn = default_plan(m_len) if plan is None else plan
+    bm, bn = tile_shape(edge, tm, tn)
+    blocks = -(-int(max_n) // bn) * -(-int(m_len) // bm) * int(n_batch)
+    parts = -(-int(k_len) // PART_K)
+    if parts < 2 or blocks == 0 or 2 * blocks > int(sms):
+        return 1
+    return parts
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count():
+    """The current GPU's SM count (0 under the simulator: no K split unless a
+    caller asks for one)."""
+    if SIMULATOR:
+        return 0
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def _strides(x, order):
@@ -346,31 +438,58 @@ def _flat(x):
 
 
 def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n, n_batch,
-           stream, plan=None, ready=None, defect=None):
+           stream, plan=None, ready=None, defect=None, k_split=1, k_scratch=None):
     """Enqueue the GEMM over ``n_batch`` batches (C-contiguous device arrays, no validation).
 
     ``max_n``: the largest ``n_ext`` (sets the grid); ``plan``: (edge, tm, tn),
     default ``PLAN``; ``ready``: an optional set the caller keeps for one
     device, recording the kernels given their dynamic shared memory (then a
     repeated launch does no device lookup; ``ensure_dynamic_shared``);
-    ``defect``: a planted switch (``DEFECTS``) or None.
+    ``defect``: a planted switch (``DEFECTS``) or None. ``k_split`` S > 1: the
+    K split (module docstring; every ``k_ext`` at most ``S PART_K``), two
+    launches, through ``k_scratch``, a float32 device array of at least ``Z S
+    M max_n`` elements (``k_scratch_size``); the same bits as ``k_split=1``.
     """
     if a_order not in A_ORDERS or c_order not in C_ORDERS:
         raise ValueError(f"sgemm layouts: got a {a_order!r}, c {c_order!r}")
     m_len = int(a.shape[1] if a_order == "zmk" else a.shape[0])
     if plan is None:  # half-height tiles when M fills no more than half of one
-        plan = PLAN if m_len > 4 * PLAN[0] or SIMULATOR else (PLAN[0], 4, PLAN[2])
+        plan = default_plan(m_len)
     edge, tm, tn = plan
     bm, bn = tile_shape(edge, tm, tn)
     if n_batch == 0 or m_len == 0 or max_n <= 0:
         return
-    grid = ((max_n + bn - 1) // bn, (m_len + bm - 1) // bm, n_batch)
+    k_split = int(k_split)
     a_z, a_m = _strides(a, a_order)
     b_z, b_r = _strides(b, b_order)
     c_z, c_m = _strides(c, c_order)
+    static, dynamic = shared_bytes(edge, tm, tn)
+    if k_split > 1:
+        need = k_scratch_size(n_batch, k_split, m_len, max_n)
+        if k_scratch is None or int(k_scratch.size) < need:
+            raise ValueError(f"k_scratch: expected a float32 device array of at least "
+                             f"{need} elements for k_split={k_split}")
+        part = _flat(k_scratch)
+        kernel = sgemm_kernel(b_order, edge, tm, tn, defect, True)
+        args = (_flat(a), _flat(b), part, zb, n_ext, k_ext, float32(1.0), m_len, a_z, a_m,
+                b_z, b_r, m_len * max_n, max_n, k_split)
+        grid = ((max_n + bn - 1) // bn, (m_len + bm - 1) // bm, n_batch * k_split)
+        ensure_dynamic_shared(kernel, args, dynamic, static, np.dtype(b.dtype).str, ready)
+        kernel[grid, (edge, edge), stream, dynamic](*args)
+        total = n_batch * m_len * max_n
+        blocks = min(-(-total // REDUCE_THREADS), 4096)
+        reduce_kernel()[blocks, REDUCE_THREADS, stream](
+            part, _flat(c), n_ext, k_ext, float32(alpha), k_split, m_len, max_n, n_batch,
+            c_z, c_m)
+        return
+    grid = ((max_n + bn - 1) // bn, (m_len + bm - 1) // bm, n_batch)
     kernel = sgemm_kernel(b_order, edge, tm, tn, defect)
     args = (_flat(a), _flat(b), _flat(c), zb, n_ext, k_ext, float32(alpha), m_len, a_z, a_m,
-            b_z, b_r, c_z, c_m)
-    static, dynamic = shared_bytes(edge, tm, tn)
+            b_z, b_r, c_z, c_m, 1)
     ensure_dynamic_shared(kernel, args, dynamic, static, np.dtype(b.dtype).str, ready)
     kernel[grid, (edge, edge), stream, dynamic](*args)
+
+
+def k_scratch_size(n_batch, k_split, m_len, max_n):
+    """Elements of the K split's float32 scratch: ``Z S M max_n``."""
+    return int(n_batch) * int(k_split) * int(m_len) * int(max_n)
