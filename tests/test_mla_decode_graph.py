@@ -117,6 +117,17 @@ def test_length_out_of_range_is_reported_not_clamped():
     np.testing.assert_array_equal(g.out.copy_to_host(), good)
 
 
+def _replay_is_plain(g):
+    """The graph's replay output, after checking that a graph was built and
+    that the plain launches give the same bits."""
+    assert g.graph is not None, f"no graph: {g.graph_error}"
+    g.run(sync=True)
+    replay = g.out.copy_to_host()
+    g.run_plain(sync=True)
+    np.testing.assert_array_equal(g.out.copy_to_host(), replay)
+    return replay
+
+
 @pytest.mark.device
 @pytest.mark.gpu
 def test_graph_replay_matches_plain_launches():
@@ -125,12 +136,7 @@ def test_graph_replay_matches_plain_launches():
     assert MODE == "gpu" and not small()
     q_nope, q_pe, cache, w_uk, w_uv = _case(3, n_b=5, max_seq=300)
     lens = np.array([300, 0, 1, 129, 77], np.int32)
-    g = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
-    assert g.graph is not None, f"no graph: {g.graph_error}"
-    g.run(sync=True)
-    replay = g.out.copy_to_host()
-    g.run_plain(sync=True)
-    np.testing.assert_array_equal(g.out.copy_to_host(), replay)
+    _replay_is_plain(MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv))
 
 
 @pytest.mark.device
@@ -159,12 +165,7 @@ def test_graph_replay_with_the_weight_gemms_k_split(monkeypatch):
     sms = sgemm.sm_count()
     assert sgemm.k_splits(n_b, r, dims.d_nope, nh, sms) == 2
     assert sgemm.k_splits(n_b, dims.d_v, r, nh, sms) == 2
-    g = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
-    assert g.graph is not None, f"no graph: {g.graph_error}"
-    g.run(sync=True)
-    replay = g.out.copy_to_host()
-    g.run_plain(sync=True)
-    np.testing.assert_array_equal(g.out.copy_to_host(), replay)
+    replay = _replay_is_plain(MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv))
     monkeypatch.setattr(sgemm, "sm_count", lambda: 0)
     off = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
     off.run_plain(sync=True)
