@@ -5,7 +5,8 @@
 * 16 heads (``bench.mla_mma.MEMORY``: B 64 / L 4096 and B 1 / L 32768, fp16 latent
   cache): the whole prepared call (absorb, attention, combine, decompress), again
   with the weight GEMMs' K split off where the call takes one (``sgemm.k_splits``;
-  the outputs compared bit for bit), and the
+  the outputs compared bit for bit), the absorb and decompress GEMMs alone (with
+  and without it), and the
   attention launch alone over row groups 1 and 2 and split counts None (the plan's
   choice) and ``SPLITS`` (from 1 at B 64; up to 512, chunks of 64 positions, at B
   1). Bytes: the latent rows read, B x L x 576 x 2; the
@@ -19,6 +20,7 @@ from __future__ import annotations
 from bench.gpu import Timer, copy_bandwidth
 from bench.mla_mma import COMPUTE, MEMORY, _fp8_prepared, _prepared
 from bench.run import mla_inputs
+from mla import attn_gemm as G
 from mla import mma as MM
 
 LATENT = 576  # r + d_rope of the DeepSeek shape the bench cases use
@@ -30,6 +32,22 @@ def _attention(p, pl, acc, ml):
     MM.launch(pl, p["qc"].reshape(n_seq, rows, LATENT), p["latent"], p["lens"], p["table"],
               p["nh"], p["scale"], p["o_lat"].reshape(n_seq, rows, LATENT - 64),
               p["lse"].reshape(n_seq, rows), acc, ml, 0, d_scale=p.get("latent_scale"))
+
+
+def _weight_gemms(t, p):
+    """The absorb and decompress GEMMs timed alone, with the call's K split (if
+    any) and without it (the absorb's time includes packing q_pe)."""
+    kept = p.get("k_split") or {}
+    for label, fn in (("absorb", G.launch_absorb), ("decompress", G.launch_decompress)):
+        row = []
+        for name, table in (("as planned", kept), ("one launch", {})):
+            if name == "one launch" and label not in kept:
+                continue
+            p["k_split"] = table
+            row.append(f"{name} {t.time(lambda: fn(p, 0), reps=30) * 1e3:.1f} us")
+        p["k_split"] = kept
+        split = kept.get(label, (1,))[0]
+        print(f"  {label} (K split {split}): {', '.join(row)}", flush=True)
 
 
 def memory_bound(t, copy):
@@ -54,6 +72,7 @@ def memory_bound(t, copy):
             print(f"  whole call, no K split {one:.4f} ms  "
                   f"{nbytes / one / 1e6 / copy:.3f} of copy; outputs bit-equal: {same}",
                   flush=True)
+        _weight_gemms(t, p)
         for rg in (1, 2):
             for ns in SPLITS.get(c["batch"], SPLITS[64]):
                 pl = MM.plan(n_seq, rows, LATENT - 64, 64, c["seq"], "f16", row_groups=rg,
