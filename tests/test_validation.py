@@ -791,3 +791,36 @@ def test_default_jobs(monkeypatch):
     for cores, gpu, sim in ((1, 1, 1), (2, 2, 2), (16, 8, 2), (None, 1, 1)):
         monkeypatch.setattr(cli.os, "cpu_count", lambda c=cores: c)
         assert (cli.default_jobs("gpu"), cli.default_jobs("sim")) == (gpu, sim), cores
+
+
+def test_runs_index_lists_each_run_fresh_or_stale(tmp_path):
+    """``scripts/validate --index``: a row a validation report (in a run folder or
+    a subfolder), newest first, with its counts (cases cut by a --deadline in
+    parentheses) and whether it measured the current kernel sources and
+    criterion; a folder without a report is listed with its files."""
+    from validation import runs_index
+
+    def rep(commit, when, kh, ch, cases):
+        return {"provenance": {"git_commit": commit, "device": "GPU X", "timestamp": when,
+                               "seeds": [0], "kernel_source_hash": kh, "criterion_hash": ch},
+                "verdict": {"passed": all(c["status"] == "pass" for c in cases)},
+                "cases": cases, "growth": [{"status": "pass"}],
+                "defects": [{"caught": 2, "planted": 3}]}
+
+    ok = {"status": "pass"}
+    cut = {"status": "error", "detail": "not run: the --deadline was reached first"}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "validation.json").write_text(
+        json.dumps(rep("aaaaaaa1", "2026-01-01T00:00:00Z", "k0", "c1", [ok, cut])))
+    (tmp_path / "new" / "val").mkdir(parents=True)
+    (tmp_path / "new" / "val" / "validation.json").write_text(
+        json.dumps(rep("bbbbbbb2", "2026-02-01T00:00:00Z", "k1", "c1", [ok, ok])))
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "b.log").write_text("x")
+    text = runs_index.index_markdown(tmp_path, "k1", "c1")
+    rows = [line for line in text.splitlines() if line.startswith("| [")]
+    assert rows[0].startswith("| [new/val](new/val/) | `bbbbbbb` |")
+    assert rows[0].endswith("| PASS | 2: 2 / 0 | 1/1 | 2/3 | fresh |")
+    assert rows[1].endswith("| FAIL | 2: 1 / 1 (1) | 1/1 | 2/3 | stale |")
+    assert "- [bench](bench/): `b.log`" in text
+    assert "stale (criterion)" in runs_index.index_markdown(tmp_path, "k1", "c0")

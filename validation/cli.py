@@ -110,6 +110,9 @@ def parser():
     ap.add_argument("--rebuild", action="store_true",
                     help="rewrite summary.md and the plots of OUT from its validation.json "
                          "(e.g. after a run cut short while writing them); runs nothing")
+    ap.add_argument("--index", action="store_true",
+                    help="write reports/gpu/runs/INDEX.md (or OUT/INDEX.md): every kept GPU "
+                         "run, newest first, fresh or stale against the sources; runs nothing")
     ap.add_argument("--merge", action="store_true",
                     help="merge OUT/shards/*.json into the report and exit")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -569,6 +572,13 @@ def main(argv=None):
               f"{f['code_hash']}; summary.md {'carries' if f['marked'] else 'lacks'} the "
               f"STALE banner")
         return 0 if args.mark_stale else 1
+
+    if args.index:
+        from validation import runs_index
+
+        path = runs_index.write_index(Path(args.out) if args.out else ROOT / "reports/gpu/runs")
+        print(f"validate: wrote {path}")
+        return 0
 
     if args.rebuild:
         out = Path(args.out) if args.out else ROOT / "reports"
