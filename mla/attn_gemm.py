@@ -166,13 +166,24 @@ class Workspace:
     def __init__(self):
         self._buf = None
         self._rows = None  # gathered latent rows of a paged cache (``rows``)
+        self._k = None  # the weight GEMMs' K-split partials (``k_scratch``)
 
     @property
     def nbytes(self):
         total = 0 if self._buf is None else 4 * int(self._buf.shape[0])
         if self._rows is not None:
             total += int(self._rows.shape[0]) * np.dtype(self._rows.dtype).itemsize
+        if self._k is not None:
+            total += 4 * int(self._k.shape[0])
         return total
+
+    def k_scratch(self, n, stream=None):
+        """A float32 device array of at least ``n`` elements: the K-split partials
+        of the absorb and decompress GEMMs (``weight_gemm_scratch``; they run one
+        after the other on one stream, so they share it)."""
+        if self._k is None or int(self._k.shape[0]) < n:
+            self._k = device_empty(max(int(n), 1), np.float32, stream)
+        return self._k
 
     def rows(self, shape, dtype, stream=None):
         """A device array of ``shape`` and ``dtype`` (the latent rows [Q, L,
@@ -595,7 +606,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
             p["paging"] = "gather"
             p["latent"] = (workspace or Workspace()).rows((n_seq, max(max_vis, 1), width),
                                                          np.dtype(d_latent.dtype), stream)
-    return weight_gemm_scratch(p, d_nope, stream)
+    return weight_gemm_scratch(p, d_nope, stream, workspace=workspace)
 
 
 def launch_softmax(p, stream, defect=None, threads=RESIDENT_THREADS):
@@ -647,22 +658,28 @@ def weight_gemm_method(m_len, n_len, k_len, nh, sms):
     return "sgemm", (sgemm.k_splits(m_len, n_len, k_len, nh, sms) if sms else 1)
 
 
-def weight_gemm_scratch(p, d_nope, stream, sms=None):
+def weight_gemm_scratch(p, d_nope, stream, sms=None, workspace=None):
     """The K-split scratch of the absorb and decompress GEMMs, kept in ``p``
     (``p["k_split"]``: {"absorb" / "decompress": (S, float32 device array)}
     for each that splits on this GPU; ``sms`` default ``sgemm.sm_count()``).
-    Allocated once with the prepared call, so its launches (and a graph
-    capture of them) allocate nothing."""
+    One buffer for both (they run one after the other on one stream), from
+    ``workspace`` when one is given (``Workspace.k_scratch``: reused by every
+    call over it), else allocated here. Either way it exists before the
+    launches, so they (and a graph capture of them) allocate nothing."""
     sms = sgemm.sm_count() if sms is None else int(sms)
     n_q, nh = p["n_q"], p["nh"]
-    splits = {}
+    planned = {}
     for name, n_len, k_len in (("absorb", p["rank"], d_nope),
                                ("decompress", p["d_v"], p["rank"])):
         method, k_split = weight_gemm_method(n_q, n_len, k_len, nh, sms)
         if method == "sgemm" and k_split > 1:
-            size = sgemm.k_scratch_size(nh, k_split, n_q, n_len)
-            splits[name] = (k_split, device_empty(size, np.float32, stream))
-    p["k_split"] = splits
+            planned[name] = (k_split, sgemm.k_scratch_size(nh, k_split, n_q, n_len))
+    p["k_split"] = {}
+    if planned:
+        need = max(size for _, size in planned.values())
+        buf = (workspace.k_scratch(need, stream) if workspace is not None
+               else device_empty(need, np.float32, stream))
+        p["k_split"] = {name: (k_split, buf) for name, (k_split, _) in planned.items()}
     return p
 
 

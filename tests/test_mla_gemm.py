@@ -259,7 +259,8 @@ def test_k_split_rule():
 def test_mla_gemm_decode_k_split_same_bits(monkeypatch):
     """Forced on the simulator (an SM count past any grid), the absorb and
     decompress GEMMs take the K split (both seen, S > 1; d_nope 80 and rank 96
-    span two partials) and the decode's output and LSE keep their bits."""
+    span two partials) and the decode's output and LSE keep their bits; over a
+    ``Workspace`` the partials' buffer is its own and reused call after call."""
     from attention.gemm import skinny
     from mla.dims import MlaDims
     from mla.pipeline import mla_decode
@@ -289,6 +290,20 @@ def test_mla_gemm_decode_k_split_same_bits(monkeypatch):
     for x, y in zip(base, got):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint32),
                                       np.asarray(y).view(np.uint32))
+    # over a workspace the partials live in it (one buffer for both GEMMs), and a
+    # second call reuses it: no growth, the same bits
+    ws = G.Workspace()
+    first = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm_fma",
+                       workspace=ws)
+    held = ws.nbytes
+    assert ws._k is not None and held >= 4 * int(ws._k.shape[0]) > 0
+    again = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method="gemm_fma",
+                       workspace=ws)
+    assert ws.nbytes == held
+    np.testing.assert_array_equal(np.asarray(first).view(np.uint32),
+                                  np.asarray(again).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(first).view(np.uint32),
+                                  np.asarray(base[0]).view(np.uint32))
 
 
 @pytest.mark.device
