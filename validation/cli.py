@@ -128,7 +128,8 @@ def parser():
                     help="print whether OUT's report matches the kernel sources (exit 1 if "
                          "stale or missing)")
     ap.add_argument("--mark-stale", action="store_true",
-                    help="write (or clear) the STALE banner of OUT/summary.md")
+                    help="write (or clear) the STALE banner of OUT/summary.md, and rewrite "
+                         "OUT/gpu/runs/INDEX.md where it exists (--index)")
     return ap
 
 
@@ -562,6 +563,11 @@ def main(argv=None):
     if args.check_fresh or args.mark_stale:
         out = Path(args.out) if args.out else ROOT / "reports"
         f = report.mark_stale(out) if args.mark_stale else report.freshness(out)
+        runs = out / "gpu" / "runs"
+        if args.mark_stale and runs.is_dir():  # the runs' index states freshness too
+            from validation import runs_index
+
+            print(f"validate: wrote {runs_index.write_index(runs)}")
         if f["state"] == "missing":
             print(f"missing: no {report.JSON_NAME} in {out}")
             return 1
