@@ -5,8 +5,8 @@
 * 16 heads (``bench.mla_mma.MEMORY``: B 64 / L 4096 and B 1 / L 32768, fp16 latent
   cache): the whole prepared call (absorb, attention, combine, decompress), again
   with the weight GEMMs' K split off where the call takes one (``sgemm.k_splits``;
-  the outputs compared bit for bit), the absorb and decompress GEMMs alone (with
-  and without it), and the
+  the outputs compared bit for bit), the absorb and decompress GEMMs alone (every
+  way that applies: few-rows kernel, sgemm, sgemm's K split), and the
   attention launch alone over row groups 1 and 2 and split counts None (the plan's
   choice) and ``SPLITS`` (from 1 at B 64; up to 512, chunks of 64 positions, at B
   1). Bytes: the latent rows read, B x L x 576 x 2; the
@@ -35,19 +35,45 @@ def _attention(p, pl, acc, ml):
 
 
 def _weight_gemms(t, p):
-    """The absorb and decompress GEMMs timed alone, with the call's K split (if
-    any) and without it (the absorb's time includes packing q_pe)."""
-    kept = p.get("k_split") or {}
-    for label, fn in (("absorb", G.launch_absorb), ("decompress", G.launch_decompress)):
+    """The absorb and decompress GEMMs alone (no q_pe packing), each way that
+    applies: the few-rows kernel (``skinny``, M <= its row limit), ``sgemm`` in
+    one launch, and ``sgemm`` with the K split ``k_splits`` gives on this GPU
+    (ignoring the few-rows rule, so B 1 shows both); the plan's choice is
+    marked. Bytes: the fp32 weights, nh x N x K x 4."""
+    from attention.core.device import device_empty
+    from attention.gemm import sgemm, skinny
+
+    n_q, nh, sms = p["n_q"], p["nh"], sgemm.sm_count()
+    d_nope = int(p["q_nope"].shape[2])
+    gemms = (("absorb", p["q_nope"], p["w_uk"], p["qc"], p["rank"], d_nope, p["uk_order"],
+              p["h_rank"], p["h_nope"]),
+             ("decompress", p["o_lat"], p["w_uv"], p["out"], p["d_v"], p["rank"], "znk",
+              p["h_dv"], p["h_rank"]))
+    for label, a, b, c, n_len, k_len, b_order, n_ext, k_ext in gemms:
+        chosen = G.weight_gemm_method(n_q, n_len, k_len, nh, sms)
+        ways = []
+        if n_q <= skinny.SKINNY_ROWS and k_len <= skinny.MAX_K:
+            ways.append((("skinny", 1), lambda: skinny.launch(
+                a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn", n_len=n_len,
+                k_len=k_len, n_batch=nh, stream=0, ready=p["smem_ready"])))
+        splits = sorted({1, sgemm.k_splits(n_q, n_len, k_len, nh, sms)})
+        for k_split in splits:
+            scratch = (device_empty(sgemm.k_scratch_size(nh, k_split, n_q, n_len), "float32")
+                       if k_split > 1 else None)
+            ways.append((("sgemm", k_split), lambda k_split=k_split, scratch=scratch:
+                         sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk",
+                                      b_order=b_order, c_order="mzn", max_n=n_len,
+                                      n_batch=nh, stream=0, ready=p["smem_ready"],
+                                      k_split=k_split, k_scratch=scratch)))
+        nbytes = nh * n_len * k_len * 4
         row = []
-        for name, table in (("as planned", kept), ("one launch", {})):
-            if name == "one launch" and label not in kept:
-                continue
-            p["k_split"] = table
-            row.append(f"{name} {t.time(lambda: fn(p, 0), reps=30) * 1e3:.1f} us")
-        p["k_split"] = kept
-        split = kept.get(label, (1,))[0]
-        print(f"  {label} (K split {split}): {', '.join(row)}", flush=True)
+        for way, fn in ways:
+            us = t.time(fn, reps=30) * 1e3
+            name = way[0] if way[1] == 1 else f"sgemm K split {way[1]}"
+            mark = " (the plan's)" if way == chosen else ""
+            row.append(f"{name} {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s{mark}")
+        print(f"  {label} M {n_q} N {n_len} K {k_len} x {nh} heads: {'; '.join(row)}",
+              flush=True)
 
 
 def memory_bound(t, copy):
