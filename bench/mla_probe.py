@@ -34,12 +34,13 @@ def _attention(p, pl, acc, ml):
               p["lse"].reshape(n_seq, rows), acc, ml, 0, d_scale=p.get("latent_scale"))
 
 
-def _weight_gemms(t, p):
+def _weight_gemms(t, p, copy):
     """The absorb and decompress GEMMs alone (no q_pe packing), each way that
     applies: the few-rows kernel (``skinny``, M <= its row limit), ``sgemm`` in
     one launch, and ``sgemm`` with the K split ``k_splits`` gives on this GPU
     (ignoring the few-rows rule, so B 1 shows both); the plan's choice is
-    marked. Bytes: the fp32 weights, nh x N x K x 4."""
+    marked. Bytes: the fp32 weights, nh x N x K x 4; the ratio is to the copy
+    (GB/s) measured in the same run."""
     from attention.core.device import device_empty
     from attention.gemm import sgemm, skinny
 
@@ -71,7 +72,8 @@ def _weight_gemms(t, p):
             us = t.time(fn, reps=30) * 1e3
             name = way[0] if way[1] == 1 else f"sgemm K split {way[1]}"
             mark = " (the plan's)" if way == chosen else ""
-            row.append(f"{name} {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s{mark}")
+            gbs = nbytes / us / 1e3
+            row.append(f"{name} {us:.1f} us, {gbs:.0f} GB/s, {gbs / copy:.3f} of copy{mark}")
         print(f"  {label} M {n_q} N {n_len} K {k_len} x {nh} heads: {'; '.join(row)}",
               flush=True)
 
@@ -98,7 +100,7 @@ def memory_bound(t, copy):
             print(f"  whole call, no K split {one:.4f} ms  "
                   f"{nbytes / one / 1e6 / copy:.3f} of copy; outputs bit-equal: {same}",
                   flush=True)
-        _weight_gemms(t, p)
+        _weight_gemms(t, p, copy)
         for rg in (1, 2):
             for ns in SPLITS.get(c["batch"], SPLITS[64]):
                 pl = MM.plan(n_seq, rows, LATENT - 64, 64, c["seq"], "f16", row_groups=rg,
