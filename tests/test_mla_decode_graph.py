@@ -165,7 +165,10 @@ def test_graph_replay_with_the_weight_gemms_k_split(monkeypatch):
     sms = sgemm.sm_count()
     assert sgemm.k_splits(n_b, r, dims.d_nope, nh, sms) == 2
     assert sgemm.k_splits(n_b, dims.d_v, r, nh, sms) == 2
-    replay = _replay_is_plain(MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv))
+    g = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
+    assert all(set(p["k_split"]) == {"absorb", "decompress"} for p in g._ps)
+    assert g.workspace._k is not None  # the partials' buffer is the graph's workspace's
+    replay = _replay_is_plain(g)
     monkeypatch.setattr(sgemm, "sm_count", lambda: 0)
     off = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
     off.run_plain(sync=True)
