@@ -503,6 +503,7 @@ def test_shards_partition_the_work_and_merge(tmp_path):
     # parts of different runs or rules are refused, naming what differs
     one = json.loads((shard_dir / "shard-1-of-2.json").read_text())
     for edit, match in ((lambda p: p["config"].update(seeds=[0, 1]), "'seeds' differs"),
+                        (lambda p: p["config"].update(costs="f" * 16), "'costs' differs"),
                         (lambda p: p["provenance"].update(criterion_hash="0" * 16),
                          "different criteria")):
         bad = json.loads(json.dumps(one))
@@ -658,7 +659,7 @@ def test_measured_costs_shorten_the_replayed_shards():
     for (_, old, _), (_, new, config) in zip(before, after):
         assert new == sorted(new, reverse=True)  # longest first
         assert schedule.makespan(new, 16) < schedule.makespan(old, 16) - 30
-        assert config["costs"]["sha256"] == digest
+        assert config["costs"] == digest and config["costs_from"] == str(COSTS_RUN)
     # control: without costs, shard i holds bundles i, i + 2, ... of the build order
     args = cli.parser().parse_args(["--seeds", "0"])
     units = cli.build_units(args, "gpu")[0]

@@ -327,7 +327,9 @@ def build_units(args, device):
             table, digest = schedule.load_costs(args.costs)
         except (OSError, ValueError) as exc:
             _usage(f"--costs: {exc}")
-        config["costs"] = {"from": str(args.costs), "sha256": digest}
+        # the shards of a run must share the table (merge compares "costs"), by
+        # content: the same file may be named by another path
+        config["costs"], config["costs_from"] = digest, str(args.costs)
         est = [table.estimate(group_label([units[j] for j in b]), len(b)) for b in groups]
         if args.shard:
             picked = schedule.shard(est, args.shard[1])[args.shard[0]]
