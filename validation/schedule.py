@@ -17,8 +17,8 @@ Why: in the H100 run of 00e7132 (two shards, 16 workers each, a --deadline of
 540 s) both shards held about 7,060 worker-seconds, 441 s a worker if spread
 evenly, but the build order started the 33-case sweep bundles last, and 16 of
 them were still running at the deadline. Replayed on the recorded seconds, the
-longest-first order finishes each shard some 60 s earlier
-(``tests/test_validation.py::test_measured_costs_shorten_the_replayed_shards``).
+shards take an estimated 455 s each with costs against 519 and 502 s in the build
+order (``tests/test_validation.py::test_measured_costs_shorten_the_replayed_shards``).
 
 A bundle's expected cost: its label's measured seconds (``cli.group_label``);
 a label not measured (another kernel list, another case count) takes the median
