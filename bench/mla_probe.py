@@ -45,31 +45,21 @@ def _weight_gemms(t, p, copy):
     from attention.gemm import sgemm, skinny
 
     n_q, nh, sms = p["n_q"], p["nh"], sgemm.sm_count()
-    d_nope = int(p["q_nope"].shape[2])
-    gemms = (("absorb", p["q_nope"], p["w_uk"], p["qc"], p["rank"], d_nope, p["uk_order"],
-              p["h_rank"], p["h_nope"]),
-             ("decompress", p["o_lat"], p["w_uv"], p["out"], p["d_v"], p["rank"], "znk",
-              p["h_dv"], p["h_rank"]))
-    for label, a, b, c, n_len, k_len, b_order, n_ext, k_ext in gemms:
+    for label in G.WEIGHT_GEMMS:
+        n_len, k_len = G.weight_operands(p, label)[5:7]
         chosen = G.weight_gemm_method(n_q, n_len, k_len, nh, sms)
         ways = []
         if n_q <= skinny.SKINNY_ROWS and k_len <= skinny.MAX_K:
-            ways.append((("skinny", 1), lambda: skinny.launch(
-                a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn", n_len=n_len,
-                k_len=k_len, n_batch=nh, stream=0, ready=p["smem_ready"])))
-        splits = sorted({1, sgemm.k_splits(n_q, n_len, k_len, nh, sms)})
-        for k_split in splits:
-            scratch = (device_empty(sgemm.k_scratch_size(nh, k_split, n_q, n_len), "float32")
-                       if k_split > 1 else None)
-            ways.append((("sgemm", k_split), lambda k_split=k_split, scratch=scratch:
-                         sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk",
-                                      b_order=b_order, c_order="mzn", max_n=n_len,
-                                      n_batch=nh, stream=0, ready=p["smem_ready"],
-                                      k_split=k_split, k_scratch=scratch)))
+            ways.append((("skinny", 1), None))
+        for k_split in sorted({1, sgemm.k_splits(n_q, n_len, k_len, nh, sms)}):
+            ways.append((("sgemm", k_split),
+                         device_empty(sgemm.k_scratch_size(nh, k_split, n_q, n_len), "float32")
+                         if k_split > 1 else None))
         nbytes = nh * n_len * k_len * 4
         row = []
-        for way, fn in ways:
-            us = t.time(fn, reps=30) * 1e3
+        for way, scratch in ways:
+            us = t.time(lambda: G.weight_gemm(p, label, 0, way=way, k_scratch=scratch),
+                        reps=30) * 1e3
             name = way[0] if way[1] == 1 else f"sgemm K split {way[1]}"
             mark = " (the plan's)" if way == chosen else ""
             gbs = nbytes / us / 1e3

@@ -606,7 +606,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
             p["paging"] = "gather"
             p["latent"] = (workspace or Workspace()).rows((n_seq, max(max_vis, 1), width),
                                                          np.dtype(d_latent.dtype), stream)
-    return weight_gemm_scratch(p, d_nope, stream, workspace=workspace)
+    return weight_gemm_scratch(p, stream, workspace=workspace)
 
 
 def launch_softmax(p, stream, defect=None, threads=RESIDENT_THREADS):
@@ -658,7 +658,23 @@ def weight_gemm_method(m_len, n_len, k_len, nh, sms):
     return "sgemm", (sgemm.k_splits(m_len, n_len, k_len, nh, sms) if sms else 1)
 
 
-def weight_gemm_scratch(p, d_nope, stream, sms=None, workspace=None):
+WEIGHT_GEMMS = ("absorb", "decompress")
+
+
+def weight_operands(p, name):
+    """``(a, b, c, n_ext, k_ext, n_len, k_len, b_order)`` of weight GEMM ``name``
+    of a ``prepare`` dict: "absorb" (qc[:, :, :r] = q_nope W_UK) or
+    "decompress" (out = o_lat W_UV^T), a [M, nh, K] and c [M, nh, >= N]."""
+    if name == "absorb":
+        return (p["q_nope"], p["w_uk"], p["qc"], p["h_rank"], p["h_nope"], p["rank"],
+                int(p["q_nope"].shape[2]), p["uk_order"])
+    if name == "decompress":
+        return (p["o_lat"], p["w_uv"], p["out"], p["h_dv"], p["h_rank"], p["d_v"], p["rank"],
+                "znk")
+    raise ValueError(f"weight GEMM: expected one of {WEIGHT_GEMMS}, got {name!r}")
+
+
+def weight_gemm_scratch(p, stream, sms=None, workspace=None):
     """The K-split scratch of the absorb and decompress GEMMs, kept in ``p``
     (``p["k_split"]``: {"absorb" / "decompress": (S, float32 device array)}
     for each that splits on this GPU; ``sms`` default ``sgemm.sm_count()``).
@@ -669,8 +685,8 @@ def weight_gemm_scratch(p, d_nope, stream, sms=None, workspace=None):
     sms = sgemm.sm_count() if sms is None else int(sms)
     n_q, nh = p["n_q"], p["nh"]
     planned = {}
-    for name, n_len, k_len in (("absorb", p["rank"], d_nope),
-                               ("decompress", p["d_v"], p["rank"])):
+    for name in WEIGHT_GEMMS:
+        n_len, k_len = weight_operands(p, name)[5:7]
         method, k_split = weight_gemm_method(n_q, n_len, k_len, nh, sms)
         if method == "sgemm" and k_split > 1:
             planned[name] = (k_split, sgemm.k_scratch_size(nh, k_split, n_q, n_len))
@@ -683,26 +699,32 @@ def weight_gemm_scratch(p, d_nope, stream, sms=None, workspace=None):
     return p
 
 
-def _weight_gemm(p, a, b, c, n_ext, k_ext, n_len, k_len, b_order, stream, defect, name):
-    """c = a @ op(b) batched over heads, one weight a head (``p["heads"]`` is
-    ``arange(nh)``, N and K the same for every head): ``skinny`` where it
-    applies (``skinny.use_skinny``: few rows a head and a small ``sgemm``
-    grid; the same bits), else ``sgemm``, which also carries the planted
-    switches (``defect``), with its K split where ``weight_gemm_scratch``
-    planned one for GEMM ``name`` ("absorb" / "decompress"; the same bits,
-    two launches; not with a switch)."""
-    m_len, nh = int(a.shape[0]), p["nh"]
-    if defect is None and skinny.use_skinny(m_len, n_len, k_len, nh):
+def weight_gemm(p, name, stream, defect=None, way=None, k_scratch=None):
+    """Weight GEMM ``name`` (``weight_operands``) batched over heads, one weight
+    a head (``p["heads"]`` is ``arange(nh)``, N and K the same for every head).
+    ``way`` None: the call's plan, ``skinny`` where it applies
+    (``weight_gemm_method``: few rows a head and a small ``sgemm`` grid; the
+    same bits), else ``sgemm``, which also carries the planted switches
+    (``defect``), with the K split ``weight_gemm_scratch`` planned (the same
+    bits, two launches; not with a switch). ``way`` ("skinny", 1) or ("sgemm",
+    S) forces one (``bench.mla_probe``; a forced split takes ``k_scratch``)."""
+    a, b, c, n_ext, k_ext, n_len, k_len, b_order = weight_operands(p, name)
+    nh = p["nh"]
+    if way is None:
+        way = ("sgemm", 1)
+        if defect is None:
+            way = weight_gemm_method(int(a.shape[0]), n_len, k_len, nh, 0)
+            if way[0] == "sgemm":
+                k_split, k_scratch = (p.get("k_split") or {}).get(name, (1, None))
+                way = ("sgemm", k_split)
+    if way[0] == "skinny":
         skinny.launch(a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn",
                       n_len=n_len, k_len=k_len, n_batch=nh, stream=stream,
                       ready=p["smem_ready"])
         return
-    k_split, k_scratch = (p.get("k_split") or {}).get(name, (1, None))
-    if defect is not None:
-        k_split, k_scratch = 1, None
     sgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
                  c_order="mzn", max_n=n_len, n_batch=nh, stream=stream,
-                 ready=p["smem_ready"], defect=defect, k_split=k_split, k_scratch=k_scratch)
+                 ready=p["smem_ready"], defect=defect, k_split=way[1], k_scratch=k_scratch)
 
 
 def launch_absorb(p, stream, defect=None):
@@ -711,8 +733,7 @@ def launch_absorb(p, stream, defect=None):
     h_rank, h_nope, q_pe, n_q, nh, rank, d_rope, smem_ready (``prepare``'s).
     ``defect``: the sgemm switch or None."""
     n_q, nh, rank, d_rope = p["n_q"], p["nh"], p["rank"], p["d_rope"]
-    _weight_gemm(p, p["q_nope"], p["w_uk"], p["qc"], p["h_rank"], p["h_nope"], rank,
-                 int(p["q_nope"].shape[2]), p["uk_order"], stream, defect, "absorb")
+    weight_gemm(p, "absorb", stream, defect)
     if d_rope:
         total = n_q * nh * d_rope
         pack_q_pe_kernel[min((total + 255) // 256, 1024), 256, stream](p["q_pe"], p["qc"], rank)
@@ -721,8 +742,7 @@ def launch_absorb(p, stream, defect=None):
 def launch_decompress(p, stream, defect=None):
     """out = o_lat W_UV^T (batched over heads): the ``p`` keys o_lat, w_uv, out,
     heads, h_dv, h_rank, d_v, nh, rank, smem_ready."""
-    _weight_gemm(p, p["o_lat"], p["w_uv"], p["out"], p["h_dv"], p["h_rank"], p["d_v"],
-                 p["rank"], "znk", stream, defect, "decompress")
+    weight_gemm(p, "decompress", stream, defect)
 
 
 def launch_prepared(p, stream):

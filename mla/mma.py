@@ -1048,7 +1048,7 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     p["table"] = (page_table if page_table is not None
                   else to_device(np.asarray(slots, np.int32).reshape(n_seq, 1), stream))
     p["part_acc"], p["part_ml"] = scratch(pl, n_seq, s_q * nh, stream)
-    return G.weight_gemm_scratch(p, d_nope, stream)
+    return G.weight_gemm_scratch(p, stream)
 
 
 def launch_prepared(p, stream):

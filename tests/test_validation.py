@@ -809,7 +809,9 @@ def test_runs_index_lists_each_run_fresh_or_stale(tmp_path):
                 "defects": [{"caught": 2, "planted": 3}]}
 
     ok = {"status": "pass"}
-    cut = {"status": "error", "detail": "not run: the --deadline was reached first"}
+    from validation.cli import NOT_RUN_DETAIL
+
+    cut = {"status": "error", "detail": NOT_RUN_DETAIL}
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "validation.json").write_text(
         json.dumps(rep("aaaaaaa1", "2026-01-01T00:00:00Z", "k0", "c1", [ok, cut])))

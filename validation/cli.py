@@ -346,6 +346,10 @@ def build_units(args, device):
     return units, early, broken, config
 
 
+# the detail of a unit a --deadline cut (``validation.runs_index`` counts them by it)
+NOT_RUN_DETAIL = "not run: the --deadline was reached first"
+
+
 class DeadlineReached(Exception):
     """A unit not run because the run's --deadline passed (it counts as failed)."""
 
@@ -476,7 +480,7 @@ def execute(units, jobs, progress, deadline=None, timings=None):
     import time
 
     results = [None] * len(units)
-    late = DeadlineReached("not run: the --deadline was reached first")
+    late = DeadlineReached(NOT_RUN_DETAIL)
     groups = {}
     for i, u in enumerate(units):
         groups.setdefault(_share_key(u, i), []).append(i)

@@ -150,7 +150,10 @@ FINDINGS = (
         "decode_fp8 takes the kernel's order, decode_fast_c (a changed criterion, "
         "notes/validation.md). Re-judged offline on this run's recorded errors "
         "(reports/gpu/runs/rejudge-fp8-tensor-order): err/bound 0.50, mean 0.67, and no "
-        "other verdict of the 68 moved. To be closed by a GPU run under the new order."),
+        "other verdict of the 68 moved. Closed by the H100 run of 00e7132 under the new order "
+        "(reports/gpu/runs/00e7132-h100-val): the case passes at err/bound 0.499, mean "
+        "0.667, with its 5 detectable precision mutants caught; kept so an older report's "
+        "failure stays explained."),
 )
 
 

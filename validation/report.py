@@ -311,23 +311,38 @@ def _dims_short(d):
 # ---------------------------------------------------------------------------
 
 
+def headline_counts(report):
+    """The counts of the summary's headline: cases ``ran`` (pass, fail, error,
+    broken) and ``passed``, ``unsupported``, ``not_available``; growth runs
+    ``growth_ok`` of ``growth_ran``; planted defects ``caught`` of ``planted``.
+    (``validation.runs_index`` reads them from every kept report too.)"""
+    cases, growth = report.get("cases") or [], report.get("growth") or []
+    defects = report.get("defects") or []
+    return {
+        "ran": sum(c.get("status") in ("pass", "fail", "error", "broken") for c in cases),
+        "passed": sum(c.get("status") == "pass" for c in cases),
+        "unsupported": sum(c.get("status") == "unsupported" for c in cases),
+        "not_available": sum(c.get("status") == "not available" for c in cases),
+        "growth_ok": sum(g.get("status") == "pass" for g in growth),
+        "growth_ran": sum(g.get("status") in ("pass", "fail", "error") for g in growth),
+        "caught": sum(f.get("caught", 0) for f in defects),
+        "planted": sum(f.get("planted", 0) for f in defects),
+    }
+
+
 def summary_markdown(report, images):
     p, cfg, v = report["provenance"], report["config"], report["verdict"]
     cases = report["cases"]
-    ran = [c for c in cases if c["status"] in ("pass", "fail", "error", "broken")]
-    n_pass = sum(c["status"] == "pass" for c in cases)
-    n_unsup = sum(c["status"] == "unsupported" for c in cases)
-    n_na = sum(c["status"] == "not available" for c in cases)
-    planted = sum(f["planted"] for f in report["defects"])
-    caught_n = sum(f["caught"] for f in report["defects"])
-    growth_ok = sum(g["status"] == "pass" for g in report["growth"])
-    growth_ran = sum(g["status"] in ("pass", "fail", "error") for g in report["growth"])
+    n = headline_counts(report)
+    n_pass, n_unsup, n_na = n["passed"], n["unsupported"], n["not_available"]
+    planted, caught_n = n["planted"], n["caught"]
+    growth_ok, growth_ran = n["growth_ok"], n["growth_ran"]
     sim = p.get("device") == "simulator"
     L = []
     L.append("# Validation report")
     L.append("")
     L.append(f"**Verdict: {'PASS' if v['passed'] else 'FAIL'}**. "
-             f"{len(ran)} cases run, {n_pass} pass, {len(ran) - n_pass} fail; "
+             f"{n['ran']} cases run, {n_pass} pass, {n['ran'] - n_pass} fail; "
              f"{n_unsup} unsupported (dtype rejected by the kernel), "
              f"{n_na} kernel(s) not available. Error growth: {growth_ok}/{growth_ran} runs pass. "
              f"Planted defects caught: {caught_n}/{planted}.")

@@ -9,7 +9,7 @@ it measured the kernel sources and criterion of the checkout that wrote the
 index (``fresh``) or older ones (``stale``). Folders without a report are
 listed with their files, so a bench-only run is findable too.
 
-Counts as in the report's headline (``report.summary_markdown``): cases run
+Counts as in the report's headline (``report.headline_counts``): cases run
 (pass / fail, of which "not run" were cut by a ``--deadline``), growth runs
 passed of those run, planted defects caught of those planted.
 """
@@ -19,22 +19,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from validation.report import JSON_NAME
+from validation.cli import NOT_RUN_DETAIL
+from validation.report import JSON_NAME, headline_counts
 
 INDEX_NAME = "INDEX.md"
-NOT_RUN = "not run"  # the detail of a case a --deadline cut (cli.DeadlineReached)
 
 
 def run_row(path, code_hash, crit_hash):
     """A dict describing the validation report at ``path`` (a validation.json)."""
     rep = json.loads(Path(path).read_text())
     prov = rep.get("provenance") or {}
-    cases = rep.get("cases") or []
-    ran = [c for c in cases if c.get("status") in ("pass", "fail", "error", "broken")]
-    cut = sum(1 for c in ran if c.get("status") == "error"
-              and str(c.get("detail", "")).startswith(NOT_RUN))
-    growth = rep.get("growth") or []
-    defects = rep.get("defects") or []
+    n = headline_counts(rep)
+    cut = sum(c.get("status") == "error" and c.get("detail") == NOT_RUN_DETAIL
+              for c in rep.get("cases") or [])
     kh, ch = prov.get("kernel_source_hash"), prov.get("criterion_hash")
     return {
         "path": str(path),
@@ -43,13 +40,11 @@ def run_row(path, code_hash, crit_hash):
         "time": prov.get("timestamp") or "",
         "seeds": ",".join(str(s) for s in (prov.get("seeds") or [])),
         "passed": bool((rep.get("verdict") or {}).get("passed")),
-        "ran": len(ran),
-        "pass": sum(c.get("status") == "pass" for c in cases),
+        "ran": n["ran"],
+        "pass": n["passed"],
         "cut": cut,
-        "growth": (sum(g.get("status") == "pass" for g in growth),
-                   sum(g.get("status") in ("pass", "fail", "error") for g in growth)),
-        "defects": (sum(f.get("caught", 0) for f in defects),
-                    sum(f.get("planted", 0) for f in defects)),
+        "growth": (n["growth_ok"], n["growth_ran"]),
+        "defects": (n["caught"], n["planted"]),
         "kernel_hash": kh,
         "fresh": kh == code_hash and ch == crit_hash,
         "same_kernels": kh == code_hash,
