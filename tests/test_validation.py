@@ -695,6 +695,40 @@ def test_costs_from_a_report_without_timings_is_a_usage_error(tmp_path):
     assert exc.value.code == 2
 
 
+def test_an_archived_report_reads_as_the_plain_one(tmp_path):
+    """``scripts/validate --archive``: validation.json becomes validation.json.gz
+    (the same bytes from the same report), and --costs (same digest), the runs
+    index, freshness and ``validation.plot``'s reader take it as the plain file.
+    Control: a folder with neither file is 'missing' and --archive of it exits 2."""
+    from validation import cli, report, runs_index, schedule
+
+    rep = {"provenance": {"git_commit": "c" * 40, "device": "GPU X", "timestamp": "t",
+                          "kernel_source_hash": "k1", "criterion_hash": "c1"},
+           "verdict": {"passed": True}, "cases": [{"status": "pass"}], "growth": [],
+           "defects": [], "work_groups": [{"group": "growth/a", "seconds": 12.0, "units": 1}]}
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "validation.json").write_text(json.dumps(rep, indent=1))
+    plain_costs = schedule.load_costs(run)
+    plain_row = runs_index.run_row(run / "validation.json", "k1", "c1")
+    assert cli.main(["--archive", "--out", str(run)]) == 0
+    assert not (run / "validation.json").exists()
+    gz = (run / "validation.json.gz").read_bytes()
+    assert report.read(run) == report.read(run / "validation.json.gz") == rep
+    assert schedule.load_costs(run)[1] == plain_costs[1]
+    assert schedule.load_costs(run)[0].seconds == plain_costs[0].seconds
+    row = runs_index.run_row(run / "validation.json.gz", "k1", "c1")
+    assert {k: v for k, v in row.items() if k != "path"} == \
+        {k: v for k, v in plain_row.items() if k != "path"}
+    assert "| [r1](r1/) |" in runs_index.index_markdown(tmp_path / "runs", "k1", "c1")
+    (run / "validation.json").write_text(json.dumps(rep, indent=1))
+    assert report.archive(run).read_bytes() == gz  # deterministic
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.freshness(empty)["state"] == "missing"
+    assert cli.main(["--archive", "--out", str(empty)]) == 2
+
+
 def test_quantization_rows_are_units_and_a_missed_one_says_why():
     """The fp8 table's rows run as work units of the validation run (sharded, under
     its deadline); a row whose unit did not run is shown with the reason, not

@@ -113,6 +113,10 @@ def parser():
     ap.add_argument("--index", action="store_true",
                     help="write reports/gpu/runs/INDEX.md (or OUT/INDEX.md): every kept GPU "
                          "run, newest first, fresh or stale against the sources; runs nothing")
+    ap.add_argument("--archive", action="store_true",
+                    help="compress OUT/validation.json into validation.json.gz (a run kept "
+                         "under reports/gpu/runs: a tenth of the bytes; --rebuild, --costs, "
+                         "--index and validation.plot read either); runs nothing")
     ap.add_argument("--merge", action="store_true",
                     help="merge OUT/shards/*.json into the report and exit")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -589,6 +593,18 @@ def main(argv=None):
         from validation import runs_index
 
         path = runs_index.write_index(Path(args.out) if args.out else ROOT / "reports/gpu/runs")
+        print(f"validate: wrote {path}")
+        return 0
+
+    if args.archive:
+        if not args.out:
+            print("validate --archive: name the run folder with --out", file=sys.stderr)
+            return 2
+        try:
+            path = report.archive(Path(args.out))
+        except (OSError, ValueError) as exc:
+            print(f"validate --archive: {exc}", file=sys.stderr)
+            return 2
         print(f"validate: wrote {path}")
         return 0
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -131,7 +130,9 @@ def main(argv=None):
     if not path.exists():
         print(f"plot: {path} does not exist (run scripts/validate first)", file=sys.stderr)
         return 2
-    report = json.loads(path.read_text())
+    from validation.report import read
+
+    report = read(path)
     out = Path(args.out) if args.out else path.parent
     out.mkdir(parents=True, exist_ok=True)
     for name in plot_all(report, out):

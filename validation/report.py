@@ -32,6 +32,7 @@ from validation import plot
 
 SCHEMA = "attention-validation/1"
 JSON_NAME = "validation.json"
+JSON_GZ_NAME = JSON_NAME + ".gz"  # an archived run's report (``scripts/validate --archive``)
 SUMMARY_NAME = "summary.md"
 HASH_LINE = re.compile(r"kernel_source_hash:\s*`?([0-9a-f]+)`?")
 STALE_MARK = "**STALE**"
@@ -666,9 +667,60 @@ def _json_default(x):
     return str(x)
 
 
+def report_file(path):
+    """The report file of ``path``: the path itself when it is a file, else the
+    folder's ``validation.json`` or, failing that, its ``validation.json.gz``
+    (an archived run). None when the folder holds neither."""
+    p = Path(path)
+    if not p.is_dir():
+        return p if p.exists() else None
+    for name in (JSON_NAME, JSON_GZ_NAME):
+        if (p / name).exists():
+            return p / name
+    return None
+
+
+def read_bytes(path):
+    """The JSON text (bytes, decompressed) of the report at ``path`` (a folder,
+    ``validation.json`` or ``validation.json.gz``). Raises FileNotFoundError
+    naming the path when there is none."""
+    f = report_file(path)
+    if f is None:
+        raise FileNotFoundError(f"no {JSON_NAME} or {JSON_GZ_NAME} at {path}")
+    raw = f.read_bytes()
+    if f.name.endswith(".gz"):
+        import gzip
+
+        raw = gzip.decompress(raw)
+    return raw
+
+
+def read(path):
+    """The report (a dict) at ``path``: a folder, ``validation.json`` or ``.json.gz``."""
+    return json.loads(read_bytes(path))
+
+
 def load(out_dir):
-    with open(Path(out_dir) / JSON_NAME) as fh:
-        return json.load(fh)
+    return read(out_dir)
+
+
+def archive(out_dir):
+    """Compress ``out_dir/validation.json`` into ``validation.json.gz`` (gzip level 9,
+    no timestamp, so the same report gives the same bytes) and remove the plain
+    file. Every reader here (``--rebuild``, ``--costs``, ``--index``,
+    ``validation.plot``) takes either. Returns the new file's path."""
+    import gzip
+
+    out = Path(out_dir)
+    src = out / JSON_NAME
+    raw = src.read_bytes()
+    json.loads(raw)  # refuse to archive what is not a report
+    dst = out / JSON_GZ_NAME
+    with open(dst, "wb") as fh:
+        with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=fh, mtime=0) as gz:
+            gz.write(raw)
+    src.unlink()
+    return dst
 
 
 # ---------------------------------------------------------------------------
@@ -772,7 +824,7 @@ def freshness(out_dir):
 
     out = Path(out_dir)
     code, crit = kernel_source_hash(), criterion_hash()
-    if not (out / JSON_NAME).exists():
+    if report_file(out) is None:
         return {"state": "missing", "report_hash": None, "code_hash": code,
                 "report_criterion": None, "code_criterion": crit, "marked": False}
     rep = load(out)

@@ -16,18 +16,18 @@ passed of those run, planted defects caught of those planted.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from validation.cli import NOT_RUN_DETAIL
-from validation.report import JSON_NAME, headline_counts
+from validation.report import JSON_GZ_NAME, JSON_NAME, headline_counts, read
 
 INDEX_NAME = "INDEX.md"
 
 
 def run_row(path, code_hash, crit_hash):
-    """A dict describing the validation report at ``path`` (a validation.json)."""
-    rep = json.loads(Path(path).read_text())
+    """A dict describing the validation report at ``path`` (a validation.json or
+    an archived validation.json.gz)."""
+    rep = read(path)
     prov = rep.get("provenance") or {}
     n = headline_counts(rep)
     cut = sum(c.get("status") == "error" and c.get("detail") == NOT_RUN_DETAIL
@@ -62,7 +62,7 @@ def index_markdown(runs_dir, code_hash, crit_hash):
     runs_dir = Path(runs_dir)
     rows, other = [], []
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
-        found = sorted(d.rglob(JSON_NAME))
+        found = sorted([*d.rglob(JSON_NAME), *d.rglob(JSON_GZ_NAME)])
         for f in found:
             rows.append(run_row(f, code_hash, crit_hash))
         if not found:

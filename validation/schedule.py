@@ -38,13 +38,14 @@ from pathlib import Path
 
 def load_costs(path):
     """{group label: seconds} from a report folder or its ``validation.json``
-    (a merged or a shard file: any JSON with ``work_groups``), and the file's
-    sha256 (first 16 hex digits). Groups without seconds (cut by a deadline,
-    crashed) are left out. Raises ValueError when the file has no work groups."""
+    (a merged or a shard file: any JSON with ``work_groups``; an archived
+    ``validation.json.gz`` too), and the sha256 of its JSON text (first 16 hex
+    digits; the same whether the file is compressed or not). Groups without
+    seconds (cut by a deadline, crashed) are left out. Raises ValueError when the file has no work groups."""
+    from validation.report import read_bytes
+
     p = Path(path)
-    if p.is_dir():
-        p = p / "validation.json"
-    raw = p.read_bytes()
+    raw = read_bytes(p)
     groups = json.loads(raw).get("work_groups") or []
     costs = {}
     for g in groups:

@@ -16,10 +16,11 @@ import sys
 import numpy as np
 
 from validation import baselines, fixtures, registry, tolerance
+from validation.report import read  # validation.json or an archived .json.gz
 from validation.sweep import _cast_inputs, _float_names
 
 src, out_path = sys.argv[1], sys.argv[2]
-cases = [c for c in json.load(open(src))["cases"]
+cases = [c for c in read(src)["cases"]
          if c["kernel"] == "decode_fp8" and c["status"] in ("pass", "fail")]
 rows = []
 for c in cases:

@@ -7,10 +7,11 @@ import sys
 import time
 
 from validation import registry, fixtures, baselines, tolerance
+from validation.report import read
 from validation.sweep import _cast_inputs, _float_names
 
 src, out_path, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
-d = json.load(open(src))
+d = read(src)  # validation.json or an archived validation.json.gz
 cases = [c for c in d["cases"]
          if c["kernel"].startswith("decode_mma") and c["status"] in ("pass", "fail")]
 cases.sort(key=lambda c: -max(c.get("mean_margin") or 0, c.get("margin") or 0))
