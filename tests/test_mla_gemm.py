@@ -449,13 +449,18 @@ def test_gemm_path_parity_presets(dims, t_q, t_kv, seed):
 @pytest.mark.gpu
 def test_gemm_decode_full_size_ragged():
     """DeepSeek-V3 widths, 128 heads, lengths 0..700, both GEMM forms against the
-    oracle: the FMA GEMMs within 2x the float32 baseline's error; the
-    tensor-core ones within the validation's budget (2x baseline + 8 units of
-    roundoff of the output's scale: a split-tf32 product is off by ~2^-22 of
-    itself, which at one visible row is more than the baseline's error)."""
-    from mla.oracle import mla_attend_absorbed, mla_attend_float32
+    oracle under the validation's max rule (``tolerance.budget``: 2x the
+    same-precision baseline's error + 2 float32 ulps of max|ref|), the baseline
+    summing in the kernel's order as the registry names it (``mla_gemm``:
+    ``tc16`` partials for the tensor-core scores and P.V; ``mla_gemm_fma``:
+    ``blocked64``). Against the plain float32 baseline (``mla_attend_float32``,
+    this test's rule before the criterion of 30e05d7 reached it) the tensor-core
+    form's length-129 sequence is over by 3 % on the H100 (err 8.37e-7, bound
+    8.15e-7); in its own order the baseline's error is 5.99e-7 there and the
+    kernel's err/bound 0.64 (notes/validation.md)."""
+    from mla.oracle import mla_attend_absorbed
     from mla.pipeline import mla_decode
-    from validation import tolerance
+    from validation import baselines, registry, tolerance
 
     assert MODE == "gpu" and not small()
     d = DEEPSEEK_V3
@@ -468,15 +473,17 @@ def test_gemm_decode_full_size_ragged():
         np.float32)
     w_uv = (rng.standard_normal((d.n_head, d.d_v, d.kv_rank)) / np.sqrt(d.kv_rank)).astype(
         np.float32)
-    for method in ("gemm_fma", "gemm"):
+    for method, kernel in (("gemm_fma", "mla_gemm_fma"), ("gemm", "mla_gemm")):
         got = mla_decode(q_nope, q_pe, cache, lens, w_uk, w_uv, method=method)
         assert np.array_equal(got[0], np.zeros_like(got[0]))
         for b in range(1, 6):
             n = lens[b]
             args = (q_nope[b:b + 1], q_pe[b:b + 1], cache[b, :n, :d.kv_rank],
                     cache[b, :n, d.kv_rank:], w_uk, w_uv)
-            ref, b32 = mla_attend_absorbed(*args), mla_attend_float32(*args)
-            base = np.abs(b32 - ref).max()
-            bound = 2 * base if method == "gemm_fma" else tolerance.budget(ref, b32)
+            label = baselines.resolve(registry.KERNELS_BY_NAME[kernel].baseline,
+                                      dict(zip(registry.MLA_ARGS, args)), np.float32)
+            ref, base = mla_attend_absorbed(*args), baselines.mla_order(*args, label)
+            bound = tolerance.budget(ref, base)
             err = np.abs(got[b] - ref[0]).max()
-            assert err <= bound, f"{method}: sequence {b} (length {n}): {err:.3e} > {bound:.3e}"
+            assert err <= bound, (f"{method}: sequence {b} (length {n}), baseline {label}: "
+                                  f"{err:.3e} > {bound:.3e}")
