@@ -334,7 +334,8 @@ def build_units(args, device):
         # the shards of a run must share the table (merge compares "costs"), by
         # content: the same file may be named by another path
         config["costs"], config["costs_from"] = digest, str(args.costs)
-        est = [table.estimate(group_label([units[j] for j in b]), len(b)) for b in groups]
+        est = [table.estimate(group_label([units[j] for j in b]), len(b), _case_keys(
+            [units[j] for j in b])) for b in groups]
         if args.shard:
             picked = schedule.shard(est, args.shard[1])[args.shard[0]]
         else:
@@ -413,6 +414,16 @@ def _bundle_key(unit, index):
         _, kind, shape, _fixture, _seed, dtype, small = key
         return ("bundle", kind, shape, dtype, small)
     return key
+
+
+def _case_keys(units):
+    """(kernel, shape, dtype, fixture, seed) of each unit of a sweep bundle, for
+    the cost estimate (``schedule.Table.estimate``); () for any other bundle."""
+    from validation import registry
+
+    if not all(isinstance(u, registry.Case) and not u.mutants for u in units):
+        return ()
+    return [(u.kernel, u.shape, u.dtype, u.fixture, u.seed) for u in units]
 
 
 def bundles(units):
