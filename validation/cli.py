@@ -626,7 +626,10 @@ def main(argv=None):
         except OSError as exc:
             print(f"validate --rebuild: {exc}", file=sys.stderr)
             return 2
+        archived = report.report_file(out).name == report.JSON_GZ_NAME
         report.write(rep, out)  # the same results; plots and summary.md written anew
+        if archived:  # a kept run stays compressed
+            report.archive(out)
         _print_verdict(rep, out)
         return 0 if rep["verdict"]["passed"] else 1
 
@@ -693,10 +696,12 @@ def main(argv=None):
 
 
 def _print_verdict(rep, out):
+    from validation import report
+
     v = rep["verdict"]
     print(f"validate: {'PASS' if v['passed'] else 'FAIL'}: report in {out}/"
           f"{'summary.md'} ({rep['wall_seconds']:.0f} s)")
     for text in v["failures"][:20]:
         print(f"  {text}")
     if len(v["failures"]) > 20:
-        print(f"  ... {len(v['failures']) - 20} more in {out}/validation.json")
+        print(f"  ... {len(v['failures']) - 20} more in {report.report_file(out)}")
