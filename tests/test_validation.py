@@ -785,6 +785,9 @@ def test_an_archived_report_reads_as_the_plain_one(tmp_path, monkeypatch):
     assert {k: v for k, v in row.items() if k != "path"} == \
         {k: v for k, v in plain_row.items() if k != "path"}
     assert "| [r1](r1/) |" in runs_index.index_markdown(tmp_path / "runs", "k1", "c1")
+    (run / "validation.json").write_text(json.dumps(rep, indent=1))  # both forms there
+    assert runs_index.index_markdown(tmp_path / "runs", "k1", "c1").count("| [r1](r1/) |") == 1
+    (run / "validation.json").unlink()
     (run / "validation.json").write_text(json.dumps(rep, indent=1))
     assert report.archive(run).read_bytes() == gz  # deterministic
     # an archived run stays archived through --rebuild (its summary and plots

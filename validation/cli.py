@@ -103,7 +103,7 @@ def parser():
                          "by --costs) into "
                          "OUT/shards/; combine them with --merge")
     ap.add_argument("--costs", metavar="REPORT",
-                    help="a previous report (folder or validation.json) whose measured "
+                    help="a previous report (folder, validation.json or .json.gz) whose measured "
                          "work-group seconds order the run longest first and balance the "
                          "--shard parts (validation/schedule.py); every shard of a run "
                          "must name the same file")
@@ -622,7 +622,7 @@ def main(argv=None):
     if args.rebuild:
         out = Path(args.out) if args.out else ROOT / "reports"
         try:
-            rep = report.load(out)
+            rep = report.read(out)
         except OSError as exc:
             print(f"validate --rebuild: {exc}", file=sys.stderr)
             return 2

@@ -700,10 +700,6 @@ def read(path):
     return json.loads(read_bytes(path))
 
 
-def load(out_dir):
-    return read(out_dir)
-
-
 def archive(out_dir):
     """Compress ``out_dir/validation.json`` into ``validation.json.gz`` (gzip level 9,
     no timestamp, so the same report gives the same bytes) and remove the plain
@@ -827,7 +823,7 @@ def freshness(out_dir):
     if report_file(out) is None:
         return {"state": "missing", "report_hash": None, "code_hash": code,
                 "report_criterion": None, "code_criterion": crit, "marked": False}
-    rep = load(out)
+    rep = read(out)
     rh = rep["provenance"]["kernel_source_hash"]
     rc = rep["provenance"].get("criterion_hash")
     summary = (out / SUMMARY_NAME).read_text() if (out / SUMMARY_NAME).exists() else ""

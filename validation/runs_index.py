@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from validation.cli import NOT_RUN_DETAIL
-from validation.report import JSON_GZ_NAME, JSON_NAME, headline_counts, read
+from validation.report import JSON_GZ_NAME, JSON_NAME, headline_counts, read, report_file
 
 INDEX_NAME = "INDEX.md"
 
@@ -62,7 +62,9 @@ def index_markdown(runs_dir, code_hash, crit_hash):
     runs_dir = Path(runs_dir)
     rows, other = [], []
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
-        found = sorted([*d.rglob(JSON_NAME), *d.rglob(JSON_GZ_NAME)])
+        # one report a folder (report_file: the plain one where both are there)
+        found = sorted({report_file(f.parent) for f in [*d.rglob(JSON_NAME),
+                                                         *d.rglob(JSON_GZ_NAME)]})
         for f in found:
             rows.append(run_row(f, code_hash, crit_hash))
         if not found:
