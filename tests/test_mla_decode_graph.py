@@ -152,7 +152,7 @@ def test_graph_replay_with_the_weight_gemms_k_split(monkeypatch):
     from mla.dims import MlaDims
 
     assert MODE == "gpu" and not small()
-    dims = MlaDims(n_head=4, d_nope=96, d_rope=8, d_v=32, kv_rank=128)
+    dims = MlaDims(n_head=4, d_nope=256, d_rope=8, d_v=32, kv_rank=256)
     nh, r, p_ = dims.n_head, dims.kv_rank, dims.d_rope
     rng = np.random.default_rng(17)
     n_b = 20
@@ -163,8 +163,8 @@ def test_graph_replay_with_the_weight_gemms_k_split(monkeypatch):
     w_uv = (rng.standard_normal((nh, dims.d_v, r)) / np.sqrt(r)).astype(np.float32)
     lens = rng.integers(0, 201, size=n_b).astype(np.int32)
     sms = sgemm.sm_count()
-    assert sgemm.k_splits(n_b, r, dims.d_nope, nh, sms) == 2
-    assert sgemm.k_splits(n_b, dims.d_v, r, nh, sms) == 2
+    assert sgemm.k_splits(n_b, r, dims.d_nope, nh, sms) == 4
+    assert sgemm.k_splits(n_b, dims.d_v, r, nh, sms) == 4
     g = MLADecodeGraph(q_nope, q_pe, cache, lens, w_uk, w_uv)
     assert all(set(p["k_split"]) == {"absorb", "decompress"} for p in g._ps)
     assert g.workspace._k is not None  # the partials' buffer is the graph's workspace's

@@ -241,13 +241,15 @@ def test_sgemm_k_split_gives_the_same_bits(b_order):
 
 def test_k_split_rule():
     """The K split is taken where the one-launch grid fills at most half the SMs
-    and K spans two partials: the MLA decompress at B 64 / 16 heads on 132 SMs
-    (16 blocks of 64 x 128 -> 8 partials each), its absorb (64 blocks -> 2); not
-    at 128 heads (128 and 512 blocks), nor for K of one partial, nor on the
-    simulator (no SM count: 0)."""
+    and K spans ``MIN_K_SPLIT`` (4) partials: the MLA decompress at B 64 / 16
+    heads on 132 SMs (16 blocks of 64 x 128 -> 8 partials each); not its absorb
+    (K 128: 2 partials, slower split on the H100), not at 128 heads (128 and
+    512 blocks), nor for K of one partial, nor on the simulator (no SM count: 0)."""
     gpu = (sgemm.EDGE, 4, 8)  # the GPU plan at M <= 64
+    assert sgemm.MIN_K_SPLIT == 4
     assert sgemm.k_splits(64, 128, 512, 16, 132, plan=gpu) == 8
-    assert sgemm.k_splits(64, 512, 128, 16, 132, plan=gpu) == 2
+    assert sgemm.k_splits(64, 512, 128, 16, 132, plan=gpu) == 1
+    assert sgemm.k_splits(64, 512, 256, 16, 132, plan=gpu) == 4  # a 256-wide nope part
     assert sgemm.k_splits(64, 128, 512, 128, 132, plan=gpu) == 1
     assert sgemm.k_splits(64, 512, 128, 128, 132, plan=gpu) == 1
     assert sgemm.k_splits(64, 128, 64, 16, 132, plan=gpu) == 1
@@ -289,6 +291,7 @@ def test_mla_gemm_decode_k_split_same_bits(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(sgemm, "sm_count", lambda: 10 ** 6)
+    monkeypatch.setattr(sgemm, "MIN_K_SPLIT", 2)
     monkeypatch.setattr(sgemm, "launch", spy)
     ws = G.Workspace()
     got = decode(ws)

@@ -61,9 +61,9 @@ the k-steps are written out (``_unrolled``): no loop counter or branch per
 issued under this one's FMAs.
 
 K split (``launch(..., k_split=S, k_scratch=...)``): where the grid is a
-fraction of the GPU's SMs and K spans several partials (``k_splits``: the
-MLA weight GEMMs at few heads, e.g. the decompress at B 64 / 16 heads, 16
-blocks of ``K`` = 512 on 132 SMs), block ``(x, y, z S + s)`` computes the
+fraction of the GPU's SMs and K spans at least ``MIN_K_SPLIT`` partials
+(``k_splits``: the MLA weight GEMMs at few heads, e.g. the decompress at
+B 64 / 16 heads, 16 blocks of ``K`` = 512 on 132 SMs), block ``(x, y, z S + s)`` computes the
 ``s``-th partial alone (``PART_K`` k from ``s PART_K``) into a float32
 scratch ``[Z S, M, max N]``, and ``reduce_kernel`` adds the partials in
 order, from 0, and applies alpha: ``((0 + p_0) + p_1) + ...``, the running
@@ -401,18 +401,26 @@ def default_plan(m_len):
     return PLAN if m_len > 4 * PLAN[0] or SIMULATOR else (PLAN[0], 4, PLAN[2])
 
 
+# the fewest partials a K split takes. Measured on the H100 (bench.mla_probe, B 64 /
+# 16 heads, notes/bench.md run 29): the decompress split 8 ways (16 -> 128 blocks)
+# went from 43.8 to 19.5 us, the absorb split 2 ways (K 128, 64 -> 128 blocks) from
+# 15.6 to 21.7 us: halving each block's K does not pay for the second launch and
+# the partials' round trip
+MIN_K_SPLIT = 4
+
+
 def k_splits(m_len, max_n, k_len, n_batch, sms, plan=None):
     """The K split for a GEMM of this shape on a GPU of ``sms`` SMs: ``ceil(K /
     PART_K)`` partials a batch when the one-launch grid fills at most half the
-    SMs and K spans two partials or more, else 1 (no split). Where it splits
-    the grid grows that many times (the MLA decompress at B 64 / 16 heads: 16
-    blocks -> 128) at the cost of ``Z S M N`` float32 partials written and
-    read back once (4 MB there)."""
+    SMs and K spans ``MIN_K_SPLIT`` partials or more, else 1 (no split). Where
+    it splits the grid grows that many times (the MLA decompress at B 64 / 16
+    heads: 16 blocks -> 128) at the cost of ``Z S M N`` float32 partials
+    written and read back once (4 MB there)."""
     edge, tm, tn = default_plan(m_len) if plan is None else plan
     bm, bn = tile_shape(edge, tm, tn)
     blocks = -(-int(max_n) // bn) * -(-int(m_len) // bm) * int(n_batch)
     parts = -(-int(k_len) // PART_K)
-    if parts < 2 or blocks == 0 or 2 * blocks > int(sms):
+    if parts < MIN_K_SPLIT or blocks == 0 or 2 * blocks > int(sms):
         return 1
     return parts
 
