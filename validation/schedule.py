@@ -27,13 +27,20 @@ A bundle's expected cost, the first rule that applies:
    that label's seconds;
 3. a sweep bundle whose cases' kernels, shapes and dtypes the report ran (at
    any seed; another seed list or another kernel list makes another label):
-   each (kernel, shape, dtype)'s first case at its most expensive recorded case
-   (it compiles the kernel), every further case at the median of the others
-   (``Table.case_costs``), and each (fixture, seed) the bundle holds at the
-   report's seconds a (fixture, seed) of that shape and dtype outside the cases'
-   own (``Table.shared``: the float64 oracle the kernels of a case share, the
-   worker's start). The case seconds alone make 87 % of the sweep bundles'
-   seconds in the H100 run of 48965b3, 58 % of ``long_d128``'s at float32;
+   each case the report ran (kernel, shape, dtype, fixture, seed) at its
+   recorded seconds (``Table.exact``: a recompile at another seed, whose
+   lengths pick another plan, included), every other case at the median of a
+   (kernel, shape, dtype)'s cases but its dearest (``Table.case_costs``), and
+   the dearest case of each (kernel, shape, dtype) in the bundle at least its
+   dearest recorded case (the compile: a bundle without the case that compiled
+   still pays one); plus each (fixture, seed) the bundle holds at the report's
+   seconds a (fixture, seed) of that shape and dtype outside the cases' own
+   (``Table.shared``: the float64 oracle the kernels of a case share, the
+   worker's start). Cases run with precision mutants are left out (their
+   seconds hold the mutants' compiles), unless a kernel has no other case (a
+   seed-0 report's product kernels). The case seconds alone make 87 % of the
+   sweep bundles' seconds in the H100 run of 48965b3, 58 % of ``long_d128``'s
+   at float32;
 4. the median seconds per unit of its class (the label up to its first ``/``:
    ``growth``, a mutant kernel, a sweep bundle's kernel list, ``defects``) times
    its units; a class not measured, the median seconds per unit of all groups.
@@ -51,6 +58,18 @@ miss was the prices: four decode sweep bundles that 00e7132 never reached (its
 deadline) took the class median, 56 s, ran 92-164 s, and being priced short
 they started last and made the tail. A report with every unit run prices the
 next run's bundles from measurements.
+
+Rule 3 on the next run, ``--seeds 0,1,2`` in three shards on 48965b3's seconds
+(H100, 3e31c82): priced 372, 323 and 324 s, measured 408, 432 and 397 s; the
+pool model on the run's own seconds gives 398, 421 and 387 s. In all, 16,193
+worker-seconds against 15,405 priced: the defect suites took 352 s more than at
+48965b3 (the same units), the three ``long_d128`` decode sweep bundles 324 s more
+(priced 189 / 321 / 276 s, measured 317 / 421 / 372 s: several decode kernels
+compiled again at seed 1, whose lengths pick another plan) and the MLA sweep
+bundles 223 s more. The recorded-case prices (``Table.exact``) make a run of
+the same seeds price from such a report as it ran. The longest bundle (421 s)
+bounds a shard from below; splitting it by seed would trade recompiles for a
+shorter tail.
 """
 
 from __future__ import annotations
@@ -88,16 +107,29 @@ def load_costs(path):
         raise ValueError(f"{p} lists no timed work groups (a report written "
                          f"before work-group timing, or every group cut short)")
     units = {g["group"]: g.get("units") or 1 for g in groups}
-    cases, by_bundle = {}, {}
+    cases, by_bundle, exact, mutated = {}, {}, {}, {}
     for c in rep.get("cases") or []:
         key = (c.get("kernel"), c.get("shape"), c.get("dtype"))
         if None in key:
             continue
+        if c.get("mutants"):
+            # a case run with its precision mutants ran in the mutants' group and
+            # its seconds hold the mutants' compiles and runs too: they price the
+            # kernel's sweep cases only where the report has no plain case of it
+            # (a seed-0 run: the product kernels), high, as before
+            if c.get("seconds") is not None and c.get("status") in ("pass", "fail"):
+                mutated.setdefault(key, []).append(float(c["seconds"]))
+            continue
         by_bundle.setdefault(key[1:], []).append(c)
         if c.get("status") == "unsupported":  # rejected before any work
             cases.setdefault(key, [])
+            exact[key + (c.get("fixture"), c.get("seed"))] = 0.0
         elif c.get("seconds") is not None and c.get("status") in ("pass", "fail"):
             cases.setdefault(key, []).append(float(c["seconds"]))
+            exact[key + (c.get("fixture"), c.get("seed"))] = float(c["seconds"])
+    for key, secs in mutated.items():
+        if not cases.get(key):
+            cases[key] = secs
     # a sweep bundle's seconds outside its cases' own, a (fixture, seed) it held
     shared = {}
     for label, secs in costs.items():
@@ -110,7 +142,7 @@ def load_costs(path):
         if pairs:
             own = sum(float(c.get("seconds") or 0.0) for c in mine)
             shared[(m.group(2), m.group(3))] = max(secs - own, 0.0) / len(pairs)
-    return Table(costs, units, cases, shared), hashlib.sha256(raw).hexdigest()[:16]
+    return Table(costs, units, cases, shared, exact), hashlib.sha256(raw).hexdigest()[:16]
 
 
 def _class(label):
@@ -127,10 +159,11 @@ class Table:
     label, each (kernel, shape, dtype)'s (first case, further case) seconds
     (``cases``: {(kernel, shape, dtype): [judged cases' seconds]}; an empty
     list, a dtype the kernel rejects: no cost), the seconds a (fixture, seed)
-    outside the cases (``shared``: {(shape, dtype): seconds}) and the per-unit
-    medians."""
+    outside the cases (``shared``: {(shape, dtype): seconds}), each recorded
+    case's seconds (``exact``: {(kernel, shape, dtype, fixture, seed):
+    seconds}) and the per-unit medians."""
 
-    def __init__(self, seconds, units, cases=None, shared=None):
+    def __init__(self, seconds, units, cases=None, shared=None, exact=None):
         self.seconds = dict(seconds)
         self.seedless = {}
         per = {}
@@ -146,6 +179,7 @@ class Table:
                                else self.further) if v else (0.0, 0.0)
                            for k, v in (cases or {}).items()}
         self.shared = dict(shared or {})
+        self.exact = dict(exact or {})
 
     def estimate(self, label, units, cases=()):
         """Expected seconds of a group named ``label`` with ``units`` units;
@@ -156,11 +190,17 @@ class Table:
         if _seedless(label) in self.seedless:
             return self.seedless[_seedless(label)]
         if cases and all(c[:3] in self.case_costs for c in cases):
-            seen, total = set(), 0.0
+            # each (kernel, shape, dtype): its cases at their recorded seconds (a
+            # case the report did not run: the further-case price), the dearest
+            # of them replaced by the compile (``first``). So a bundle the report
+            # ran costs what its cases took, recompiles at other seeds included,
+            # and one without the compiling case still pays one compile
+            by_key = {}
             for c in cases:
                 first, further = self.case_costs[c[:3]]
-                total += further if c[:3] in seen else first
-                seen.add(c[:3])
+                by_key.setdefault(c[:3], []).append(self.exact.get(tuple(c), further))
+            total = sum(sum(x) - max(x) + max(max(x), self.case_costs[k][0])
+                        for k, x in by_key.items())
             pairs = {(c[1], c[2], c[3], c[4]) for c in cases}
             return total + sum(self.shared.get(p[:2], 0.0) for p in pairs)
         return self.per_unit.get(_class(label), self.overall) * max(units, 1)
