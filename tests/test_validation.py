@@ -667,6 +667,47 @@ def test_measured_costs_shorten_the_replayed_shards():
     assert [u.id for u in before[1][0]] == [units[j].id for b in whole[1::2] for j in b]
 
 
+def test_a_sweep_bundle_longer_than_a_fair_share_runs_a_seed_a_bundle(tmp_path):
+    """With --costs, a sweep bundle of several seeds expected to take longer than
+    the longest group that cannot be split and than an even share of the work
+    (shards x workers) runs as one bundle a seed; the config names it, every
+    shard's runner groups its cases by seed, and the shards together still hold
+    every unit once. Costs here are synthetic: the ``long_d128`` float16 bundle
+    400 s, the growth runs 100 s, every other group 20 s. Control: the bundle
+    is one three-seed bundle without the split, and nothing is split without
+    costs."""
+    from validation import cli
+
+    def build(extra):
+        args = cli.parser().parse_args(["--seeds", "0,1,2", "--jobs", "16"] + extra)
+        return cli.build_units(args, "gpu")
+
+    units, _, _, config = build([])
+    assert "split_by_seed" not in config
+    long_key = ("bundle", "decode", "long_d128", "float16", False)
+    groups = [[units[j] for j in b] for b in cli.bundles(units)]
+    whole = [g for g in groups if cli._bundle_key(g[0], 0) == long_key]
+    assert len(whole) == 1 and {u.seed for u in whole[0]} == {0, 1, 2}  # control
+    work = [{"group": cli.group_label(g), "units": len(g), "state": "done",
+             "seconds": 400.0 if g is whole[0] else
+             100.0 if cli.group_label(g).startswith("growth/") else 20.0} for g in groups]
+    (tmp_path / "validation.json").write_text(json.dumps({"work_groups": work, "cases": []}))
+    parts = [build(["--costs", str(tmp_path), "--shard", f"{i}/3"]) for i in range(3)]
+    for _, _, _, cfg in parts:
+        assert cfg["split_by_seed"] == [["decode", "long_d128", "float16", False]]
+    ids = [u.id for p in parts for u in p[0]]
+    assert len(ids) == len(set(ids)) and set(ids) == {u.id for u in units}
+    seeds_seen, held = [], 0
+    for shard_units, _, _, cfg in parts:
+        for b in cli.bundles(shard_units, cfg["split_by_seed"]):
+            g = [shard_units[j] for j in b]
+            if cli._bundle_key(g[0], 0) == long_key:
+                assert len({u.seed for u in g}) == 1
+                seeds_seen.append(g[0].seed)
+                held += len(g)
+    assert sorted(seeds_seen) == [0, 1, 2] and held == len(whole[0])
+
+
 def test_cost_estimates_fall_back_per_unit_and_shard_greedily():
     """An unmeasured label costs its class's median seconds a unit times its
     units; the greedy split puts each bundle, longest first, in the lighter shard."""

@@ -105,8 +105,9 @@ def parser():
     ap.add_argument("--costs", metavar="REPORT",
                     help="a previous report (folder, validation.json or .json.gz) whose measured "
                          "work-group seconds order the run longest first and balance the "
-                         "--shard parts (validation/schedule.py); every shard of a run "
-                         "must name the same file")
+                         "--shard parts (validation/schedule.py), and run a sweep bundle "
+                         "longer than a fair share one seed a bundle (cli.split_by_seed); "
+                         "every shard of a run must name the same file")
     ap.add_argument("--rebuild", action="store_true",
                     help="rewrite summary.md and the plots of OUT from its validation.json "
                          "(e.g. after a run cut short while writing them); runs nothing")
@@ -334,8 +335,19 @@ def build_units(args, device):
         # the shards of a run must share the table (merge compares "costs"), by
         # content: the same file may be named by another path
         config["costs"], config["costs_from"] = digest, str(args.costs)
-        est = [table.estimate(group_label([units[j] for j in b]), len(b), _case_keys(
-            [units[j] for j in b])) for b in groups]
+
+        def estimate(groups):
+            return [table.estimate(group_label([units[j] for j in b]), len(b), _case_keys(
+                [units[j] for j in b])) for b in groups]
+
+        est = estimate(groups)
+        shards = args.shard[1] if args.shard else 1
+        config["split_by_seed"] = split_by_seed(
+            [[units[j] for j in b] for b in groups], est,
+            shards * (args.jobs or default_jobs(device)))
+        if config["split_by_seed"]:
+            groups = bundles(units, config["split_by_seed"])
+            est = estimate(groups)
         if args.shard:
             picked = schedule.shard(est, args.shard[1])[args.shard[0]]
         else:
@@ -416,6 +428,25 @@ def _bundle_key(unit, index):
     return key
 
 
+def split_by_seed(groups, est, workers):
+    """The sweep bundles to run as one bundle a seed, as sorted [kind, shape,
+    dtype, small] lists (``_bundle_key``; JSON for the report's config): those
+    of several seeds expected to take longer than both the
+    longest bundle that cannot be split (growth, mutants, defects: one unit or
+    one process) and an even share of the work (all of it over ``workers``, the
+    shards' worker processes together). A bundle runs in one worker, so its
+    seconds bound a shard's wall time from below: in the H100 run of 3e31c82
+    (--seeds 0,1,2, three shards of 16 workers) the ``long_d128`` decode
+    bundles took 317-421 s against an even share of 337 s, and the longest
+    growth run 344 s. Split, each seed's bundle compiles the kernels again (the
+    bundle's point was to compile them once); the estimates of the parts price
+    that (``schedule.Table.estimate``)."""
+    floor = max([e for g, e in zip(groups, est) if not _case_keys(g)], default=0.0)
+    share = sum(est) / max(workers, 1)
+    return sorted(list(_bundle_key(g[0], 0)[1:]) for g, e in zip(groups, est)
+                  if _case_keys(g) and len({u.seed for u in g}) > 1 and e > max(floor, share))
+
+
 def _case_keys(units):
     """(kernel, shape, dtype, fixture, seed) of each unit of a sweep bundle, for
     the cost estimate (``schedule.Table.estimate``); () for any other bundle."""
@@ -426,13 +457,19 @@ def _case_keys(units):
     return [(u.kernel, u.shape, u.dtype, u.fixture, u.seed) for u in units]
 
 
-def bundles(units):
+def bundles(units, by_seed=()):
     """The units' indices in bundles (``_bundle_key``): a list of index lists, in
     the order of each bundle's first unit; inside a bundle the units of one
-    share group (``_share_key``) stay together, in unit order."""
+    share group (``_share_key``) stay together, in unit order. ``by_seed``: the
+    sweep bundles, as [kind, shape, dtype, small], run as one bundle a seed
+    (``split_by_seed``)."""
     out = {}
+    split = {tuple(k) for k in by_seed}
     for i, u in enumerate(units):
-        groups = out.setdefault(_bundle_key(u, i), {})
+        key = _bundle_key(u, i)
+        if key[0] == "bundle" and key[1:] in split:
+            key = key + (u.seed,)
+        groups = out.setdefault(key, {})
         groups.setdefault(_share_key(u, i), []).append(i)
     return [[i for g in groups.values() for i in g] for groups in out.values()]
 
@@ -479,7 +516,7 @@ def default_jobs(device):
     return min(2, cores) if device == "sim" else min(8, cores)
 
 
-def execute(units, jobs, progress, deadline=None, timings=None):
+def execute(units, jobs, progress, deadline=None, timings=None, by_seed=()):
     """Run units (in worker processes when jobs > 1); returns [(kind, record)] in unit order.
 
     Units that share inputs and oracle run as one group (``_share_key``), and the
@@ -529,7 +566,7 @@ def execute(units, jobs, progress, deadline=None, timings=None):
     ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
     futures = {pool.submit(run_timed, [units[i] for i in idxs]): idxs
-               for idxs in bundles(units)}
+               for idxs in bundles(units, by_seed)}
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         for fut in as_completed(futures, timeout=timeout):
@@ -660,7 +697,8 @@ def main(argv=None):
               f"{'s' if jobs > 1 else ''})", file=sys.stderr)
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     timings = []
-    results = execute(units, jobs, progress, deadline, timings)
+    results = execute(units, jobs, progress, deadline, timings,
+                      by_seed=config.get("split_by_seed", ()))
     cases = early + [r for kind, r in results if kind == "case"]
     growth_recs = [r for kind, r in results if kind == "growth"]
     unit_recs = [r for kind, r in results if kind == "defect"]

@@ -28,6 +28,27 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path):
+    """Write ``fig`` as a PNG of at most 256 colours (pillow's median cut): the
+    growth figure's thousands of anti-aliased steps come out at a third of the
+    bytes of the full-colour file (4.2 MB -> 1.5 MB for 26 runs of 1024 steps),
+    and these files are kept in the repository. Full colour where pillow is
+    missing."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    try:
+        from PIL import Image
+    except ImportError:
+        Path(path).write_bytes(buf.getvalue())
+        return
+    buf.seek(0)
+    with Image.open(buf) as im:
+        im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(
+            path, format="PNG", optimize=True)
+
+
 def _positive(values):
     return [v if (v is not None and v > 0 and math.isfinite(v)) else float("nan")
             for v in values]
@@ -63,7 +84,7 @@ def plot_growth(report, out_dir):
     device = report.get("provenance", {}).get("device", "")
     fig.suptitle(f"Error growth over decode steps ({device})", fontsize=13)
     path = Path(out_dir) / "growth.png"
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path.name
 
@@ -106,7 +127,7 @@ def plot_ratios(report, out_dir):
     fig.suptitle("ratio per case (dashed: 2; hollow: above 2 but within the rounding floor; "
                  "red: fail; top edge: baseline exact)", fontsize=9)
     path = Path(out_dir) / "ratios.png"
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path.name
 
