@@ -68,8 +68,8 @@ worker-seconds against 15,405 priced: the defect suites took 352 s more than at
 compiled again at seed 1, whose lengths pick another plan) and the MLA sweep
 bundles 223 s more. The recorded-case prices (``Table.exact``) make a run of
 the same seeds price from such a report as it ran. The longest bundle (421 s)
-bounds a shard from below; splitting it by seed would trade recompiles for a
-shorter tail.
+bounds a shard from below: ``cli.split_by_seed`` now runs such a bundle one seed
+a bundle, trading recompiles for a shorter tail.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def load_costs(path):
             cases.setdefault(key, []).append(float(c["seconds"]))
             exact[key + (c.get("fixture"), c.get("seed"))] = float(c["seconds"])
     for key, secs in mutated.items():
-        if not cases.get(key):
+        if key not in cases:
             cases[key] = secs
     # a sweep bundle's seconds outside its cases' own, a (fixture, seed) it held
     shared = {}
