@@ -736,8 +736,9 @@ def test_cost_estimates_for_other_seeds_count_each_compile_once():
     the case rule prices each measured sweep bundle (30 s or more) within 5 %
     of its seconds (a check of the bookkeeping: labels, case keys, the cases
     run with precision mutants kept out, the shared part), and the same
-    bundle with one more seed (its kernels) at its seconds or more and under
-    (n + 1) / n of them for n seeds: the new seed's cases without a compile."""
+    bundle with one more seed (its kernels) at 0.95 of its seconds or more
+    (the 5 % above) and under (n + 1) / n of them for n seeds: the new seed's
+    cases without a compile."""
     from validation import cli, schedule
 
     cases = {("k1", "s", "float16"): [10.0, 0.2, 0.4], ("k2", "s", "float16"): [],
