@@ -28,8 +28,8 @@ A bundle's expected cost, the first rule that applies:
 3. a sweep bundle whose cases' kernels, shapes and dtypes the report ran (at
    any seed; another seed list or another kernel list makes another label):
    each case the report ran (kernel, shape, dtype, fixture, seed) at its
-   recorded seconds (``Table.exact``: a recompile at another seed, whose
-   lengths pick another plan, included), every other case at the median of a
+   recorded seconds (``Table.exact``: a first case at another seed that took
+   a compile's time included), every other case at the median of a
    (kernel, shape, dtype)'s cases but its dearest (``Table.case_costs``), and
    the dearest case of each (kernel, shape, dtype) in the bundle at least its
    dearest recorded case (the compile: a bundle without the case that compiled
@@ -64,8 +64,8 @@ Rule 3 on the next run, ``--seeds 0,1,2`` in three shards on 48965b3's seconds
 pool model on the run's own seconds gives 398, 421 and 387 s. In all, 16,193
 worker-seconds against 15,405 priced: the defect suites took 352 s more than at
 48965b3 (the same units), the three ``long_d128`` decode sweep bundles 324 s more
-(priced 189 / 321 / 276 s, measured 317 / 421 / 372 s: several decode kernels
-compiled again at seed 1, whose lengths pick another plan) and the MLA sweep
+(priced 189 / 321 / 276 s, measured 317 / 421 / 372 s: several decode kernels'
+first seed-1 cases took a compile's time again) and the MLA sweep
 bundles 223 s more. The recorded-case prices (``Table.exact``) make a run of
 the same seeds price from such a report as it ran. The longest bundle (421 s)
 bounds a shard from below: ``cli.split_by_seed`` now runs such a bundle one seed
