@@ -731,7 +731,7 @@ def test_cost_estimates_for_other_seeds_count_each_compile_once():
     rejected dtype nothing), and each (fixture, seed) the shape and dtype's
     seconds outside the cases. Control: without the cases the unit-median
     fallback prices the same bundle at 3x. A case the report ran costs its own
-    seconds (a recompile at another seed included), and a bundle without the
+    seconds (a compile it took included), and a bundle without the
     compiling case still pays one compile. On the committed report (any seeds)
     the case rule prices each measured sweep bundle (30 s or more) within 5 %
     of its seconds (a check of the bookkeeping: labels, case keys, the cases

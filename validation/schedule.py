@@ -28,8 +28,9 @@ A bundle's expected cost, the first rule that applies:
 3. a sweep bundle whose cases' kernels, shapes and dtypes the report ran (at
    any seed; another seed list or another kernel list makes another label):
    each case the report ran (kernel, shape, dtype, fixture, seed) at its
-   recorded seconds (``Table.exact``: a first case at another seed that took
-   a compile's time included), every other case at the median of a
+   recorded seconds (``Table.exact``: a product kernel's first sweep case is
+   at seed 1, its seed-0 cases running with the mutants, and takes the
+   compile), every other case at the median of a
    (kernel, shape, dtype)'s cases but its dearest (``Table.case_costs``), and
    the dearest case of each (kernel, shape, dtype) in the bundle at least its
    dearest recorded case (the compile: a bundle without the case that compiled
@@ -64,10 +65,15 @@ Rule 3 on the next run, ``--seeds 0,1,2`` in three shards on 48965b3's seconds
 pool model on the run's own seconds gives 398, 421 and 387 s. In all, 16,193
 worker-seconds against 15,405 priced: the defect suites took 352 s more than at
 48965b3 (the same units), the three ``long_d128`` decode sweep bundles 324 s more
-(priced 189 / 321 / 276 s, measured 317 / 421 / 372 s: several decode kernels'
-first seed-1 cases took a compile's time again) and the MLA sweep
-bundles 223 s more. The recorded-case prices (``Table.exact``) make a run of
-the same seeds price from such a report as it ran. The longest bundle (421 s)
+(priced 189 / 321 / 276 s, measured 317 / 421 / 372 s) and the MLA sweep bundles
+223 s more. In ``long_d128`` the cases were priced about right (208 s priced,
+175 s measured at float16); the time outside them was not: about 27 s a
+(fixture, seed) against the 13 s of 48965b3's bundle. A seed-0 bundle holds no
+product kernel (their seed-0 cases run with the mutants), and seeds 1 and 2 bring
+them in, with the float32 baselines in their own summation orders. A report of
+several seeds prices that share from bundles that hold them, and its cases at
+their recorded seconds (``Table.exact``), so a run of the same seeds prices from
+it as it ran. The longest bundle (421 s)
 bounds a shard from below: ``cli.split_by_seed`` now runs such a bundle one seed
 a bundle, trading recompiles for a shorter tail.
 """
