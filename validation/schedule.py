@@ -198,12 +198,12 @@ class Table:
         if cases and all(c[:3] in self.case_costs for c in cases):
             # each (kernel, shape, dtype): its cases at their recorded seconds (a
             # case the report did not run: the further-case price), the dearest
-            # of them replaced by the compile (``first``). So a bundle the report
-            # ran costs what its cases took, recompiles at other seeds included,
-            # and one without the compiling case still pays one compile
+            # of them raised to the compile (the dearest recorded case). So a
+            # bundle the report ran costs what its cases took, a compile they took
+            # included, and one without the compiling case still pays one compile
             by_key = {}
             for c in cases:
-                first, further = self.case_costs[c[:3]]
+                further = self.case_costs[c[:3]][1]
                 by_key.setdefault(c[:3], []).append(self.exact.get(tuple(c), further))
             total = sum(sum(x) - max(x) + max(max(x), self.case_costs[k][0])
                         for k, x in by_key.items())
