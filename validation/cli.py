@@ -130,8 +130,10 @@ def parser():
     ap.add_argument("--list", action="store_true", help="list the work units and exit")
     ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     ap.add_argument("--check-fresh", action="store_true",
-                    help="print whether OUT's report matches the kernel sources (exit 1 if "
-                         "stale or missing)")
+                    help="print whether OUT's report, and every other GPU report and stage "
+                         "log under OUT (gpu/*.json, bench/summary.md, bench/ncu, gpu/logs), "
+                         "measured the kernel sources in the tree (exit 1 if any did not, or "
+                         "the report is missing)")
     ap.add_argument("--mark-stale", action="store_true",
                     help="write (or clear) the STALE banner of OUT/summary.md, and rewrite "
                          "OUT/gpu/runs/INDEX.md where it exists (--index)")
@@ -631,11 +633,22 @@ def main(argv=None):
             return 1
         if f["state"] == "fresh":
             print(f"fresh: {out} measured kernel sources {f['code_hash']}")
+        else:
+            print(f"stale: {out} measured kernel sources {f['report_hash']}, the code hashes "
+                  f"to {f['code_hash']}; summary.md {'carries' if f['marked'] else 'lacks'} "
+                  f"the STALE banner")
+        if args.mark_stale:
             return 0
-        print(f"stale: {out} measured kernel sources {f['report_hash']}, the code hashes to "
-              f"{f['code_hash']}; summary.md {'carries' if f['marked'] else 'lacks'} the "
-              f"STALE banner")
-        return 0 if args.mark_stale else 1
+        from validation import gpu_reports
+
+        rows = gpu_reports.inventory(out)
+        others = [r for r in rows if r["kind"] != "validation" and r["state"] != "fresh"]
+        print(f"GPU reports in {out} (state, file, commit, kernel sources, GPU, time):")
+        print("\n".join("  " + line for line in gpu_reports.table(rows)))
+        if others:
+            print(f"{len(others)} of {len(rows) - 1} other GPU reports did not measure these "
+                  f"kernel sources: rerun their scripts/gpu_all stages on a GPU")
+        return 0 if f["state"] == "fresh" and not others else 1
 
     if args.index:
         from validation import runs_index

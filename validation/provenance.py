@@ -105,3 +105,23 @@ def provenance(**extra):
     }
     rec.update(extra)
     return rec
+
+
+def log_header(stage):
+    """The first line ``scripts/gpu_all`` writes to a stage's log: the stage and
+    this run's provenance, one JSON line (``validation.gpu_reports`` reads it)."""
+    import json
+
+    return f"# gpu_all {stage}: {json.dumps(provenance(), sort_keys=True)}"
+
+
+if __name__ == "__main__":  # python -m validation.provenance [--log-header STAGE]
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["--log-header"] and len(sys.argv) == 3:
+        print(log_header(sys.argv[2]))
+    elif len(sys.argv) == 1:
+        print(json.dumps(provenance(), indent=1))
+    else:
+        sys.exit("usage: python -m validation.provenance [--log-header STAGE]")

@@ -1,0 +1,125 @@
+"""Every GPU report under ``reports/`` and which kernel sources each one measured.
+
+``scripts/validate --check-fresh`` lists them, so a reader can tell at a glance
+whether the suite, the sanitizer runs, the benchmark, the ncu profiles and the
+stage logs describe the code in the tree or older code. Each file carries the
+provenance of ``validation.provenance.provenance()`` in its own form:
+
+=====================================  =================================================
+file                                   where its provenance is
+=====================================  =================================================
+``validation.json``                    its ``provenance`` key (plus ``criterion_hash``)
+``gpu/<name>.json`` (suite, sanitizers) its ``provenance`` key
+``bench/summary.md``                   the JSON block under "Provenance:"
+``bench/ncu/<name>.txt``               the JSON in the ``#`` comment lines at its top
+``gpu/logs/<stage>.log``               its first line, ``# gpu_all <stage>: {json}``,
+                                       written by ``scripts/gpu_all`` when the stage starts
+=====================================  =================================================
+
+A file is **fresh** when it measured the tree's kernel sources (and, for the
+validation, its criterion), **stale** when it measured others, and **unknown**
+when it states none (a log from before ``scripts/gpu_all`` wrote the header).
+Kept runs (``reports/gpu/runs/``) are history and have their own index
+(``validation.runs_index``). Reads files only; no kernel runs.
+
+    rows = inventory(ROOT / "reports")   # [{path, kind, commit, kernel_hash, ...}]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LOG_HEADER = "# gpu_all "
+
+
+def _first_json_object(lines):
+    """The first JSON object spread over ``lines`` (a '#' comment prefix is
+    stripped), or None."""
+    buf, depth = [], 0
+    for raw in lines:
+        line = raw[1:].strip() if raw.startswith("#") else raw.strip()
+        if not buf and not line.startswith("{"):
+            continue
+        buf.append(line)
+        depth += line.count("{") - line.count("}")
+        if depth <= 0:
+            try:
+                return json.loads("\n".join(buf))
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def read_provenance(path):
+    """The provenance dict ``path`` states, or None."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text()).get("provenance")
+        with path.open(errors="replace") as fh:
+            head = [next(fh, "") for _ in range(60)]
+    except (OSError, ValueError, AttributeError):
+        return None
+    if path.suffix == ".log":  # only the header gpu_all writes counts
+        first = head[0]
+        if not first.startswith(LOG_HEADER) or ": " not in first:
+            return None
+        try:
+            return json.loads(first.split(": ", 1)[1])
+        except json.JSONDecodeError:
+            return None
+    return _first_json_object(head)
+
+
+def _files(reports):
+    r = Path(reports)
+    out = []
+    if (r / "validation.json").exists():
+        out.append(("validation", r / "validation.json"))
+    out += [("gpu report", p) for p in sorted((r / "gpu").glob("*.json"))]
+    if (r / "bench" / "summary.md").exists():
+        out.append(("bench", r / "bench" / "summary.md"))
+    out += [("ncu profile", p) for p in sorted((r / "bench" / "ncu").glob("*.txt"))]
+    out += [("stage log", p) for p in sorted((r / "gpu" / "logs").glob("*.log"))]
+    return out
+
+
+def inventory(reports, code_hash=None, crit_hash=None):
+    """One dict a GPU report under ``reports``: path (relative to ``reports``),
+    kind, commit, kernel_hash, device, time, state ("fresh" | "stale" | "unknown")."""
+    from validation.provenance import criterion_hash, kernel_source_hash
+
+    code_hash = code_hash or kernel_source_hash()
+    crit_hash = crit_hash or criterion_hash()
+    rows = []
+    for kind, path in _files(reports):
+        prov = read_provenance(path) or {}
+        kh = prov.get("kernel_source_hash")
+        if kh is None:
+            state = "unknown"
+        elif kh != code_hash:
+            state = "stale"
+        elif kind == "validation" and prov.get("criterion_hash") != crit_hash:
+            state = "stale"
+        else:
+            state = "fresh"
+        rows.append({
+            "path": path.relative_to(reports).as_posix(),
+            "kind": kind,
+            "commit": str(prov.get("git_commit") or "?")[:7],
+            "kernel_hash": kh,
+            "device": ", ".join(prov.get("devices") or [prov.get("device") or "?"]),
+            "time": prov.get("timestamp") or "",
+            "state": state,
+        })
+    return rows
+
+
+def table(rows):
+    """The rows as aligned text lines."""
+    if not rows:
+        return ["(no GPU reports)"]
+    w = max(len(r["path"]) for r in rows)
+    return [f"{r['state']:7}  {r['path']:{w}}  {r['commit']:7}  {r['kernel_hash'] or '-':16}  "
+            f"{r['device']}  {r['time']}" for r in rows]
