@@ -78,3 +78,17 @@ def test_report_from_a_log_cut_by_sigint_says_interrupted(tmp_path):
     main(["--from-log", str(log), "--name", "sanitizer-racecheck-partial", "--out", str(tmp_path)])
     rep = json.loads((tmp_path / "sanitizer-racecheck-partial.json").read_text())
     assert rep["sanitizer"]["tool"] == "racecheck"
+
+
+def test_report_from_a_gpu_all_log_takes_the_provenance_of_its_header(tmp_path):
+    header = json.dumps({"git_commit": "f00d", "kernel_source_hash": "k" * 16,
+                         "device": "NVIDIA H200"})
+    log = tmp_path / "suite.log"
+    log.write_text(f"# gpu_all suite: {header}\n" + XDIST_LOG)
+    main(["--from-log", str(log), "--name", "suite", "--out", str(tmp_path)])
+    prov = json.loads((tmp_path / "suite.json").read_text())["provenance"]
+    assert (prov["git_commit"], prov["kernel_source_hash"]) == ("f00d", "k" * 16)
+    # control: the same log without its header states no commit
+    log.write_text(XDIST_LOG)
+    main(["--from-log", str(log), "--name", "suite", "--out", str(tmp_path)])
+    assert "git_commit" not in json.loads((tmp_path / "suite.json").read_text())["provenance"]

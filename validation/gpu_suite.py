@@ -2,7 +2,7 @@
 
     python -m validation.gpu_suite [--sanitizer memcheck|racecheck] [--name NAME]
                                    [--out reports/gpu] [-- pytest args...]
-    python -m validation.gpu_suite --from-log LOG --provenance-from JSON --name NAME
+    python -m validation.gpu_suite --from-log LOG [--provenance-from JSON] --name NAME
 
 The report (``reports/gpu/<name>.json``) holds the provenance of
 ``validation.provenance`` (git commit, kernel-source hash, GPU name, package
@@ -15,8 +15,9 @@ run that was cut short (the per-test lines are the evidence; the report says
 ``"interrupted": true`` when the log has no final pytest summary or shows the
 SIGINT of a time limit, and a
 sanitizer's verdict only when its ERROR SUMMARY line is there). The GPU side's
-provenance comes from ``--provenance-from``: a report of the same run on the
-same machine (e.g. ``reports/validation.json``).
+provenance comes from the log's first line where ``scripts/gpu_all`` wrote it
+(``# gpu_all <stage>: {...}``), else from ``--provenance-from``: a report of the
+same run on the same machine (e.g. ``reports/validation.json``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def from_log(args):
     prov = {}
     if args.provenance_from:
         prov = json.loads(Path(args.provenance_from).read_text()).get("provenance", {})
+    else:  # a scripts/gpu_all log states its run's provenance on its first line
+        from validation.gpu_reports import read_provenance
+
+        prov = read_provenance(Path(args.from_log)) or {}
     prov = dict(prov, reconstructed_from_log=str(args.from_log))
     if header:
         prov["device"] = header.group(2)
