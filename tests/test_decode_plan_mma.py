@@ -40,37 +40,44 @@ from tests.test_decode_paged import HUGE, paged_case
 F16 = np.dtype(np.float16)
 
 
-def test_auto_takes_the_tensor_core_kernel_where_it_can():
-    def method(**kw):
-        args = dict(m=2, n_heads=8, n_kv_heads=2, head_dim=64, kv_slots=2, max_seq=64,
-                    cache_dtype=np.float16, t_q=4)
-        args.update(kw)
-        return DecodePlan(**args).method
-
-    assert method() == "mma"
-    assert method(cache_dtype="bfloat16") == "mma"
-    assert method(t_q=1) == "fast"  # one query: the CUDA-core kernel is the faster
-    assert method(cache_dtype=np.float32) == "fast"
-    assert method(q_dtype=np.float32) == "fast"
-    assert method(head_dim=40) == "fast"
-    assert method(n_heads=16, n_kv_heads=2) == "fast"  # 8 heads x 4 queries > 16 rows
-    assert method(batch_invariant=True) == "mma"  # a fixed chunk (mma.invariant_chunk)
-    assert method(defect="one_short") == "fast"
-    assert method(page_size=16, layout="NHD", kv_slots=9) == "mma"
-    assert method(method="fast") == "fast"
-    assert method(t_q=1, method="mma") == "mma"
+FP8_Q16 = dict(cache_dtype=np.uint8, q_dtype=np.float16)
+# (plan arguments over a 2-sequence, 8-head, H_kv 2, D 64, T 4, fp16 plan; the method
+# it must take). One case a test: on a GPU each plan compiles its kernels (about
+# 10 s), and 20 plans in one test outran the suite's 150-s test timeout.
+ROUTES = [
+    ({}, "mma"),
+    ({"cache_dtype": "bfloat16"}, "mma"),
+    ({"t_q": 1}, "fast"),  # one query: the CUDA-core kernel is the faster
+    ({"cache_dtype": np.float32}, "fast"),
+    ({"q_dtype": np.float32}, "fast"),
+    ({"head_dim": 40}, "fast"),
+    ({"n_heads": 16, "n_kv_heads": 2}, "fast"),  # 8 heads x 4 queries > 16 rows
+    ({"batch_invariant": True}, "mma"),  # a fixed chunk (mma.invariant_chunk)
+    ({"defect": "one_short"}, "fast"),
+    ({"page_size": 16, "layout": "NHD", "kv_slots": 9}, "mma"),
+    ({"method": "fast"}, "fast"),
+    ({"t_q": 1, "method": "mma"}, "mma"),
     # fp8 with q float16 (either scale mode): the tensor-core kernel at any T (the
     # faster at T 1 too on the H200, notes/bench.md); other q dtypes the CUDA-core one
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16) == "mma"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1) == "mma"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1,
-                  fp8_scales="token_head") == "mma"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16, t_q=1, method="fast") == "fast"
-    assert method(cache_dtype=np.uint8, t_q=1) == "fast"  # q float32 (the default)
-    assert method(cache_dtype=np.uint8, q_dtype="bfloat16") == "fast"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16, head_dim=96) == "fast"
-    assert method(cache_dtype=np.uint8, q_dtype=np.float16,
-                  defect="fp8_scale_twice") == "fast"
+    (FP8_Q16, "mma"),
+    ({**FP8_Q16, "t_q": 1}, "mma"),
+    ({**FP8_Q16, "t_q": 1, "fp8_scales": "token_head"}, "mma"),
+    ({**FP8_Q16, "t_q": 1, "method": "fast"}, "fast"),
+    ({"cache_dtype": np.uint8, "t_q": 1}, "fast"),  # q float32 (the default)
+    ({"cache_dtype": np.uint8, "q_dtype": "bfloat16"}, "fast"),
+    ({**FP8_Q16, "head_dim": 96}, "fast"),
+    ({**FP8_Q16, "defect": "fp8_scale_twice"}, "fast"),
+]
+
+
+@pytest.mark.parametrize("kw,want", ROUTES,
+                         ids=[",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in kw.items())
+                              or "default" for kw, _ in ROUTES])
+def test_auto_takes_the_tensor_core_kernel_where_it_can(kw, want):
+    args = dict(m=2, n_heads=8, n_kv_heads=2, head_dim=64, kv_slots=2, max_seq=64,
+                cache_dtype=np.float16, t_q=4)
+    args.update(kw)
+    assert DecodePlan(**args).method == want
 
 
 def test_mma_method_names_what_it_cannot_take():

@@ -31,6 +31,7 @@ def _tree(tmp_path, *, bench=CODE, ncu=CODE, suite=CODE, crit=CRIT, log=CODE):
         + "==PROF== Connected {not json}\n")
     (r / "gpu" / "logs" / "suite.log").write_text(
         f"# gpu_all suite: {json.dumps(_prov(log))}\n{{'pytest': 'output'}}\n")
+    (r / "gpu" / "logs" / "suite.rc").write_text("0\n")
     (r / "gpu" / "logs" / "old.log").write_text("==PROF== no header\n# gpu_all x: {}\n")
     return r
 
@@ -60,6 +61,20 @@ def test_other_kernel_sources_are_stale_in_every_format(tmp_path):
         assert states.pop(path) == "stale", path
         assert states.pop("gpu/logs/old.log") == "unknown"
         assert set(states.values()) == {"fresh"}, (field, states)
+
+
+def test_a_cut_run_of_these_sources_is_partial(tmp_path):
+    r = _tree(tmp_path)
+    rep = json.loads((r / "gpu" / "suite.json").read_text())
+    (r / "gpu" / "suite.json").write_text(json.dumps(dict(rep, interrupted=True)))
+    assert _states(r)["gpu/suite.json"] == "partial"
+    for rc in ("124\n", None):  # a stage cut by its time limit, or before it wrote a status
+        (r / "gpu" / "logs" / "suite.rc").unlink(missing_ok=True)
+        if rc:
+            (r / "gpu" / "logs" / "suite.rc").write_text(rc)
+        assert _states(r)["gpu/logs/suite.log"] == "partial", rc
+    (r / "gpu" / "logs" / "suite.rc").write_text("1\n")  # it ran to the end and failed
+    assert _states(r)["gpu/logs/suite.log"] == "fresh"
 
 
 def test_validation_judged_under_another_criterion_is_stale(tmp_path):

@@ -92,3 +92,53 @@ def test_report_from_a_gpu_all_log_takes_the_provenance_of_its_header(tmp_path):
     log.write_text(XDIST_LOG)
     main(["--from-log", str(log), "--name", "suite", "--out", str(tmp_path)])
     assert "git_commit" not in json.loads((tmp_path / "suite.json").read_text())["provenance"]
+
+
+def test_parts_deal_every_test_file_once_and_evenly():
+    from validation.gpu_suite import part_files
+    from validation.provenance import ROOT
+
+    every = sorted((ROOT / "tests").glob("test_*.py"))
+    biggest = max(f.stat().st_size for f in every)
+    for n in (1, 2, 3, 4):
+        parts = [part_files(i, n) for i in range(n)]
+        assert sorted(f for p in parts for f in p) == every, n
+        sizes = [sum(f.stat().st_size for f in p) for p in parts]
+        assert max(sizes) - min(sizes) <= biggest, (n, sizes)
+        assert parts == [part_files(i, n) for i in range(n)], "the deal must be deterministic"
+
+
+def _part_report(tmp_path, i, n, outcomes, commit="c1", interrupted=False):
+    rep = {"provenance": {"git_commit": commit, "kernel_source_hash": "k", "wall_seconds": 100.0,
+                          "timestamp": f"t{i}"},
+           "interrupted": interrupted, "command": f"pytest part {i}",
+           "exit_status": 1 if "failed" in outcomes else 0, "mode": "gpu", "part": [i, n],
+           "tests": [{"test": f"tests/test_{i}.py::t{k}", "outcome": o}
+                     for k, o in enumerate(outcomes)]}
+    rep["counts"] = {o: outcomes.count(o) for o in set(outcomes)}
+    path = tmp_path / f"part{i}-{commit}.json"
+    path.write_text(json.dumps(rep))
+    return str(path)
+
+
+def test_merge_joins_the_parts_and_fails_when_one_is_missing_failed_or_of_other_code(tmp_path):
+    def run(*paths):
+        status = main(["--merge", *paths, "--name", "suite", "--out", str(tmp_path)])
+        return status, json.loads((tmp_path / "suite.json").read_text())
+
+    a = _part_report(tmp_path, 0, 2, ["passed", "passed", "skipped"])
+    b = _part_report(tmp_path, 1, 2, ["passed"])
+    status, rep = run(a, b)
+    assert status == 0 and not rep["interrupted"] and rep["parts_missing"] == []
+    assert rep["counts"] == {"passed": 3, "skipped": 1} and len(rep["tests"]) == 4
+    assert rep["provenance"]["wall_seconds"] == 200.0
+    # controls: each of these must fail the merged report
+    status, rep = run(a)  # part 1 of 2 missing
+    assert status == 1 and rep["interrupted"] and rep["parts_missing"] == [1]
+    status, rep = run(a, _part_report(tmp_path, 1, 2, ["failed"]))
+    assert status == 1 and rep["counts"]["failed"] == 1
+    status, rep = run(a, _part_report(tmp_path, 1, 2, ["passed"], interrupted=True))
+    assert status == 1 and rep["interrupted"]
+    assert main(["--merge", a, _part_report(tmp_path, 1, 2, ["passed"], commit="c2"),
+                 "--out", str(tmp_path)]) == 2  # parts of different commits
+    assert main(["--merge", a, a, "--out", str(tmp_path)]) == 2  # the same part twice

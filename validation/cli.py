@@ -646,8 +646,10 @@ def main(argv=None):
         print(f"GPU reports in {out} (state, file, commit, kernel sources, GPU, time):")
         print("\n".join("  " + line for line in gpu_reports.table(rows)))
         if others:
-            print(f"{len(others)} of {len(rows) - 1} other GPU reports did not measure these "
-                  f"kernel sources: rerun their scripts/gpu_all stages on a GPU")
+            cut = sum(r["state"] == "partial" for r in others)
+            print(f"{len(others) - cut} of the {len(rows) - 1} other GPU reports measured other "
+                  f"kernel sources or state none, {cut} measured these in a run cut short: "
+                  f"rerun their scripts/gpu_all stages on a GPU")
         return 0 if f["state"] == "fresh" and not others else 1
 
     if args.index:

@@ -17,8 +17,11 @@ file                                   where its provenance is
 =====================================  =================================================
 
 A file is **fresh** when it measured the tree's kernel sources (and, for the
-validation, its criterion), **stale** when it measured others, and **unknown**
-when it states none (a log from before ``scripts/gpu_all`` wrote the header).
+validation, its criterion), **partial** when it did but says its run was cut
+short (``"interrupted": true``; a stage log whose ``<stage>.rc`` is missing or
+124, the time limit's), **stale** when it measured others, and
+**unknown** when it states none (a log from before ``scripts/gpu_all`` wrote
+the header).
 Kept runs (``reports/gpu/runs/``) are history and have their own index
 (``validation.runs_index``). Reads files only; no kernel runs.
 
@@ -49,6 +52,29 @@ def _first_json_object(lines):
             except json.JSONDecodeError:
                 return None
     return None
+
+
+def stage_status(log):
+    """A stage log's exit status from its ``<stage>.rc`` beside it (None if missing:
+    the stage was cut off before it could write one)."""
+    rc = Path(log).with_suffix(".rc")
+    try:
+        return int(rc.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _interrupted(path):
+    """True when a JSON report says its run was cut short, or a stage log has no
+    exit status or the time limit's (124)."""
+    if path.suffix == ".log":
+        return stage_status(path) in (None, 124)
+    if path.suffix != ".json":
+        return False
+    try:
+        return bool(json.loads(path.read_text()).get("interrupted"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_provenance(path):
@@ -87,7 +113,8 @@ def _files(reports):
 
 def inventory(reports, code_hash=None, crit_hash=None):
     """One dict a GPU report under ``reports``: path (relative to ``reports``),
-    kind, commit, kernel_hash, device, time, state ("fresh" | "stale" | "unknown")."""
+    kind, commit, kernel_hash, device, time, state ("fresh" | "partial" | "stale" |
+    "unknown")."""
     from validation.provenance import criterion_hash, kernel_source_hash
 
     code_hash = code_hash or kernel_source_hash()
@@ -102,6 +129,8 @@ def inventory(reports, code_hash=None, crit_hash=None):
             state = "stale"
         elif kind == "validation" and prov.get("criterion_hash") != crit_hash:
             state = "stale"
+        elif _interrupted(path):
+            state = "partial"
         else:
             state = "fresh"
         rows.append({
@@ -112,6 +141,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
             "device": ", ".join(prov.get("devices") or [prov.get("device") or "?"]),
             "time": prov.get("timestamp") or "",
             "state": state,
+            "rc": stage_status(path) if kind == "stage log" else None,
         })
     return rows
 
@@ -122,4 +152,6 @@ def table(rows):
         return ["(no GPU reports)"]
     w = max(len(r["path"]) for r in rows)
     return [f"{r['state']:7}  {r['path']:{w}}  {r['commit']:7}  {r['kernel_hash'] or '-':16}  "
-            f"{r['device']}  {r['time']}" for r in rows]
+            f"{r['device']}  {r['time']}"
+            + ("" if r["kind"] != "stage log" else
+               f"  exit {'(none)' if r['rc'] is None else r['rc']}") for r in rows]

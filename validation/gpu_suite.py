@@ -2,6 +2,8 @@
 
     python -m validation.gpu_suite [--sanitizer memcheck|racecheck] [--name NAME]
                                    [--out reports/gpu] [-- pytest args...]
+    python -m validation.gpu_suite --part i/n [--out reports/gpu/parts] [-- pytest args...]
+    python -m validation.gpu_suite --merge PART.json... [--name suite] [--out reports/gpu]
     python -m validation.gpu_suite --from-log LOG [--provenance-from JSON] --name NAME
 
 The report (``reports/gpu/<name>.json``) holds the provenance of
@@ -9,6 +11,9 @@ The report (``reports/gpu/<name>.json``) holds the provenance of
 versions), the pytest command, its exit status, per-test outcomes and, under
 compute-sanitizer, the tool and its error summary. Exit status: pytest's (or
 non-zero when the sanitizer reports errors).
+
+``--part i/n`` runs one of n parts of the test files (a machine held in slices
+shorter than the whole suite); ``--merge`` joins the parts' reports into one.
 
 ``--from-log`` rebuilds such a report from the streamed ``pytest -v`` log of a
 run that was cut short (the per-test lines are the evidence; the report says
@@ -44,10 +49,18 @@ def main(argv=None):
     ap.add_argument("--from-log", metavar="LOG", help="rebuild the report from a pytest -v log")
     ap.add_argument("--provenance-from", metavar="JSON",
                     help="with --from-log: a report of the same GPU run holding its provenance")
+    ap.add_argument("--part", type=_part, metavar="i/n",
+                    help="run part i of n: the test files dealt into n parts of about equal "
+                         "size (part_files); the report records the part, and --merge joins "
+                         "the n reports into one")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="join the reports of one run's parts (--part) into OUT/NAME.json")
     ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = ap.parse_args(argv)
     if args.from_log:
         return from_log(args)
+    if args.merge:
+        return merge(args)
 
     from attention.core.device import gpu_available
 
@@ -61,6 +74,8 @@ def main(argv=None):
         outcomes_path = tmp.name
     cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15",
            *args.pytest_args]
+    if args.part:
+        cmd += [f.relative_to(ROOT).as_posix() for f in part_files(*args.part)]
     if args.sanitizer:
         cmd = ["compute-sanitizer", "--tool", args.sanitizer, "--print-limit", "20",
                "--target-processes", "all", *cmd]
@@ -98,6 +113,8 @@ def main(argv=None):
         "counts": counts,
         "tests": outcomes.get("tests", []),
     }
+    if args.part:
+        report["part"] = list(args.part)
     status = proc.returncode
     if args.sanitizer:
         summaries = sanitizer_summaries(text)
@@ -114,6 +131,78 @@ def main(argv=None):
     print(f"gpu_suite: {counts} -> {path}" + (
         f" (sanitizer errors: {report['sanitizer']['errors']})" if args.sanitizer else ""))
     return status
+
+
+def _part(text):
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part: expected i/n, got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--part: expected 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def part_files(i, n, root=ROOT):
+    """The test files of part ``i`` of ``n``: every ``tests/test_*.py`` dealt, largest
+    first, to the part with the fewest bytes so far (file size stands in for the
+    work; the parts of one tree are the same on every machine), in name order."""
+    files = sorted((root / "tests").glob("test_*.py"), key=lambda f: (-f.stat().st_size, f.name))
+    loads, parts = [0] * n, [[] for _ in range(n)]
+    for f in files:
+        k = min(range(n), key=lambda j: (loads[j], j))
+        loads[k] += f.stat().st_size
+        parts[k].append(f)
+    return sorted(parts[i])
+
+
+def merge(args):
+    """Join the reports of the parts of one run into ``OUT/NAME.json``: the tests and
+    counts of all, interrupted if any part was or one is missing, the first
+    non-zero exit status. Parts of different commits or kernel sources are refused."""
+    reps = [json.loads(Path(p).read_text()) for p in args.merge]
+    keys = {(r["provenance"].get("git_commit"), r["provenance"].get("kernel_source_hash"))
+            for r in reps}
+    if len(keys) != 1:
+        print(f"gpu_suite --merge: the parts measured different code: {sorted(keys)}",
+              file=sys.stderr)
+        return 2
+    parts = [tuple(r.get("part") or ()) for r in reps]
+    ns = {p[1] for p in parts if p}
+    if len(ns) != 1 or len(set(parts)) != len(parts) or not all(parts):
+        print(f"gpu_suite --merge: expected the parts i/n of one --part run, got {parts}",
+              file=sys.stderr)
+        return 2
+    n = ns.pop()
+    missing = sorted(set(range(n)) - {p[0] for p in parts})
+    tests = [t for r in reps for t in r.get("tests", [])]
+    counts = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    statuses = [r.get("exit_status") for r in reps]
+    prov = dict(reps[0]["provenance"])
+    prov["wall_seconds"] = round(sum(r["provenance"].get("wall_seconds") or 0 for r in reps), 1)
+    prov["timestamps"] = [r["provenance"].get("timestamp") for r in reps]
+    report = {
+        "provenance": prov,
+        "interrupted": bool(missing) or any(r.get("interrupted") for r in reps),
+        "command": " ; ".join(r.get("command", "") for r in reps),
+        "exit_status": next((s for s in statuses if s), 0 if None not in statuses else None),
+        "mode": reps[0].get("mode"),
+        "counts": counts,
+        "tests": tests,
+        "parts": [{"part": f"{p[0]}/{p[1]}", "wall_seconds": r["provenance"].get("wall_seconds"),
+                   "interrupted": r.get("interrupted"), "exit_status": r.get("exit_status"),
+                   "counts": r.get("counts")} for p, r in zip(parts, reps)],
+        "parts_missing": missing,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.name or 'suite'}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"gpu_suite: {counts} from {len(reps)} of {n} parts -> {path}")
+    return 1 if (missing or report["interrupted"] or counts.get("failed")
+                 or counts.get("error") or report["exit_status"]) else 0
 
 
 _OUTCOME = re.compile(
