@@ -142,3 +142,33 @@ def test_merge_joins_the_parts_and_fails_when_one_is_missing_failed_or_of_other_
     assert main(["--merge", a, _part_report(tmp_path, 1, 2, ["passed"], commit="c2"),
                  "--out", str(tmp_path)]) == 2  # parts of different commits
     assert main(["--merge", a, a, "--out", str(tmp_path)]) == 2  # the same part twice
+
+
+def test_a_part_of_named_files_keeps_the_other_arguments_and_never_runs_all():
+    from validation.gpu_suite import part_args
+
+    args = ["-m", "device", "--timeout=150", "tests/test_decode.py", "tests/test_kv_cache.py",
+            "-k", "not suite"]
+    parts = [part_args(args, (i, 2)) for i in range(2)]
+    for p in parts:
+        assert p[:3] == ["-m", "device", "--timeout=150"] and p[3:5] == ["-k", "not suite"]
+    assert sorted(p[5] for p in parts) == ["tests/test_decode.py", "tests/test_kv_cache.py"]
+    assert part_args(args, (2, 3)) is None  # two files, three parts: the third runs nothing
+    whole = part_args(["-n", "12"], (0, 1))  # no file named: all of tests/
+    assert whole[:2] == ["-n", "12"] and "tests/test_decode.py" in whole
+
+
+def test_merged_sanitizer_parts_sum_their_errors(tmp_path):
+    paths = []
+    for i, errors in enumerate((0, 2)):
+        rep = json.loads(open(_part_report(tmp_path, i, 2, ["passed"])).read())
+        rep["sanitizer"] = {"tool": "memcheck", "error_summaries": 1, "errors": errors}
+        path = tmp_path / f"san{i}.json"
+        path.write_text(json.dumps(rep))
+        paths.append(str(path))
+    assert main(["--merge", *paths, "--name", "m", "--out", str(tmp_path)]) == 1
+    assert json.loads((tmp_path / "m.json").read_text())["sanitizer"]["errors"] == 2
+    rep = json.loads(open(paths[1]).read())
+    rep["sanitizer"]["errors"] = 0
+    open(paths[1], "w").write(json.dumps(rep))
+    assert main(["--merge", *paths, "--name", "m", "--out", str(tmp_path)]) == 0  # control

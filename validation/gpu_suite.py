@@ -72,10 +72,19 @@ def main(argv=None):
     name = args.name or ("suite" if not args.sanitizer else f"sanitizer-{args.sanitizer}")
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         outcomes_path = tmp.name
-    cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15",
-           *args.pytest_args]
+    pytest_args = list(args.pytest_args)
     if args.part:
-        cmd += [f.relative_to(ROOT).as_posix() for f in part_files(*args.part)]
+        pytest_args = part_args(pytest_args, args.part)
+        if pytest_args is None:  # more parts than files: run nothing (never all of tests/)
+            report = {"provenance": provenance(wall_seconds=0.0), "interrupted": False,
+                      "command": "(no test file in this part)", "exit_status": 0,
+                      "mode": None, "counts": {}, "tests": [], "part": list(args.part)}
+            path = out_dir / f"{name}.json"
+            path.write_text(json.dumps(report, indent=1) + "\n")
+            print(f"gpu_suite: part {args.part[0]}/{args.part[1]} holds no test file -> {path}")
+            return 0
+    cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15",
+           *pytest_args]
     if args.sanitizer:
         cmd = ["compute-sanitizer", "--tool", args.sanitizer, "--print-limit", "20",
                "--target-processes", "all", *cmd]
@@ -143,17 +152,31 @@ def _part(text):
     return i, n
 
 
-def part_files(i, n, root=ROOT):
-    """The test files of part ``i`` of ``n``: every ``tests/test_*.py`` dealt, largest
-    first, to the part with the fewest bytes so far (file size stands in for the
-    work; the parts of one tree are the same on every machine), in name order."""
-    files = sorted((root / "tests").glob("test_*.py"), key=lambda f: (-f.stat().st_size, f.name))
+def part_files(i, n, root=ROOT, files=None):
+    """The test files of part ``i`` of ``n``: ``files`` (default every
+    ``tests/test_*.py``) dealt, largest first, to the part with the fewest bytes so
+    far (file size stands in for the work; the parts of one tree are the same on
+    every machine), in name order."""
+    files = files if files is not None else list((root / "tests").glob("test_*.py"))
+    files = sorted(set(files), key=lambda f: (-f.stat().st_size, f.name))
     loads, parts = [0] * n, [[] for _ in range(n)]
     for f in files:
         k = min(range(n), key=lambda j: (loads[j], j))
         loads[k] += f.stat().st_size
         parts[k].append(f)
     return sorted(parts[i])
+
+
+def part_args(pytest_args, part, root=ROOT):
+    """``pytest_args`` for part ``(i, n)``: the test files it names (all of
+    ``tests/`` if it names none) replaced by this part's share of them; None when
+    the part holds no file."""
+    named = [a for a in pytest_args if a.endswith(".py") and (root / a).is_file()]
+    mine = part_files(*part, root=root, files=[root / a for a in named] or None)
+    if not mine:
+        return None
+    return ([a for a in pytest_args if a not in named]
+            + [f.relative_to(root).as_posix() for f in mine])
 
 
 def merge(args):
@@ -196,13 +219,23 @@ def merge(args):
                    "counts": r.get("counts")} for p, r in zip(parts, reps)],
         "parts_missing": missing,
     }
+    sans = [r["sanitizer"] for r in reps if "sanitizer" in r]
+    if sans:
+        report["sanitizer"] = {
+            "tool": sans[0].get("tool"),
+            "error_summaries": sum(x.get("error_summaries") or 0 for x in sans),
+            "errors": sum(x.get("errors") or 0 for x in sans)}
+        if len(sans) != len(reps) or any(not x.get("error_summaries") for x in sans):
+            report["sanitizer"]["note"] = "a part has no ERROR SUMMARY line: did the tool run?"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'suite'}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"gpu_suite: {counts} from {len(reps)} of {n} parts -> {path}")
+    san = report.get("sanitizer") or {}
     return 1 if (missing or report["interrupted"] or counts.get("failed")
-                 or counts.get("error") or report["exit_status"]) else 0
+                 or counts.get("error") or report["exit_status"] or san.get("errors")
+                 or san.get("note")) else 0
 
 
 _OUTCOME = re.compile(
