@@ -172,3 +172,32 @@ def test_merged_sanitizer_parts_sum_their_errors(tmp_path):
     rep["sanitizer"]["errors"] = 0
     open(paths[1], "w").write(json.dumps(rep))
     assert main(["--merge", *paths, "--name", "m", "--out", str(tmp_path)]) == 0  # control
+
+
+CONTROL = """\
+== positive control: compute-sanitizer --tool memcheck python -m validation.sanitizer_control memcheck
+========= COMPUTE-SANITIZER
+========= Invalid __global__ write of size 4 bytes
+=========     at oob_write+0x90
+========= ERROR SUMMARY: {n} errors
+== end of control
+"""
+
+
+def test_a_sanitizer_log_keeps_its_control_apart_from_the_suite(tmp_path):
+    """The control's planted errors must not count against the suite, and a control
+    the tool did not catch must fail the stage."""
+    from validation.gpu_suite import split_control
+
+    suite = PLAIN_LOG.replace("RACECHECK SUMMARY: 2 hazards displayed (1 errors, 1 warnings)",
+                              "ERROR SUMMARY: 0 errors")
+    rest, control = split_control(CONTROL.format(n=32) + suite)
+    assert rest == suite and control["caught"] and control["errors"] == 32
+    log = tmp_path / "memcheck.log"
+    for n, want_status in ((32, 0), (0, 5)):
+        log.write_text(CONTROL.format(n=n) + suite)
+        assert main(["--from-log", str(log), "--name", "sanitizer-memcheck",
+                     "--out", str(tmp_path)]) == want_status, n
+        san = json.loads((tmp_path / "sanitizer-memcheck.json").read_text())["sanitizer"]
+        assert san["errors"] == 0 and san["control"]["caught"] is (n > 0)
+    assert split_control(suite) == (suite, None)

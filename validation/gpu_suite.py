@@ -9,8 +9,11 @@
 The report (``reports/gpu/<name>.json``) holds the provenance of
 ``validation.provenance`` (git commit, kernel-source hash, GPU name, package
 versions), the pytest command, its exit status, per-test outcomes and, under
-compute-sanitizer, the tool and its error summary. Exit status: pytest's (or
-non-zero when the sanitizer reports errors).
+compute-sanitizer, the tool and its error summary, and for memcheck and
+racecheck the positive control (``validation.sanitizer_control``: a planted
+out-of-bounds write or shared-memory race, run under the same tool first, which
+the tool must flag). Exit status: pytest's (or non-zero when the sanitizer
+reports errors, or misses its control).
 
 ``--part i/n`` runs one of n parts of the test files (a machine held in slices
 shorter than the whole suite); ``--merge`` joins the parts' reports into one.
@@ -90,6 +93,7 @@ def main(argv=None):
                "--target-processes", "all", *cmd]
     env = dict(os.environ, ATTN_TEST_REPORT=outcomes_path)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    control = run_control(args.sanitizer, env) if args.sanitizer else None
     start = time.time()
     # Stream the output live (a hang must show where it is) and keep it for parsing.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -129,9 +133,11 @@ def main(argv=None):
         summaries = sanitizer_summaries(text)
         errors = sum(summaries)
         report["sanitizer"] = {"tool": args.sanitizer, "error_summaries": len(summaries),
-                               "errors": errors}
+                               "errors": errors, "control": control}
         if errors:
             status = status or 3
+        if control is not None and not control["caught"]:
+            status = status or 5
         if not summaries:
             report["sanitizer"]["note"] = "no ERROR SUMMARY line found: did the tool run?"
             status = status or 4
@@ -140,6 +146,34 @@ def main(argv=None):
     print(f"gpu_suite: {counts} -> {path}" + (
         f" (sanitizer errors: {report['sanitizer']['errors']})" if args.sanitizer else ""))
     return status
+
+
+CONTROLLED = ("memcheck", "racecheck")
+
+
+def run_control(tool, env):
+    """Run ``validation.sanitizer_control``'s planted defect under ``tool`` with the
+    suite's options; {"errors", "caught", "command"} (None for a tool without one).
+    Its output goes to this stage's log, ahead of the suite's."""
+    if tool not in CONTROLLED:
+        return None
+    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "20",
+           sys.executable, "-m", "validation.sanitizer_control", tool]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        text = done.stdout + done.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        text = f"(control did not run: {e})"
+    print(f"== positive control: {' '.join(cmd)}\n{text}== end of control", flush=True)
+    return control_verdict(text, cmd)
+
+
+def control_verdict(text, cmd=()):
+    """The control's record from its output: caught when the tool's summary counts
+    at least one error (memcheck) or hazard (racecheck)."""
+    errors = sum(sanitizer_summaries(text))
+    return {"errors": errors, "caught": errors > 0, "command": " ".join(cmd)}
 
 
 def _part(text):
@@ -227,6 +261,13 @@ def merge(args):
             "errors": sum(x.get("errors") or 0 for x in sans)}
         if len(sans) != len(reps) or any(not x.get("error_summaries") for x in sans):
             report["sanitizer"]["note"] = "a part has no ERROR SUMMARY line: did the tool run?"
+        controls = [x.get("control") for x in sans]
+        if any(c is not None for c in controls):
+            report["sanitizer"]["control"] = {
+                "caught": all(c is not None and c.get("caught") for c in controls),
+                "errors": [c and c.get("errors") for c in controls]}
+            if not report["sanitizer"]["control"]["caught"]:
+                report["sanitizer"]["note"] = "a part's positive control was not caught"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'suite'}.json"
@@ -263,8 +304,19 @@ def parse_log(text):
     return [{"test": k, "outcome": v} for k, v in tests.items()]
 
 
+CONTROL_BLOCK = re.compile(r"^== positive control: (.*?)\n(.*?)^== end of control\n?", re.M | re.S)
+
+
+def split_control(text):
+    """(the log without its positive-control block, the control's record or None)."""
+    m = CONTROL_BLOCK.search(text)
+    if not m:
+        return text, None
+    return text[:m.start()] + text[m.end():], control_verdict(m.group(2), m.group(1).split())
+
+
 def from_log(args):
-    text = Path(args.from_log).read_text(errors="replace")
+    text, control = split_control(Path(args.from_log).read_text(errors="replace"))
     tests = parse_log(text)
     counts = {}
     for t in tests:
@@ -289,13 +341,15 @@ def from_log(args):
               "exit_status": None, "interrupted": not finished,
               "mode": header.group(1) if header else None, "counts": counts, "tests": tests}
     status = 1 if counts.get("failed") or counts.get("error") or sum(summaries) else 0
+    if control is not None and not control["caught"]:
+        status = status or 5
     if "COMPUTE-SANITIZER" in text:
         errors_inline = len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
         report["sanitizer"] = {
             # sanitizer-<tool>[-<what>]: e.g. sanitizer-memcheck-full
             "tool": args.name.replace("sanitizer-", "").split("-")[0] if args.name else None,
             "error_summaries": len(summaries), "errors": sum(summaries),
-            "errors_reported_inline": errors_inline,
+            "errors_reported_inline": errors_inline, "control": control,
             "note": "" if summaries else "the run was cut before the tool's ERROR SUMMARY; "
                     "errors_reported_inline counts the error records it printed until then"}
     out = Path(args.out)
