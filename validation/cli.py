@@ -642,12 +642,13 @@ def main(argv=None):
         from validation import gpu_reports
 
         rows = gpu_reports.inventory(out)
-        others = [r for r in rows if r["kind"] != "validation" and r["state"] != "fresh"]
+        rest = [r for r in rows if r["kind"] != "validation"]
+        others = [r for r in rest if r["state"] != "fresh"]
         print(f"GPU reports in {out} (state, file, commit, kernel sources, GPU, time):")
         print("\n".join("  " + line for line in gpu_reports.table(rows)))
         if others:
             cut = sum(r["state"] == "partial" for r in others)
-            print(f"{len(others) - cut} of the {len(rows) - 1} other GPU reports measured other "
+            print(f"{len(others) - cut} of the {len(rest)} other GPU reports measured other "
                   f"kernel sources or state none, {cut} measured these in a run cut short: "
                   f"rerun their scripts/gpu_all stages on a GPU")
         return 0 if f["state"] == "fresh" and not others else 1

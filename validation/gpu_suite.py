@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from validation.cli import _shard
 from validation.provenance import ROOT, provenance
 
 
@@ -52,7 +53,7 @@ def main(argv=None):
     ap.add_argument("--from-log", metavar="LOG", help="rebuild the report from a pytest -v log")
     ap.add_argument("--provenance-from", metavar="JSON",
                     help="with --from-log: a report of the same GPU run holding its provenance")
-    ap.add_argument("--part", type=_part, metavar="i/n",
+    ap.add_argument("--part", type=_shard, metavar="i/n",
                     help="run part i of n: the test files dealt into n parts of about equal "
                          "size (part_files); the report records the part, and --merge joins "
                          "the n reports into one")
@@ -161,10 +162,11 @@ def run_control(tool, env):
            sys.executable, "-m", "validation.sanitizer_control", tool]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=120)
         text = done.stdout + done.stderr
     except (OSError, subprocess.TimeoutExpired) as e:
         text = f"(control did not run: {e})"
+    text = text if text.endswith("\n") else text + "\n"
     print(f"== positive control: {' '.join(cmd)}\n{text}== end of control", flush=True)
     return control_verdict(text, cmd)
 
@@ -174,16 +176,6 @@ def control_verdict(text, cmd=()):
     at least one error (memcheck) or hazard (racecheck)."""
     errors = sum(sanitizer_summaries(text))
     return {"errors": errors, "caught": errors > 0, "command": " ".join(cmd)}
-
-
-def _part(text):
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--part: expected i/n, got {text!r}") from None
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"--part: expected 0 <= i < n, got {text!r}")
-    return i, n
 
 
 def part_files(i, n, root=ROOT, files=None):
