@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LOG_HEADER = "# gpu_all "
+from validation.provenance import LOG_HEADER
 
 
 def _first_json_object(lines):

@@ -107,12 +107,15 @@ def provenance(**extra):
     return rec
 
 
+LOG_HEADER = "# gpu_all "
+
+
 def log_header(stage):
     """The first line ``scripts/gpu_all`` writes to a stage's log: the stage and
     this run's provenance, one JSON line (``validation.gpu_reports`` reads it)."""
     import json
 
-    return f"# gpu_all {stage}: {json.dumps(provenance(), sort_keys=True)}"
+    return f"{LOG_HEADER}{stage}: {json.dumps(provenance(), sort_keys=True)}"
 
 
 if __name__ == "__main__":  # python -m validation.provenance [--log-header STAGE]
