@@ -711,7 +711,10 @@ def bench_long_mla(timer, long_rows):
 # ---------------------------------------------------------------------------
 
 def write_csv(path, rows, columns=None):
+    """Write ``rows`` (dicts) to ``path``; with no rows, remove ``path``: a CSV of an
+    earlier run must not sit beside this run's summary."""
     if not rows:
+        Path(path).unlink(missing_ok=True)
         return
     columns = columns or list(rows[0].keys())
     with open(path, "w", newline="") as f:
@@ -897,6 +900,52 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors,
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+class Tables:
+    """The rows each bench section appends to (its CSV file in brackets)."""
+
+    def __init__(self):
+        self.decode, self.mla, self.step, self.host = [], [], [], []  # decode/mla/step/host
+        self.long, self.prefill, self.paged = [], [], []  # mla_long / prefill / paged
+        self.mla_multi, self.mla_mma, self.checks = [], [], []  # mla_multi / mla_mma / -
+
+
+def write_reports(out_dir, prov, ceilings, t, errors):
+    """Write every CSV, decode.png and summary.md of ``out_dir`` from the tables ``t``
+    (``Tables``) as they stand; ``errors``: the "Parts that did not run" lines."""
+    out_dir = Path(out_dir)
+    write_csv(out_dir / "decode.csv", t.decode, COLUMNS)
+    write_csv(out_dir / "mla.csv", t.mla)
+    write_csv(out_dir / "step.csv", t.step)
+    write_csv(out_dir / "host.csv", t.host)
+    write_csv(out_dir / "mla_long.csv", t.long)
+    write_csv(out_dir / "prefill.csv", t.prefill, PREFILL_COLUMNS)
+    write_csv(out_dir / "paged.csv", t.paged, PAGED_COLUMNS)
+    write_csv(out_dir / "mla_multi.csv", t.mla_multi, MLA_MULTI_COLUMNS)
+    write_csv(out_dir / "mla_mma.csv", t.mla_mma, MLA_MMA_COLUMNS)
+    errors = list(errors)
+    try:
+        plot(out_dir / "decode.png", t.decode, ceilings["copy_GBps"])
+    except Exception as exc:
+        errors.append(f"plot: {type(exc).__name__}: {exc}")
+    summary(out_dir / "summary.md", prov, ceilings, t.decode, t.mla, t.step, t.checks,
+            errors, t.host)
+    parts = []
+    if t.long:
+        parts.append("\n".join(long_mla_lines(t.long)))
+    if t.prefill:
+        parts.append("\n".join(prefill_summary_lines(t.prefill)))
+    if t.paged:
+        parts.append("\n".join(paged_summary_lines(t.paged)))
+    if t.mla_multi:
+        parts.append("\n".join(mla_multi_summary_lines(t.mla_multi)))
+    if t.mla_mma:
+        parts.append("\n## MLA decode on 16-bit tensor cores (bench.mla_mma)\n\n"
+                     + "\n".join(mla_mma_summary_lines(t.mla_mma)))
+    if parts:
+        with open(out_dir / "summary.md", "a") as fh:
+            fh.write("".join(p + "\n" for p in parts))
+
+
 def long_mla_lines(rows):
     """Markdown table of ``bench.mla_long``'s rows (flop and byte counts are the
     rows' own: ``bench.mla_long`` states how they are counted)."""
@@ -969,67 +1018,58 @@ def main(argv=None):
     if args.variants:
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
-    rows, mla_rows, step_rows, checks_log, prefill_rows = [], [], [], [], []
-    host_rows, long_rows, paged_rows, mla_multi_rows, mla_mma_rows = [], [], [], [], []
-    for name, fn in (("host", lambda: bench_host(timer, torch, host_rows, checks_log)),
-                     ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
-                                                      checks_log, args.quick)),
-                     ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
-                     ("mla_mma", lambda: mla_mma_rows.extend(bench_mla_mma(
-                         timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
-                     ("step", lambda: bench_step(timer, step_rows)),
-                     ("mla_long", lambda: bench_long_mla(timer, long_rows)),
-                     ("prefill", lambda: bench_prefill(timer, fma_tf, torch, prefill_rows, log,
-                                                       peaks["bf16_tc"])),
-                     ("paged", lambda: bench_paged(timer, copy_gbps, torch, paged_rows, log)),
-                     ("mla_multi", lambda: mla_multi_rows.extend(
-                         bench_mla_multi(timer, verbose=True)))):
+    tables = Tables()
+    rows, mla_rows, step_rows, checks_log = tables.decode, tables.mla, tables.step, tables.checks
+    sections = (("host", lambda: bench_host(timer, torch, tables.host, checks_log)),
+                ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
+                                                checks_log, args.quick)),
+                ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
+                ("mla_mma", lambda: tables.mla_mma.extend(bench_mla_mma(
+                    timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
+                ("step", lambda: bench_step(timer, step_rows)),
+                ("mla_long", lambda: bench_long_mla(timer, tables.long)),
+                ("prefill", lambda: bench_prefill(timer, fma_tf, torch, tables.prefill, log,
+                                                  peaks["bf16_tc"])),
+                ("paged", lambda: bench_paged(timer, copy_gbps, torch, tables.paged, log)),
+                ("mla_multi", lambda: tables.mla_multi.extend(
+                    bench_mla_multi(timer, verbose=True))))
+    ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf,
+                "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
+    todo = [name for name, _ in sections if name not in skip]
+
+    def write(interrupted):
+        # the host cover the timers ended with (bench.gpu.HOLD_US): raised where a
+        # launch's host cost outlasted it
+        cover = {"hold_us": timer.hold_us, "raised": timer.raised}
+        prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings,
+                          timer_cover=cover, interrupted=interrupted,
+                          sections_not_reached=list(todo))
+        write_reports(out_dir, prov, ceilings, tables,
+                      errors + [f"{n}: not reached (the run was cut before it)" for n in todo])
+        return cover
+
+    # the reports are written again after every section, so a run cut by a time limit
+    # (an interrupt: scripts/gpu_all's stages; or a kill) leaves what it measured, its
+    # provenance saying "interrupted" and which sections it did not reach
+    cover = write(interrupted=bool(todo))
+    for name, fn in sections:
         if name in skip:
             continue
         log(f"== {name} ({time.time() - t_start:.0f} s)")
         try:
             fn()
+        except KeyboardInterrupt:
+            errors.append(f"{name}: cut by an interrupt during this section "
+                          f"(at {time.time() - t_start:.0f} s)")
+            todo.remove(name)
+            write(interrupted=True)
+            log(f"interrupted in {name}: wrote {out_dir} with the sections before it")
+            sys.exit(130)
         except Exception as exc:
             traceback.print_exc()
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
-    ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf,
-                "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
-    # the host cover the timers ended with (bench.gpu.HOLD_US): raised where a
-    # launch's host cost outlasted it
-    cover = {"hold_us": timer.hold_us, "raised": timer.raised}
+        todo.remove(name)
+        cover = write(interrupted=bool(todo))
     log(f"host cover: {cover}")
-    write_csv(out_dir / "decode.csv", rows, COLUMNS)
-    write_csv(out_dir / "mla.csv", mla_rows)
-    write_csv(out_dir / "step.csv", step_rows)
-    write_csv(out_dir / "host.csv", host_rows)
-    write_csv(out_dir / "mla_long.csv", long_rows)
-    write_csv(out_dir / "prefill.csv", prefill_rows, PREFILL_COLUMNS)
-    write_csv(out_dir / "paged.csv", paged_rows, PAGED_COLUMNS)
-    write_csv(out_dir / "mla_multi.csv", mla_multi_rows, MLA_MULTI_COLUMNS)
-    write_csv(out_dir / "mla_mma.csv", mla_mma_rows, MLA_MMA_COLUMNS)
-    try:
-        plot(out_dir / "decode.png", rows, copy_gbps)
-    except Exception as exc:
-        errors.append(f"plot: {type(exc).__name__}: {exc}")
-    prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings,
-                      timer_cover=cover)
-    summary(out_dir / "summary.md", prov, ceilings, rows, mla_rows, step_rows, checks_log,
-            errors, host_rows)
-    if long_rows:
-        with open(out_dir / "summary.md", "a") as fh:
-            fh.write("\n".join(long_mla_lines(long_rows)) + "\n")
-    if prefill_rows:
-        with open(out_dir / "summary.md", "a") as fh:
-            fh.write("\n".join(prefill_summary_lines(prefill_rows)) + "\n")
-    if paged_rows:
-        with open(out_dir / "summary.md", "a") as fh:
-            fh.write("\n".join(paged_summary_lines(paged_rows)) + "\n")
-    if mla_multi_rows:
-        with open(out_dir / "summary.md", "a") as fh:
-            fh.write("\n".join(mla_multi_summary_lines(mla_multi_rows)) + "\n")
-    if mla_mma_rows:
-        with open(out_dir / "summary.md", "a") as fh:
-            fh.write("\n## MLA decode on 16-bit tensor cores (bench.mla_mma)\n\n"
-                     + "\n".join(mla_mma_summary_lines(mla_mma_rows)) + "\n")
     log(f"wrote {out_dir} in {time.time() - t_start:.0f} s")
     log((out_dir / "summary.md").read_text().split("## Targets")[-1][:3000])

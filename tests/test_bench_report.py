@@ -291,3 +291,76 @@ def test_paged_summary_gives_the_tensor_core_invariance_cost():
             "(splits 1 -> 2; default if <= 3 % at both shapes): met") in text
     assert ("- batch-invariant cost (T_q 4, tensor cores) float16 B 1 / L 32768: +10.0 %"
             in text)
+
+
+def test_a_cut_bench_leaves_a_report_that_says_so(tmp_path):
+    """bench.run writes its reports after every section: a run cut by a time limit
+    leaves the sections it measured, its provenance saying "interrupted" and which
+    sections it did not reach, and --check-fresh reads it as partial."""
+    from validation import gpu_reports
+    from validation.provenance import criterion_hash, kernel_source_hash
+
+    out = tmp_path / "reports" / "bench"
+    out.mkdir(parents=True)
+    (out / "paged.csv").write_text("an earlier run's rows\n")
+    t = run.Tables()
+    t.decode.append(dict(zip(run.COLUMNS, ("fast", "float16", 32, 32, 8, 128, 4096, 0.181,
+                                           2970.0, 0.97))))
+    prov = {"git_commit": "x", "kernel_source_hash": kernel_source_hash(),
+            "interrupted": True, "sections_not_reached": ["paged", "mla_multi"]}
+    run.write_reports(out, prov, CEILINGS, t, ["prefill: cut by an interrupt during this "
+                                               "section", "paged: not reached"])
+    text = (out / "summary.md").read_text()
+    assert "## Parts that did not run" in text and "- paged: not reached" in text
+    assert (out / "decode.csv").read_text().splitlines()[0] == ",".join(run.COLUMNS)
+    assert not (out / "paged.csv").exists(), "a section with no rows keeps no older CSV"
+    rows = {r["path"]: r["state"] for r in gpu_reports.inventory(
+        tmp_path / "reports", kernel_source_hash(), criterion_hash())}
+    assert rows == {"bench/summary.md": "partial"}
+    # control: the same report of a finished run is fresh
+    run.write_reports(out, dict(prov, interrupted=False, sections_not_reached=[]), CEILINGS, t, [])
+    rows = {r["path"]: r["state"] for r in gpu_reports.inventory(
+        tmp_path / "reports", kernel_source_hash(), criterion_hash())}
+    assert rows == {"bench/summary.md": "fresh"}
+
+
+def test_an_interrupt_in_a_section_writes_the_sections_before_it(tmp_path, monkeypatch):
+    """bench.run.main's own loop, its GPU parts replaced: the host section runs, the
+    decode section is interrupted (scripts/gpu_all's time limit sends SIGINT), and
+    the report says so, with the sections after it not reached; exit status 130."""
+    import sys
+
+    import pytest
+    from numba import cuda
+
+    from bench import gpu
+
+    class FakeTimer:
+        hold_us, raised = 0.0, []
+
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # torch not importable
+    monkeypatch.setattr(gpu, "Timer", FakeTimer)
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda timer: (3000.0, 2.8))
+    monkeypatch.setattr(gpu, "fma_peak", lambda timer: (58.0, 1.0))
+
+    def host(timer, torch, rows, checks):
+        rows.append({"call": "DecodePlan.run (numba device arrays)", "dtype": "float16",
+                     "batch": 32, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                     "seq_len": 4096, "host_us_median": 12.0, "host_us_min": 10.1,
+                     "host_us_back_to_back": 11.0, "kernel_ms": 0.18, "note": ""})
+
+    def decode(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "bench_host", host)
+    monkeypatch.setattr(run, "bench_decode", decode)
+    with pytest.raises(SystemExit) as stop:
+        run.main(["--out", str(tmp_path)])
+    assert stop.value.code == 130
+    text = (tmp_path / "summary.md").read_text()
+    assert '"interrupted": true' in text
+    assert "- decode: cut by an interrupt during this section" in text
+    for later in ("mla", "mla_mma", "step", "mla_long", "prefill", "paged", "mla_multi"):
+        assert f"- {later}: not reached (the run was cut before it)" in text, later
+    assert "host: not reached" not in text and (tmp_path / "host.csv").exists()

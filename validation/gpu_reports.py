@@ -18,8 +18,9 @@ file                                   where its provenance is
 
 A file is **fresh** when it measured the tree's kernel sources (and, for the
 validation, its criterion), **partial** when it did but says its run was cut
-short (``"interrupted": true``; a stage log whose ``<stage>.rc`` is missing or
-124, the time limit's), **stale** when it measured others, and
+short (``"interrupted": true`` in the report or its provenance; a stage log whose
+``<stage>.rc`` is missing, 124 (the time limit's) or 130 (a bench cut by its
+interrupt)), **stale** when it measured others, and
 **unknown** when it states none (a log from before ``scripts/gpu_all`` wrote
 the header).
 Kept runs (``reports/gpu/runs/``) are history and have their own index
@@ -64,11 +65,17 @@ def stage_status(log):
         return None
 
 
-def _interrupted(path):
-    """True when a JSON report says its run was cut short, or a stage log has no
-    exit status or the time limit's (124)."""
+CUT_STATUS = (None, 124, 130)  # no .rc written, timeout's status, an interrupted bench
+
+
+def _interrupted(path, prov):
+    """True when a report says its run was cut short (a JSON report's or a
+    provenance's ``interrupted``), or a stage log's exit status is missing or one
+    of a cut run (``CUT_STATUS``)."""
     if path.suffix == ".log":
-        return stage_status(path) in (None, 124)
+        return stage_status(path) in CUT_STATUS
+    if prov.get("interrupted"):
+        return True
     if path.suffix != ".json":
         return False
     try:
@@ -129,7 +136,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
             state = "stale"
         elif kind == "validation" and prov.get("criterion_hash") != crit_hash:
             state = "stale"
-        elif _interrupted(path):
+        elif _interrupted(path, prov):
             state = "partial"
         else:
             state = "fresh"
