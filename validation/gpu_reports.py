@@ -68,20 +68,21 @@ def stage_status(log):
 CUT_STATUS = (None, 124, 130)  # no .rc written, timeout's status, an interrupted bench
 
 
-def _interrupted(path, prov):
-    """True when a report says its run was cut short (a JSON report's or a
-    provenance's ``interrupted``), or a stage log's exit status is missing or one
-    of a cut run (``CUT_STATUS``)."""
+def _provenance_and_cut(path):
+    """(the provenance ``path`` states or {}, whether its run was cut short): a
+    report's or its provenance's ``interrupted``, or a stage log whose exit status
+    is missing or one of a cut run (``CUT_STATUS``). A JSON report is read once."""
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}, False
+        prov = doc.get("provenance") or {}
+        return prov, bool(doc.get("interrupted") or prov.get("interrupted"))
+    prov = read_provenance(path) or {}
     if path.suffix == ".log":
-        return stage_status(path) in CUT_STATUS
-    if prov.get("interrupted"):
-        return True
-    if path.suffix != ".json":
-        return False
-    try:
-        return bool(json.loads(path.read_text()).get("interrupted"))
-    except (OSError, ValueError, AttributeError):
-        return False
+        return prov, stage_status(path) in CUT_STATUS
+    return prov, bool(prov.get("interrupted"))
 
 
 def read_provenance(path):
@@ -128,7 +129,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
     crit_hash = crit_hash or criterion_hash()
     rows = []
     for kind, path in _files(reports):
-        prov = read_provenance(path) or {}
+        prov, cut = _provenance_and_cut(path)
         kh = prov.get("kernel_source_hash")
         if kh is None:
             state = "unknown"
@@ -136,7 +137,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
             state = "stale"
         elif kind == "validation" and prov.get("criterion_hash") != crit_hash:
             state = "stale"
-        elif _interrupted(path, prov):
+        elif cut:
             state = "partial"
         else:
             state = "fresh"

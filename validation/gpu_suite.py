@@ -115,9 +115,7 @@ def main(argv=None):
         outcomes = json.load(open(outcomes_path))
     except (OSError, ValueError):
         outcomes = {"tests": [], "mode": "unknown"}
-    counts = {}
-    for t in outcomes.get("tests", []):
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    counts = outcome_counts(outcomes.get("tests", []))
     report = {
         "provenance": provenance(wall_seconds=round(wall, 1)),
         "interrupted": proc.returncode == 2 or proc.returncode < 0,
@@ -147,6 +145,14 @@ def main(argv=None):
     print(f"gpu_suite: {counts} -> {path}" + (
         f" (sanitizer errors: {report['sanitizer']['errors']})" if args.sanitizer else ""))
     return status
+
+
+def outcome_counts(tests):
+    """{outcome: number of tests} of a report's test records."""
+    counts = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    return counts
 
 
 CONTROLLED = ("memcheck", "racecheck")
@@ -225,9 +231,7 @@ def merge(args):
     n = ns.pop()
     missing = sorted(set(range(n)) - {p[0] for p in parts})
     tests = [t for r in reps for t in r.get("tests", [])]
-    counts = {}
-    for t in tests:
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    counts = outcome_counts(tests)
     statuses = [r.get("exit_status") for r in reps]
     prov = dict(reps[0]["provenance"])
     prov["wall_seconds"] = round(sum(r["provenance"].get("wall_seconds") or 0 for r in reps), 1)
@@ -310,9 +314,7 @@ def split_control(text):
 def from_log(args):
     text, control = split_control(Path(args.from_log).read_text(errors="replace"))
     tests = parse_log(text)
-    counts = {}
-    for t in tests:
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    counts = outcome_counts(tests)
     summaries = sanitizer_summaries(text)
     header = re.search(r"attention test mode: (\S+) \(device: ([^)]*)\)", text)
     prov = {}
