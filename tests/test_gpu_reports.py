@@ -81,6 +81,28 @@ def test_validation_judged_under_another_criterion_is_stale(tmp_path):
     assert _states(_tree(tmp_path, crit="0ld0" * 4))["validation.json"] == "stale"
 
 
+def test_a_sanitizer_report_whose_control_was_not_caught_says_so(tmp_path):
+    """Its 0 errors say nothing, so the inventory notes it whatever its state;
+    control: the same report with the control caught, and one with no control
+    (a suite report), carry no note."""
+    r = _tree(tmp_path)
+
+    def sanitizer(name, caught):
+        (r / "gpu" / f"{name}.json").write_text(json.dumps({
+            "provenance": _prov(), "sanitizer": {"tool": "racecheck", "errors": 0,
+                                                 "control": {"errors": 0, "caught": caught}}}))
+
+    sanitizer("sanitizer-missed", False)
+    sanitizer("sanitizer-caught", True)
+    rows = {row["path"]: row for row in gpu_reports.inventory(r, CODE, CRIT)}
+    assert rows["gpu/sanitizer-missed.json"]["note"] == "positive control not caught"
+    assert rows["gpu/sanitizer-missed.json"]["state"] == "fresh"
+    assert rows["gpu/sanitizer-caught.json"]["note"] == ""
+    assert rows["gpu/suite.json"]["note"] == ""
+    text = "\n".join(gpu_reports.table(list(rows.values())))
+    assert text.count("(positive control not caught)") == 1
+
+
 def test_log_header_round_trips(tmp_path):
     log = tmp_path / "suite.log"
     log.write_text(log_header("suite") + "\n============ 3 passed ============\n")

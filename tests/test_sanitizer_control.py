@@ -7,9 +7,11 @@ check, and memcheck must report it: ``validation.gpu_suite`` runs it there).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, int32
 
 from tests.conftest import MODE
 from validation import sanitizer_control as sc
@@ -27,12 +29,47 @@ def test_the_memcheck_control_writes_past_its_array():
     assert (a.copy_to_host() == np.arange(sc.N)).all()
 
 
-@sim_only
-def test_the_racecheck_control_shares_one_word_between_warps():
-    out = cuda.to_device(np.full(64, -1, np.int32))
-    sc.shared_race[1, 64](out)
-    got = out.copy_to_host()
-    assert ((got >= 0) & (got < 64)).all()  # each read one of the 64 writes to the word
+def _ptx(kernel, *argtypes):
+    return cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))[0]
+
+
+def _shared_accesses(ptx):
+    return (len(re.findall(r"\bst\.shared\.", ptx)), len(re.findall(r"\bld\.shared\.", ptx)))
+
+
+@pytest.mark.compile
+def test_the_racecheck_control_keeps_its_shared_load():
+    """The PTX stores to shared memory and loads from it with no barrier: the
+    accesses racecheck must flag. Control: the first form of the control (one
+    word written and read back by every thread) compiles to the store alone, the
+    load replaced by the stored value, which is why it went unflagged."""
+    from numba import types
+
+    i32 = types.Array(types.int32, 1, "C")
+    ptx = _ptx(sc.shared_race, i32)
+    assert _shared_accesses(ptx) == (1, 1), ptx
+    assert "bar.sync" not in ptx and "barrier" not in ptx
+
+    @cuda.jit
+    def one_word(out):
+        sm = cuda.shared.array(1, int32)
+        t = cuda.threadIdx.x
+        sm[0] = t
+        out[t] = sm[0]
+
+    assert _shared_accesses(_ptx(one_word, i32)) == (1, 0)
+
+
+@pytest.mark.compile
+def test_the_memcheck_control_stores_without_a_bounds_check():
+    """numba does not check bounds in device code: the control's one store is not
+    behind a branch (the only comparison is the negative-index wrap, a select),
+    so threads past the array's end write."""
+    from numba import types
+
+    ptx = _ptx(sc.oob_write, types.Array(types.float32, 1, "C"))
+    assert len(re.findall(r"\bst\.global\.f32", ptx)) == 1, ptx
+    assert not re.search(r"\bbra\b", ptx.split("{", 1)[1]), ptx
 
 
 def test_an_unknown_tool_is_named():

@@ -69,20 +69,25 @@ CUT_STATUS = (None, 124, 130)  # no .rc written, timeout's status, an interrupte
 
 
 def _provenance_and_cut(path):
-    """(the provenance ``path`` states or {}, whether its run was cut short): a
-    report's or its provenance's ``interrupted``, or a stage log whose exit status
-    is missing or one of a cut run (``CUT_STATUS``). A JSON report is read once."""
+    """(the provenance ``path`` states or {}, whether its run was cut short, a note
+    or ""): cut is a report's or its provenance's ``interrupted``, or a stage log
+    whose exit status is missing or one of a cut run (``CUT_STATUS``); the note
+    names a sanitizer report whose positive control the tool did not flag (its
+    0 errors then say nothing). A JSON report is read once."""
     if path.suffix == ".json":
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
-            return {}, False
+            return {}, False, ""
         prov = doc.get("provenance") or {}
-        return prov, bool(doc.get("interrupted") or prov.get("interrupted"))
+        control = (doc.get("sanitizer") or {}).get("control")
+        note = ("positive control not caught"
+                if isinstance(control, dict) and not control.get("caught") else "")
+        return prov, bool(doc.get("interrupted") or prov.get("interrupted")), note
     prov = read_provenance(path) or {}
     if path.suffix == ".log":
-        return prov, stage_status(path) in CUT_STATUS
-    return prov, bool(prov.get("interrupted"))
+        return prov, stage_status(path) in CUT_STATUS, ""
+    return prov, bool(prov.get("interrupted")), ""
 
 
 def read_provenance(path):
@@ -122,14 +127,14 @@ def _files(reports):
 def inventory(reports, code_hash=None, crit_hash=None):
     """One dict a GPU report under ``reports``: path (relative to ``reports``),
     kind, commit, kernel_hash, device, time, state ("fresh" | "partial" | "stale" |
-    "unknown")."""
+    "unknown"), rc (stage logs), note ("" or what the report's verdict lacks)."""
     from validation.provenance import criterion_hash, kernel_source_hash
 
     code_hash = code_hash or kernel_source_hash()
     crit_hash = crit_hash or criterion_hash()
     rows = []
     for kind, path in _files(reports):
-        prov, cut = _provenance_and_cut(path)
+        prov, cut, note = _provenance_and_cut(path)
         kh = prov.get("kernel_source_hash")
         if kh is None:
             state = "unknown"
@@ -150,6 +155,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
             "time": prov.get("timestamp") or "",
             "state": state,
             "rc": stage_status(path) if kind == "stage log" else None,
+            "note": note,
         })
     return rows
 
@@ -162,4 +168,5 @@ def table(rows):
     return [f"{r['state']:7}  {r['path']:{w}}  {r['commit']:7}  {r['kernel_hash'] or '-':16}  "
             f"{r['device']}  {r['time']}"
             + ("" if r["kind"] != "stage log" else
-               f"  exit {'(none)' if r['rc'] is None else r['rc']}") for r in rows]
+               f"  exit {'(none)' if r['rc'] is None else r['rc']}")
+            + (f"  ({r['note']})" if r.get("note") else "") for r in rows]

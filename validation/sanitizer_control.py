@@ -15,10 +15,14 @@ or the machine's runtime does not support it).
   128 bytes just past the allocation (numba does not check bounds in device
   code; the simulator does, and raises ``IndexError``, which the test uses to
   show the write is out of bounds).
-* ``racecheck``: ``shared_race`` is launched with two warps: every thread
-  writes its id to the same shared-memory word and, with no barrier between,
-  reads it back: write-after-write and read-after-write hazards between the
-  warps.
+* ``racecheck``: ``shared_race`` is launched with two warps over 64 shared
+  words: thread t writes word t and then, with no barrier between, reads word
+  63 - t, which a thread of the other warp writes: read-after-write (or
+  write-after-read) hazards between the warps on every word. The read is of
+  another address, so the compiler cannot replace it by the value just stored
+  (the first form of this control, every thread writing and reading back one
+  word, compiled to a store only, and racecheck on an H100 reported 0 hazards:
+  ``tests/test_sanitizer_control.py`` now checks the PTX keeps the shared load).
 
 The process exits 0 after the launch; the verdict is the tool's.
 """
@@ -40,13 +44,16 @@ def oob_write(a):
     a[t] = float32(t)
 
 
+RACE_THREADS = 64  # two warps: the racecheck control's block and shared words
+
+
 @cuda.jit
 def shared_race(out):
-    """out: [2 * 32] int32; launched with 64 threads (two warps), one shared word."""
-    sm = cuda.shared.array(1, int32)
+    """out: [RACE_THREADS] int32; launched with RACE_THREADS threads (two warps)."""
+    sm = cuda.shared.array(RACE_THREADS, int32)
     t = cuda.threadIdx.x
-    sm[0] = t  # every thread writes the same word: no barrier before or after
-    out[t] = sm[0]
+    sm[t] = t  # no barrier between this write and the read of another warp's word
+    out[t] = sm[RACE_THREADS - 1 - t]
 
 
 def run(tool):
@@ -55,8 +62,8 @@ def run(tool):
         a = cuda.to_device(np.zeros(N, np.float32))
         oob_write[1, 2 * N](a)
     elif tool == "racecheck":
-        out = cuda.to_device(np.zeros(2 * 32, np.int32))
-        shared_race[1, 2 * 32](out)
+        out = cuda.to_device(np.zeros(RACE_THREADS, np.int32))
+        shared_race[1, RACE_THREADS](out)
     else:
         raise ValueError(f"tool: expected 'memcheck' or 'racecheck', got {tool!r}")
     cuda.synchronize()
