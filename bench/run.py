@@ -1037,13 +1037,14 @@ def main(argv=None):
                 "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
     todo = [name for name, _ in sections if name not in skip]
 
-    def write(interrupted):
+    def write(interrupted, cut_in=None):
         # the host cover the timers ended with (bench.gpu.HOLD_US): raised where a
         # launch's host cost outlasted it
         cover = {"hold_us": timer.hold_us, "raised": timer.raised}
+        cut = {"section_cut": cut_in} if cut_in else {}  # the section an interrupt cut
         prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings,
                           timer_cover=cover, interrupted=interrupted,
-                          sections_not_reached=list(todo))
+                          sections_not_reached=list(todo), **cut)
         write_reports(out_dir, prov, ceilings, tables,
                       errors + [f"{n}: not reached (the run was cut before it)" for n in todo])
         return cover
@@ -1062,7 +1063,7 @@ def main(argv=None):
             errors.append(f"{name}: cut by an interrupt during this section "
                           f"(at {time.time() - t_start:.0f} s)")
             todo.remove(name)
-            write(interrupted=True)
+            write(interrupted=True, cut_in=name)
             log(f"interrupted in {name}: wrote {out_dir} with the sections before it")
             sys.exit(130)
         except Exception as exc:

@@ -359,7 +359,7 @@ def test_an_interrupt_in_a_section_writes_the_sections_before_it(tmp_path, monke
         run.main(["--out", str(tmp_path)])
     assert stop.value.code == 130
     text = (tmp_path / "summary.md").read_text()
-    assert '"interrupted": true' in text
+    assert '"interrupted": true' in text and '"section_cut": "decode"' in text
     assert "- decode: cut by an interrupt during this section" in text
     for later in ("mla", "mla_mma", "step", "mla_long", "prefill", "paged", "mla_multi"):
         assert f"- {later}: not reached (the run was cut before it)" in text, later
