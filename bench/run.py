@@ -1019,14 +1019,13 @@ def main(argv=None):
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
     tables = Tables()
-    rows, mla_rows, step_rows, checks_log = tables.decode, tables.mla, tables.step, tables.checks
-    sections = (("host", lambda: bench_host(timer, torch, tables.host, checks_log)),
-                ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants, rows,
-                                                checks_log, args.quick)),
-                ("mla", lambda: bench_mla(timer, peaks, torch, mla_rows)),
+    sections = (("host", lambda: bench_host(timer, torch, tables.host, tables.checks)),
+                ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants,
+                                                tables.decode, tables.checks, args.quick)),
+                ("mla", lambda: bench_mla(timer, peaks, torch, tables.mla)),
                 ("mla_mma", lambda: tables.mla_mma.extend(bench_mla_mma(
                     timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
-                ("step", lambda: bench_step(timer, step_rows)),
+                ("step", lambda: bench_step(timer, tables.step)),
                 ("mla_long", lambda: bench_long_mla(timer, tables.long)),
                 ("prefill", lambda: bench_prefill(timer, fma_tf, torch, tables.prefill, log,
                                                   peaks["bf16_tc"])),

@@ -201,3 +201,26 @@ def test_a_sanitizer_log_keeps_its_control_apart_from_the_suite(tmp_path):
         san = json.loads((tmp_path / "sanitizer-memcheck.json").read_text())["sanitizer"]
         assert san["errors"] == 0 and san["control"]["caught"] is (n > 0)
     assert split_control(suite) == (suite, None)
+
+
+def test_merged_sanitizer_note_keeps_every_reason(tmp_path):
+    """A part with no summary and a part whose control was not caught: the merged
+    note names both (the second no longer replaces the first); control: parts with
+    summaries and caught controls merge with no note."""
+    def part(i, summaries, caught):
+        rep = json.loads(open(_part_report(tmp_path, i, 2, ["passed"])).read())
+        rep["sanitizer"] = {"tool": "racecheck", "error_summaries": summaries, "errors": 0,
+                            "control": {"errors": int(caught), "caught": caught}}
+        path = tmp_path / f"note{i}.json"
+        path.write_text(json.dumps(rep))
+        return str(path)
+
+    def merged(*paths):
+        status = main(["--merge", *paths, "--name", "n", "--out", str(tmp_path)])
+        return status, json.loads((tmp_path / "n.json").read_text())["sanitizer"]
+
+    status, san = merged(part(0, 0, True), part(1, 1, False))
+    assert status == 1
+    assert "no ERROR SUMMARY" in san["note"] and "control was not caught" in san["note"]
+    status, san = merged(part(0, 1, True), part(1, 1, True))
+    assert status == 0 and "note" not in san

@@ -68,10 +68,11 @@ def stage_status(log):
 CUT_STATUS = (None, 124, 130)  # no .rc written, timeout's status, an interrupted bench
 
 
-def _provenance_and_cut(path):
+def _provenance_and_cut(path, rc=None):
     """(the provenance ``path`` states or {}, whether its run was cut short, a note
     or ""): cut is a report's or its provenance's ``interrupted``, or a stage log
-    whose exit status is missing or one of a cut run (``CUT_STATUS``); the note
+    whose exit status ``rc`` (``stage_status``) is missing or one of a cut run
+    (``CUT_STATUS``); the note
     names a sanitizer report whose positive control the tool did not flag (its
     0 errors then say nothing). A JSON report is read once."""
     if path.suffix == ".json":
@@ -86,7 +87,7 @@ def _provenance_and_cut(path):
         return prov, bool(doc.get("interrupted") or prov.get("interrupted")), note
     prov = read_provenance(path) or {}
     if path.suffix == ".log":
-        return prov, stage_status(path) in CUT_STATUS, ""
+        return prov, rc in CUT_STATUS, ""
     return prov, bool(prov.get("interrupted")), ""
 
 
@@ -134,7 +135,8 @@ def inventory(reports, code_hash=None, crit_hash=None):
     crit_hash = crit_hash or criterion_hash()
     rows = []
     for kind, path in _files(reports):
-        prov, cut, note = _provenance_and_cut(path)
+        rc = stage_status(path) if kind == "stage log" else None
+        prov, cut, note = _provenance_and_cut(path, rc)
         kh = prov.get("kernel_source_hash")
         if kh is None:
             state = "unknown"
@@ -154,7 +156,7 @@ def inventory(reports, code_hash=None, crit_hash=None):
             "device": ", ".join(prov.get("devices") or [prov.get("device") or "?"]),
             "time": prov.get("timestamp") or "",
             "state": state,
-            "rc": stage_status(path) if kind == "stage log" else None,
+            "rc": rc,
             "note": note,
         })
     return rows

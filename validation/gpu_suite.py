@@ -90,8 +90,7 @@ def main(argv=None):
     cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=15",
            *pytest_args]
     if args.sanitizer:
-        cmd = ["compute-sanitizer", "--tool", args.sanitizer, "--print-limit", "20",
-               "--target-processes", "all", *cmd]
+        cmd = [*sanitizer_prefix(args.sanitizer), "--target-processes", "all", *cmd]
     env = dict(os.environ, ATTN_TEST_REPORT=outcomes_path)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     control = run_control(args.sanitizer, env) if args.sanitizer else None
@@ -158,14 +157,18 @@ def outcome_counts(tests):
 CONTROLLED = ("memcheck", "racecheck")
 
 
+def sanitizer_prefix(tool):
+    """The compute-sanitizer command line the suite and its positive control share."""
+    return ["compute-sanitizer", "--tool", tool, "--print-limit", "20"]
+
+
 def run_control(tool, env):
     """Run ``validation.sanitizer_control``'s planted defect under ``tool`` with the
     suite's options; {"errors", "caught", "command"} (None for a tool without one).
     Its output goes to this stage's log, ahead of the suite's."""
     if tool not in CONTROLLED:
         return None
-    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "20",
-           sys.executable, "-m", "validation.sanitizer_control", tool]
+    cmd = [*sanitizer_prefix(tool), sys.executable, "-m", "validation.sanitizer_control", tool]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=120)
@@ -255,15 +258,18 @@ def merge(args):
             "tool": sans[0].get("tool"),
             "error_summaries": sum(x.get("error_summaries") or 0 for x in sans),
             "errors": sum(x.get("errors") or 0 for x in sans)}
+        notes = []
         if len(sans) != len(reps) or any(not x.get("error_summaries") for x in sans):
-            report["sanitizer"]["note"] = "a part has no ERROR SUMMARY line: did the tool run?"
+            notes.append("a part has no ERROR SUMMARY line: did the tool run?")
         controls = [x.get("control") for x in sans]
         if any(c is not None for c in controls):
             report["sanitizer"]["control"] = {
                 "caught": all(c is not None and c.get("caught") for c in controls),
                 "errors": [c and c.get("errors") for c in controls]}
             if not report["sanitizer"]["control"]["caught"]:
-                report["sanitizer"]["note"] = "a part's positive control was not caught"
+                notes.append("a part's positive control was not caught")
+        if notes:
+            report["sanitizer"]["note"] = "; ".join(notes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'suite'}.json"
