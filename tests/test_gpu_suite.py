@@ -224,3 +224,58 @@ def test_merged_sanitizer_note_keeps_every_reason(tmp_path):
     assert "no ERROR SUMMARY" in san["note"] and "control was not caught" in san["note"]
     status, san = merged(part(0, 1, True), part(1, 1, True))
     assert status == 0 and "note" not in san
+
+
+FAKE_INTERPRETER = """\
+#!/bin/bash
+# stands in for the GPU image's python in scripts/gpu_all: the suite stage ignores
+# the limit's SIGINT, as compute-sanitizer still tearing down after pytest did
+case "$*" in
+  *--log-header*) echo '# gpu_all stage: {"git_commit": "f00d"}' ;;
+  *--from-log*) exec "{real}" "$@" ;;
+  *validation.gpu_suite*)
+    trap '' INT
+    echo "attention test mode: gpu-small (device: fake)"
+    echo "tests/test_a.py::test_one PASSED                            [ 50%]"
+    sleep 4 ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
+    """A test stage that ignores the limit's SIGINT is killed (137) without writing
+    its report; gpu_all then rebuilds the report from the stage's log. Control: a
+    stage that ends by itself within its limit is left alone (no rebuild)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from validation.provenance import ROOT
+
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu_all", "_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_INTERPRETER.replace("{real}", sys.executable))
+    fake.chmod(0o755)
+    env = dict(os.environ, ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1",
+               ATTN_MEMCHECK_SECONDS="1", PYTHONPATH=str(ROOT))
+    logs = tmp_path / "reports" / "gpu" / "logs"
+    report = tmp_path / "reports" / "gpu" / "sanitizer-memcheck.json"
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert (logs / "memcheck.rc").read_text().strip() == "137", done.stdout + done.stderr
+    assert "report rebuilt from this log" in (logs / "memcheck.log").read_text()
+    rebuilt = json.loads(report.read_text())
+    assert rebuilt["interrupted"] and rebuilt["counts"] == {"passed": 1}
+    assert rebuilt["provenance"]["git_commit"] == "f00d"
+    # control: within its limit the stage ends 0 and nothing is rebuilt
+    report.unlink()
+    env["ATTN_MEMCHECK_SECONDS"] = "30"
+    subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],
+                   env=env, capture_output=True, text=True, timeout=60)
+    assert (logs / "memcheck.rc").read_text().strip() == "0"
+    assert not report.exists()
+    assert "rebuilt" not in (logs / "memcheck.log").read_text()

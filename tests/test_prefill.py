@@ -39,6 +39,7 @@ from attention.prefill.kernels import (
 from attention.reference.prefill_paths import prefill_attention_reference
 from tests.conftest import MODE, small
 from validation import suite_prefill, tolerance
+from validation.baselines import prefill_order
 from validation.suite import caught
 from validation.suite_prefill import METHODS, attend, compare
 
@@ -56,13 +57,15 @@ def make_qkv(t_len, n_heads, n_kv, head_dim, seed=0):
     return q, k, v
 
 
-def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups):
-    """Oracle and float32 baseline for the query heads of the chosen kv heads.
+def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups, label):
+    """Oracle and same-precision baseline for the query heads of the chosen kv heads.
 
     A kv head and its ``H/H_kv`` query heads form an independent problem
     (H = H/H_kv, H_kv = 1), so large shapes are checked on a few groups
-    (the float64 oracle loops over rows in Python). Returns a list of
-    ``(query columns, kv columns, (ref_out, ref_lse), (base_out, base_lse))``.
+    (the float64 oracle loops over rows in Python). The baseline sums q.k in
+    order ``label`` (``validation.baselines.prefill_order``; the method's, from
+    ``suite_prefill.baseline_label``). Returns a list of ``(g, query columns,
+    (ref_out, ref_lse), (base_out, base_lse))``.
     """
     q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
     per = n_heads // n_kv
@@ -71,15 +74,26 @@ def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups):
         qcols = slice(g * per * head_dim, (g + 1) * per * head_dim)
         kcols = slice(g * head_dim, (g + 1) * head_dim)
         args = (q[:, qcols], k[:, kcols], v[:, kcols], per, 1)
-        found.append((g, qcols, prefill_attention_ref(*args, causal=causal),
-                      prefill_attention_ref(*args, causal=causal, dtype=np.float32)))
+        found.append((g, qcols, oracle(t_len, n_heads, n_kv, head_dim, causal, seed, g),
+                      prefill_order(*args, causal, label)))
     return found
 
 
 @functools.lru_cache(maxsize=None)
-def references(t_len, n_heads, n_kv, head_dim, causal, seed, all_groups):
+def oracle(t_len, n_heads, n_kv, head_dim, causal, seed, g):
+    """The float64 oracle (out, lse) of kv group ``g``'s query heads (shared by the
+    methods, whose baselines differ)."""
+    q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
+    per = n_heads // n_kv
+    qcols = slice(g * per * head_dim, (g + 1) * per * head_dim)
+    kcols = slice(g * head_dim, (g + 1) * head_dim)
+    return prefill_attention_ref(q[:, qcols], k[:, kcols], v[:, kcols], per, 1, causal=causal)
+
+
+@functools.lru_cache(maxsize=None)
+def references(t_len, n_heads, n_kv, head_dim, causal, seed, all_groups, label):
     groups = range(n_kv) if all_groups else sorted({0, n_kv - 1})
-    return kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, tuple(groups))
+    return kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, tuple(groups), label)
 
 
 def assert_matches_oracle(method, t_len, n_heads, n_kv, head_dim, causal, seed=0):
@@ -90,7 +104,7 @@ def assert_matches_oracle(method, t_len, n_heads, n_kv, head_dim, causal, seed=0
     all_groups = t_len * n_heads <= 4096  # small problems: every head
     per = n_heads // n_kv
     for g, qcols, ref, base in references(t_len, n_heads, n_kv, head_dim, causal, seed,
-                                          all_groups):
+                                          all_groups, suite_prefill.baseline_label(method)):
         label = f"{method} T={t_len} H={n_heads} H_kv={n_kv} D={head_dim} causal={causal} g={g}"
         for what, got, r, b in (("out", out[:, qcols], ref[0], base[0]),
                                 ("lse", lse[g * per:(g + 1) * per], ref[1], base[1])):
@@ -447,3 +461,20 @@ GPU_CASES = [
 def test_gpu_production_shapes(method, shape, causal):
     assert MODE == "gpu"
     assert_matches_oracle(method, *shape, causal, seed=9)
+
+
+def test_each_method_is_held_to_its_registry_order():
+    """The tests' baseline is the registry's for the same kernel (one criterion), and
+    the order matters: at T 1 the LSE is the one score, and its float32 error in
+    the fused kernel's order differs from BLAS's (the oracle run in float32)."""
+    from validation.registry import KERNELS_BY_NAME
+
+    for method in METHODS:
+        assert suite_prefill.baseline_label(method) == KERNELS_BY_NAME[f"prefill_{method}"].baseline
+    with pytest.raises(ValueError, match="method"):
+        suite_prefill.baseline_label("no_such_method")
+    q, k, v = make_qkv(1, 32, 8, 128, seed=9)
+    ref = prefill_attention_ref(q, k, v, 32, 8)
+    blas = prefill_attention_ref(q, k, v, 32, 8, dtype=np.float32)
+    ordered = prefill_order(q, k, v, 32, 8, False, suite_prefill.baseline_label("fused"))
+    assert tolerance.max_abs_error(ordered[1], ref[1]) != tolerance.max_abs_error(blas[1], ref[1])

@@ -4,7 +4,7 @@
                                    [--out reports/gpu] [-- pytest args...]
     python -m validation.gpu_suite --part i/n [--out reports/gpu/parts] [-- pytest args...]
     python -m validation.gpu_suite --merge PART.json... [--name suite] [--out reports/gpu]
-    python -m validation.gpu_suite --from-log LOG [--provenance-from JSON] --name NAME
+    python -m validation.gpu_suite --from-log LOG [--provenance-from JSON] --name NAME [--part i/n]
 
 The report (``reports/gpu/<name>.json``) holds the provenance of
 ``validation.provenance`` (git commit, kernel-source hash, GPU name, package
@@ -25,7 +25,9 @@ SIGINT of a time limit, and a
 sanitizer's verdict only when its ERROR SUMMARY line is there). The GPU side's
 provenance comes from the log's first line where ``scripts/gpu_all`` wrote it
 (``# gpu_all <stage>: {...}``), else from ``--provenance-from``: a report of the
-same run on the same machine (e.g. ``reports/validation.json``).
+same run on the same machine (e.g. ``reports/validation.json``). With ``--part`` the
+report records the part its log ran, so ``--merge`` takes it. ``scripts/gpu_all``
+rebuilds a test stage's report so when its time limit had to kill the stage.
 """
 
 from __future__ import annotations
@@ -340,6 +342,8 @@ def from_log(args):
     report = {"provenance": prov, "command": f"(reconstructed from {args.from_log})",
               "exit_status": None, "interrupted": not finished,
               "mode": header.group(1) if header else None, "counts": counts, "tests": tests}
+    if args.part:  # the log of one part of a --part run: --merge joins it with the others
+        report["part"] = list(args.part)
     status = 1 if counts.get("failed") or counts.get("error") or sum(summaries) else 0
     if control is not None and not control["caught"]:
         status = status or 5
