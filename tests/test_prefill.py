@@ -454,10 +454,31 @@ GPU_CASES = [
 ]
 
 
+# A finding, not a tolerance: the reference paths sum P.V in one running FMA sum over
+# the T positions (their second GEMM), which the baseline (q.k in their order, P.V in
+# BLAS's) does not model; at T 4096, non-causal, kv group 7 their out error is 2.19x the
+# baseline's (H100 at 504265b: 4.35e-7, budget 4.28e-7), and a baseline with their P.V
+# sum lands on the same entry (notes/validation.md, "the prefill tests' baseline").
+# strict: once the baseline models that sum, these pass and the marks must go.
+PV_ORDER_FINDING = pytest.mark.xfail(
+    strict=True, reason="reference paths' P.V running sum over 4096 positions, not modelled "
+                        "by the baseline (notes/validation.md)")
+
+
+def gpu_params():
+    """(method, shape, causal) of the production-shape test, the reference paths'
+    non-causal T 4096 cases marked with the finding above."""
+    for method in METHODS:
+        for shape in GPU_CASES:
+            for causal in (False, True):
+                marks = (PV_ORDER_FINDING,) if (method != "fused" and shape[0] == 4096
+                                                and not causal) else ()
+                yield pytest.param(method, shape, causal, marks=marks,
+                                   id="{}-T{}_H{}_Hkv{}_D{}-{}".format(method, *shape, causal))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", GPU_CASES, ids=lambda s: "T{}_H{}_Hkv{}_D{}".format(*s))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method, shape, causal", list(gpu_params()))
 def test_gpu_production_shapes(method, shape, causal):
     assert MODE == "gpu"
     assert_matches_oracle(method, *shape, causal, seed=9)
