@@ -118,3 +118,35 @@ def test_the_committed_bench_and_gpu_reports_state_their_provenance():
     rows = [x for x in gpu_reports.inventory(ROOT / "reports") if x["kind"] != "stage log"]
     assert rows, "no GPU reports found under reports/"
     assert [x["path"] for x in rows if x["state"] == "unknown"] == []
+
+
+def test_the_validation_notes_defect_suites_other_than_the_trees(tmp_path):
+    """A validation report names whether the defect suites it ran are the tree's
+    (``suites_hash``): the same ones say nothing, others and none are noted, and the
+    state stays fresh (the sweep and growth are still the tree's). Control: a
+    suite report's note ignores the suites hash."""
+    from validation.provenance import suites_hash
+
+    r = _tree(tmp_path)
+
+    def validation_row(**prov):
+        (r / "validation.json").write_text(json.dumps({"provenance": dict(_prov(), **prov)}))
+        return next(x for x in gpu_reports.inventory(r, CODE, CRIT, "5u17" * 4)
+                    if x["kind"] == "validation")
+
+    same = validation_row(suites_hash="5u17" * 4)
+    assert (same["state"], same["note"]) == ("fresh", "")
+    other = validation_row(suites_hash="0ld5" * 4)
+    assert other["state"] == "fresh" and "defect suites have changed" in other["note"]
+    assert "not recorded" in validation_row()["note"]
+    suite = next(x for x in gpu_reports.inventory(r, CODE, CRIT, "5u17" * 4)
+                 if x["path"] == "gpu/suite.json")
+    assert suite["note"] == ""
+    # the hash follows the suites' sources: one suite edited, the hash moves
+    tree = tmp_path / "tree" / "validation"
+    tree.mkdir(parents=True)
+    for name in ("suite.py", "defects.py", "suite_a.py"):
+        (tree / name).write_text(f"# {name}\n")
+    before = suites_hash(tree.parent)
+    (tree / "suite_a.py").write_text("# suite_a.py, a case more\n")
+    assert suites_hash(tree.parent) != before and len(before) == 16

@@ -125,18 +125,30 @@ def _files(reports):
     return out
 
 
-def inventory(reports, code_hash=None, crit_hash=None):
+def inventory(reports, code_hash=None, crit_hash=None, suite_hash=None):
     """One dict a GPU report under ``reports``: path (relative to ``reports``),
     kind, commit, kernel_hash, device, time, state ("fresh" | "partial" | "stale" |
-    "unknown"), rc (stage logs), note ("" or what the report's verdict lacks)."""
-    from validation.provenance import criterion_hash, kernel_source_hash
+    "unknown"), rc (stage logs), note ("" or what the report's verdict lacks; for
+    the validation, also whether the defect suites it ran are the tree's:
+    ``validation.provenance.suites_hash``, recorded by runs after 504265b)."""
+    from validation.provenance import criterion_hash, kernel_source_hash, suites_hash
 
     code_hash = code_hash or kernel_source_hash()
     crit_hash = crit_hash or criterion_hash()
+    suite_hash = suite_hash or suites_hash()
     rows = []
     for kind, path in _files(reports):
         rc = stage_status(path) if kind == "stage log" else None
         prov, cut, note = _provenance_and_cut(path, rc)
+        if kind == "validation":
+            said = prov.get("suites_hash")
+            if said is None:
+                suites = "its defect suites' sources are not recorded"
+            elif said != suite_hash:
+                suites = f"its defect suites have changed since: {said} -> {suite_hash}"
+            else:
+                suites = ""
+            note = "; ".join(x for x in (note, suites) if x)
         kh = prov.get("kernel_source_hash")
         if kh is None:
             state = "unknown"

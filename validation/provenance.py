@@ -6,7 +6,12 @@ report can be matched to the code it measured: a committed report whose hash
 differs from the working tree's is stale. ``criterion_hash()`` does the same
 for the code that judges (``CRITERION_FILES``: the rule, the baselines, the
 metrics, the fixtures, the registry and the runs that apply them): a
-validation report judged under another rule is stale too.
+validation report judged under another rule is stale too. ``suites_hash()``
+hashes the defect suites the validation runs (``validation/suite.py``,
+``validation/suite_*.py``, ``validation/defects.py``: their cases and checks,
+clean and with each planted defect). A change there does not make a report
+stale (the sweep and growth it holds are still the tree's), but
+``scripts/validate --check-fresh`` notes it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ def kernel_source_hash(root=ROOT):
 
 def criterion_hash(root=ROOT):
     return _hash_files([root / f for f in CRITERION_FILES], root)
+
+
+def suite_files(root=ROOT):
+    """The defect suites' sources: the contract, the runner and every family's suite."""
+    v = root / "validation"
+    return [v / "suite.py", v / "defects.py", *sorted(v.glob("suite_*.py"))]
+
+
+def suites_hash(root=ROOT):
+    return _hash_files(suite_files(root), root)
 
 
 def git_commit(root=ROOT):
@@ -98,6 +113,7 @@ def provenance(**extra):
         "git_commit": git_commit(),
         "kernel_source_hash": kernel_source_hash(),
         "criterion_hash": criterion_hash(),
+        "suites_hash": suites_hash(),
         "device": device_name(),
         "versions": versions(),
         "host": platform.node(),
