@@ -219,14 +219,16 @@ _outcomes = []
 
 def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _outcomes.append({
-            "test": report.nodeid,
-            "outcome": report.outcome,
-            "seconds": round(report.duration, 4),
-            "detail": (str(report.longrepr)[-2000:] if report.outcome == "failed"
-                       else (report.longrepr[2] if report.skipped
-                             and isinstance(report.longrepr, tuple) else "")),
-        })
+        xfail = getattr(report, "wasxfail", None)  # an expected failure: its reason
+        if xfail is not None:  # pytest reports it as skipped (failed) or passed (passed)
+            outcome, detail = ("xfailed" if report.skipped else "xpassed"), xfail
+        else:
+            outcome = report.outcome
+            detail = (str(report.longrepr)[-2000:] if report.outcome == "failed"
+                      else (report.longrepr[2] if report.skipped
+                            and isinstance(report.longrepr, tuple) else ""))
+        _outcomes.append({"test": report.nodeid, "outcome": outcome,
+                          "seconds": round(report.duration, 4), "detail": detail})
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -279,3 +279,28 @@ def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
     assert (logs / "memcheck.rc").read_text().strip() == "0"
     assert not report.exists()
     assert "rebuilt" not in (logs / "memcheck.log").read_text()
+
+
+def test_expected_failures_are_recorded_as_such_not_as_skips():
+    """An xfail-marked test that fails is "xfailed" (with its reason), in the plugin's
+    record and in a log rebuilt report; pytest itself calls it skipped. Control: a
+    real skip stays "skipped"."""
+    from types import SimpleNamespace
+
+    import tests.conftest as plugin
+
+    def report(outcome, **kw):
+        return SimpleNamespace(when="call", outcome=outcome, skipped=outcome == "skipped",
+                               nodeid=f"tests/test_x.py::t_{outcome}_{len(kw)}", duration=0.1,
+                               longrepr=("f", 1, "Skipped: why"), **kw)
+
+    before = len(plugin._outcomes)
+    plugin.pytest_runtest_logreport(report("skipped", wasxfail="a finding"))
+    plugin.pytest_runtest_logreport(report("passed", wasxfail="a finding"))
+    plugin.pytest_runtest_logreport(report("skipped"))
+    got = [(t["outcome"], t["detail"]) for t in plugin._outcomes[before:]]
+    del plugin._outcomes[before:]
+    assert got == [("xfailed", "a finding"), ("xpassed", "a finding"), ("skipped", "Skipped: why")]
+    log = ("[gw1] [ 86%] XFAIL tests/test_a.py::test_one[x] \n"
+           "tests/test_a.py::test_two XPASS                               [100%]\n")
+    assert {t["outcome"] for t in parse_log(log)} == {"xfailed", "xpassed"}

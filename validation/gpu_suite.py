@@ -297,6 +297,11 @@ def sanitizer_summaries(text):
     return found
 
 
+# pytest -v's words for an expected failure, named as its summary line names them
+# (and as tests/conftest.py records them)
+_OUTCOME_NAMES = {"XFAIL": "xfailed", "XPASS": "xpassed"}
+
+
 def parse_log(text):
     """Per-test outcomes of a ``pytest -v`` log (plain or pytest-xdist lines)."""
     tests = {}
@@ -304,7 +309,7 @@ def parse_log(text):
         m = _OUTCOME.match(line.strip())
         if m:
             outcome, nodeid = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
-            tests[nodeid] = outcome.lower()
+            tests[nodeid] = _OUTCOME_NAMES.get(outcome, outcome.lower())
     return [{"test": k, "outcome": v} for k, v in tests.items()]
 
 
