@@ -21,9 +21,9 @@ the method's own order (one running FMA sum over the head dimension; the scale
 on q before the sum for the fused kernel, on the score after it for the
 reference paths). BLAS's blocked sums (the oracle run in float32 as written)
 are more accurate than any kernel here: at T == 1, where the LSE is the one
-score, they left the kernels' LSE at 3.6 and 8.1x their error (the H100 suite at
-504265b: fused 2.78e-7, batched and per-head 8.71e-7 against 7.6e-8 / 1.08e-7,
-each equal to the error of its own order's baseline).
+score, the kernels' LSE errors were 3.6 and 8.1 times that baseline's (the H100
+suite at 504265b: fused 2.78e-7, batched and per-head 8.71e-7 against 7.6e-8 /
+1.08e-7), and each equal to the error of its own order's baseline.
 
 Cases: a causal GQA case catches both defects (``causal_off_by_one`` only
 shows under a causal mask; ``softmax_not_normalised`` anywhere); the full
