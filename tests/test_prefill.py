@@ -57,6 +57,16 @@ def make_qkv(t_len, n_heads, n_kv, head_dim, seed=0):
     return q, k, v
 
 
+def group_inputs(t_len, n_heads, n_kv, head_dim, seed, g):
+    """(query columns, (q, k, v, H/H_kv, 1)) of kv group ``g``: its kv head and
+    query heads as a problem of their own."""
+    q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
+    per = n_heads // n_kv
+    qcols = slice(g * per * head_dim, (g + 1) * per * head_dim)
+    kcols = slice(g * head_dim, (g + 1) * head_dim)
+    return qcols, (q[:, qcols], k[:, kcols], v[:, kcols], per, 1)
+
+
 def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups, label):
     """Oracle and same-precision baseline for the query heads of the chosen kv heads.
 
@@ -67,13 +77,9 @@ def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups, label):
     ``suite_prefill.baseline_label``). Returns a list of ``(g, query columns,
     (ref_out, ref_lse), (base_out, base_lse))``.
     """
-    q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
-    per = n_heads // n_kv
     found = []
     for g in groups:
-        qcols = slice(g * per * head_dim, (g + 1) * per * head_dim)
-        kcols = slice(g * head_dim, (g + 1) * head_dim)
-        args = (q[:, qcols], k[:, kcols], v[:, kcols], per, 1)
+        qcols, args = group_inputs(t_len, n_heads, n_kv, head_dim, seed, g)
         found.append((g, qcols, oracle(t_len, n_heads, n_kv, head_dim, causal, seed, g),
                       prefill_order(*args, causal, label)))
     return found
@@ -83,11 +89,8 @@ def kv_groups(t_len, n_heads, n_kv, head_dim, causal, seed, groups, label):
 def oracle(t_len, n_heads, n_kv, head_dim, causal, seed, g):
     """The float64 oracle (out, lse) of kv group ``g``'s query heads (shared by the
     methods, whose baselines differ)."""
-    q, k, v = make_qkv(t_len, n_heads, n_kv, head_dim, seed)
-    per = n_heads // n_kv
-    qcols = slice(g * per * head_dim, (g + 1) * per * head_dim)
-    kcols = slice(g * head_dim, (g + 1) * head_dim)
-    return prefill_attention_ref(q[:, qcols], k[:, kcols], v[:, kcols], per, 1, causal=causal)
+    _, args = group_inputs(t_len, n_heads, n_kv, head_dim, seed, g)
+    return prefill_attention_ref(*args, causal=causal)
 
 
 @functools.lru_cache(maxsize=None)

@@ -144,16 +144,21 @@ def baseline_label(method):
     return KERNELS_BY_NAME[f"prefill_{method}"].baseline
 
 
+def oracle_for(case):
+    """The case's float64 oracle (out, lse); the same for every method."""
+    q, k, v = case.data()
+    return prefill_attention_ref(q, k, v, case.n_heads, case.n_kv_heads, causal=case.causal,
+                                 dtype=np.float64)
+
+
 def reference_for(case, method, oracle=None):
     """(oracle (out, lse) in float64, baseline (out, lse): the oracle's arithmetic
-    in float32 in ``method``'s order, ``baseline_label``). ``oracle``: the
-    case's float64 result when already computed (it does not depend on the
-    method)."""
+    in float32 in ``method``'s order, ``baseline_label``). ``oracle``:
+    ``oracle_for(case)`` when already computed."""
     q, k, v = case.data()
-    args = (q, k, v, case.n_heads, case.n_kv_heads)
-    if oracle is None:
-        oracle = prefill_attention_ref(*args, causal=case.causal, dtype=np.float64)
-    return oracle, prefill_order(*args, case.causal, baseline_label(method))
+    base = prefill_order(q, k, v, case.n_heads, case.n_kv_heads, case.causal,
+                         baseline_label(method))
+    return (oracle_for(case) if oracle is None else oracle), base
 
 
 def check_fixture(case, reference):
@@ -193,13 +198,12 @@ def run_suite(defect=None, *, small=True):
     cases = SMALL_CASES if small else FULL_CASES
     results = []
     for case in cases:
-        oracle = None
+        oracle = oracle_for(case)
+        references = {m: reference_for(case, m, oracle) for m in METHODS}
+        if case.causal:
+            results.append(check_fixture(case, references[PRODUCT_METHODS[0]]))
         for method in METHODS:
-            reference = reference_for(case, method, oracle)
-            oracle = reference[0]
-            if case.causal and method == METHODS[0]:
-                results.append(check_fixture(case, reference))
-            results.extend(check_case(case, method, defect, reference))
+            results.extend(check_case(case, method, defect, references[method]))
     for method in METHODS:
         results.append(check_empty(method, defect))
     return results
