@@ -260,8 +260,11 @@ def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_INTERPRETER.replace("{real}", sys.executable))
     fake.chmod(0o755)
-    env = dict(os.environ, ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1",
-               ATTN_MEMCHECK_SECONDS="1", PYTHONPATH=str(ROOT))
+    # the caller's ATTN_* settings must not reach the copy: ATTN_PART (set when
+    # gpu_all runs the suite in parts) would rename the stage's log and .rc files
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
+    env.update(ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1", ATTN_MEMCHECK_SECONDS="1",
+               PYTHONPATH=str(ROOT))
     logs = tmp_path / "reports" / "gpu" / "logs"
     report = tmp_path / "reports" / "gpu" / "sanitizer-memcheck.json"
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],

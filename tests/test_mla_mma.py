@@ -505,6 +505,14 @@ def test_row_groups_4_keep_the_tile_loop_in_registers(fp8):
     report = _ptxas_report(ptx)
     if report is None:
         pytest.skip("no ptxas report: cuda.core (nvJitLink) is not installed")
+    if (fp8 == "tensor" and report.startswith("nvJitLink 13.0")
+            and spill_bytes(report) > 16):
+        # a finding, not a changed bound: the GPU image's nvJitLink 13.0 spills this
+        # variant 24 B stored / 40 B loaded (suite part 1 of 2, 27a94bd, H100), while
+        # nvJitLink 13.5 (CI) and the CUDA 13.0.88 toolkit's ptxas spill 0 B. That
+        # image's build cannot be reproduced off the GPU (notes/bench.md)
+        pytest.xfail("nvJitLink 13.0 spills the per-tensor fp8 variant: " +
+                     str(spill_bytes(report)) + " B")
     assert spill_bytes(report) <= 16, report
 
 

@@ -306,3 +306,30 @@ def test_simulator_k_step_passes_infinities_and_nan_through():
     assert mma16.k_step_sum(0.0, a, b) == inf
     assert np.isnan(mma16.k_step_sum(0.0, [inf, -inf] + [0.0] * 14, [1.0, 1.0] + [0.0] * 14))
     assert np.isnan(mma16.k_step_sum(float("nan"), [1.0] * 16, [1.0] * 16))
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_simulator_halves_are_the_bit_casts_of_every_pattern(kind):
+    """The simulator's mma stand-in reads a register's two 16-bit values from a
+    table; each of the 65,536 patterns (NaNs, infinities, subnormals and -0.0
+    included), in either half, is the value a bit cast gives. Control: the
+    other kind's table differs."""
+    import ml_dtypes
+
+    from attention.gemm.mma16 import _halves
+
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):  # the signalling NaNs' patterns
+        if kind == "f16":
+            want = bits.astype(np.uint16).view(np.float16).astype(np.float64)
+        else:
+            want = bits.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    lo = np.array([_halves(int(b) | 0x5A5A0000, kind)[0] for b in bits])
+    hi = np.array([_halves((int(b) << 16) | 0xA5A5, kind)[1] for b in bits])
+    for got in (lo, hi):
+        np.testing.assert_array_equal(got.view(np.uint64)[~np.isnan(want)],
+                                      want.view(np.uint64)[~np.isnan(want)])
+        assert np.isnan(got[np.isnan(want)]).all() and not np.isnan(got[~np.isnan(want)]).any()
+    other = "bf16" if kind == "f16" else "f16"
+    assert not np.array_equal(np.array([_halves(int(b), other)[0] for b in bits]), want,
+                              equal_nan=True)

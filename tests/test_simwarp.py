@@ -203,6 +203,58 @@ def test_warp_helpers_reduce_every_lane():
     np.testing.assert_allclose(sd, np.repeat(w.sum(1), 32), rtol=1e-12)
 
 
+def _butterflies(vals, forms, lanes):
+    """Each of ``forms`` (four reductions: sum, max, then group sum and max over
+    ``lanes``) over ``vals``, one thread each, in a block of ``len(vals)``."""
+    warp_sum, warp_max, group_sum, group_max = forms
+
+    @cuda.jit
+    def reduce(vals, out):
+        t = cuda.threadIdx.x
+        v = vals[t]
+        out[0, t] = warp_sum(v)
+        out[1, t] = warp_max(v)
+        out[2, t] = group_sum(v, lanes)
+        out[3, t] = group_max(v, lanes)
+
+    out = np.zeros((4, len(vals)), vals.dtype)
+    reduce[1, len(vals)](vals, out)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf + -inf, on purpose
+@pytest.mark.parametrize("lanes", [1, 4, 8, 32])
+def test_fused_butterflies_give_the_shuffles_bits(lanes):
+    """On the simulator warp_sum / warp_max / group_sum / group_max run as one
+    rendezvous (simwarp.butterfly); each lane must get the bits the step-by-step
+    shuffle forms (what the GPU runs) give: float32 values of mixed magnitudes
+    (so the order of the additions shows in the bits), NaN, +-inf and -0.0, in a
+    block whose last warp is partial. Control: the same butterfly with its steps
+    in the other order gives other bits, so the comparison can fail."""
+    import operator
+
+    from attention.core import simwarp, warp
+
+    fused = (warp.warp_sum, warp.warp_max, warp.group_sum, warp.group_max)
+    shuffles = (warp.warp_sum_shuffles, warp.warp_max_shuffles,
+                warp.group_sum_shuffles, warp.group_max_shuffles)
+    assert fused[0] is not shuffles[0], "the simulator runs the shuffle forms"
+    rng = np.random.default_rng(lanes)
+    vals = (rng.standard_normal(BLOCK) * 10.0 ** rng.integers(-6, 7, BLOCK)).astype(np.float32)
+    special = vals.copy()
+    special[[3, 40, 41, 70]] = [np.nan, np.inf, -np.inf, -0.0]
+    for data in (vals, special):
+        got, want = _butterflies(data, fused, lanes), _butterflies(data, shuffles, lanes)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+    def backwards_sum(v):
+        return simwarp.butterfly(v, (1, 2, 4, 8, 16), operator.add)
+
+    control = _butterflies(vals, (backwards_sum,) + fused[1:], lanes)
+    assert (control[0].view(np.uint32) != _butterflies(vals, shuffles, lanes)[0].view(
+        np.uint32)).any()
+
+
 def test_block_helpers_reduce_every_thread_and_reuse_their_scratch():
     """attention.core.warp.block_max / block_sum over a block of 4 warps: the block's
     max and sum in every thread, three reductions in a row through the same
@@ -261,3 +313,34 @@ def test_deadlock_is_reported_not_hung():
     out = np.zeros(64, np.float32)
     with pytest.raises(WarpSyncError, match="deadlock"):
         divergent_syncthreads[1, 64](out)
+
+
+def test_device_function_modules_get_the_real_cuda_back_after_a_launch():
+    """Device functions of another module (attention.core.warp's block_sum reads
+    cuda.threadIdx and calls cuda.syncthreads) run on the fake cuda module during
+    a launch, and that module has numba's cuda again once the launch returns, and
+    once a launch that raises has ended."""
+    from numba import cuda as real_cuda
+    from numba import float64
+
+    from attention.core import warp
+
+    @cuda.jit
+    def total(vals, out, fail):
+        red = cuda.shared.array(4, float64)
+        t = cuda.threadIdx.x
+        out[t] = warp.block_sum(vals[t], red)
+        if fail and t == 0:
+            raise ValueError("planted")
+
+    n = 64  # whole warps: a partial warp's butterfly is undefined on the hardware
+    vals = np.arange(n, dtype=np.float64)
+    out = np.zeros(n)
+    total[1, n](vals, out, False)
+    np.testing.assert_array_equal(out, vals.sum())
+    assert warp.cuda is real_cuda
+    with pytest.raises(Exception):
+        total[1, n](vals, out, True)
+    assert warp.cuda is real_cuda
+    total[1, n](vals * 2, out, False)  # and the next launch swaps it in again
+    np.testing.assert_array_equal(out, 2 * vals.sum())
