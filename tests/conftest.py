@@ -25,6 +25,9 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 import attention  # noqa: E402,F401  (installs the simulator's warp intrinsics)
 from attention.core.device import SIMULATOR, gpu_available  # noqa: E402
+from validation import simfast  # noqa: E402
+
+simfast.install()  # and the simulator's faster machinery (a no-op without the simulator)
 
 GPU = gpu_available()
 # ATTN_SMALL_SHAPES=1 on a GPU runs the device tests at the simulator's small

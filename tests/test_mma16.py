@@ -311,12 +311,12 @@ def test_simulator_k_step_passes_infinities_and_nan_through():
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 def test_simulator_halves_are_the_bit_casts_of_every_pattern(kind):
     """The simulator's mma stand-in reads a register's two 16-bit values from a
-    table; each of the 65,536 patterns (NaNs, infinities, subnormals and -0.0
-    included), in either half, is the value a bit cast gives. Control: the
-    other kind's table differs."""
+    table (validation.simfast); each of the 65,536 patterns (NaNs, infinities,
+    subnormals and -0.0 included), in either half, is the value a bit cast
+    gives. Control: the other kind's table differs."""
     import ml_dtypes
 
-    from attention.gemm.mma16 import _halves
+    from validation.simfast import _halves
 
     bits = np.arange(1 << 16, dtype=np.uint32)
     with np.errstate(invalid="ignore"):  # the signalling NaNs' patterns

@@ -226,19 +226,21 @@ def _butterflies(vals, forms, lanes):
 @pytest.mark.parametrize("lanes", [1, 4, 8, 32])
 def test_fused_butterflies_give_the_shuffles_bits(lanes):
     """On the simulator warp_sum / warp_max / group_sum / group_max run as one
-    rendezvous (simwarp.butterfly); each lane must get the bits the step-by-step
+    rendezvous (validation.simfast.butterfly); each lane must get the bits the step-by-step
     shuffle forms (what the GPU runs) give: float32 values of mixed magnitudes
     (so the order of the additions shows in the bits), NaN, +-inf and -0.0, in a
     block whose last warp is partial. Control: the same butterfly with its steps
     in the other order gives other bits, so the comparison can fail."""
     import operator
 
-    from attention.core import simwarp, warp
+    from attention.core import warp
+    from validation import simfast
 
-    fused = (warp.warp_sum, warp.warp_max, warp.group_sum, warp.group_max)
-    shuffles = (warp.warp_sum_shuffles, warp.warp_max_shuffles,
-                warp.group_sum_shuffles, warp.group_max_shuffles)
-    assert fused[0] is not shuffles[0], "the simulator runs the shuffle forms"
+    names = ("warp_sum", "warp_max", "group_sum", "group_max")
+    fused = tuple(getattr(warp, name) for name in names)
+    assert all(f.fn is simfast.FUSED_FORMS[n] for f, n in zip(fused, names)), \
+        "the simulator runs the shuffle forms"
+    shuffles = tuple(cuda.jit(device=True)(simfast.SHUFFLE_FORMS[n]) for n in names)
     rng = np.random.default_rng(lanes)
     vals = (rng.standard_normal(BLOCK) * 10.0 ** rng.integers(-6, 7, BLOCK)).astype(np.float32)
     special = vals.copy()
@@ -248,7 +250,7 @@ def test_fused_butterflies_give_the_shuffles_bits(lanes):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
     def backwards_sum(v):
-        return simwarp.butterfly(v, (1, 2, 4, 8, 16), operator.add)
+        return simfast.butterfly(v, (1, 2, 4, 8, 16), operator.add)
 
     control = _butterflies(vals, (backwards_sum,) + fused[1:], lanes)
     assert (control[0].view(np.uint32) != _butterflies(vals, shuffles, lanes)[0].view(
@@ -319,7 +321,8 @@ def test_device_function_modules_get_the_real_cuda_back_after_a_launch():
     """Device functions of another module (attention.core.warp's block_sum reads
     cuda.threadIdx and calls cuda.syncthreads) run on the fake cuda module during
     a launch, and that module has numba's cuda again once the launch returns, and
-    once a launch that raises has ended."""
+    once a launch that raises has ended (validation.simfast holds a module's swap
+    for the whole launch)."""
     from numba import cuda as real_cuda
     from numba import float64
 
@@ -344,3 +347,27 @@ def test_device_function_modules_get_the_real_cuda_back_after_a_launch():
     assert warp.cuda is real_cuda
     total[1, n](vals * 2, out, False)  # and the next launch swaps it in again
     np.testing.assert_array_equal(out, 2 * vals.sum())
+
+
+def test_the_faster_machinery_is_what_runs():
+    """validation.simfast is installed in this process (tests/conftest.py) and its
+    replacements are the ones the simulator, the mma stand-in and numba's scalar
+    types call."""
+    from numba.cuda.simulator import kernel, kernelapi
+
+    from attention.core import warp
+    from attention.gemm import mma16
+    from validation import simfast
+
+    assert simfast.installed()
+    assert kernel.FakeCUDAKernel.__call__ is simfast._kernel_call
+    assert kernelapi.FakeCUDAShared.array is simfast._shared_array
+    assert mma16._halves is simfast._halves
+    assert warp.group_sum.fn is simfast.FUSED_FORMS["group_sum"]
+    from numba import float32, int32, types
+
+    assert types.Number.__call__ is simfast._number_call
+    # the fast cast gives numba's answer; a type argument still makes a signature
+    assert type(float32(1.1)) is np.float32 and float32(1.1) == np.float32(1.1)
+    assert type(int32(np.float64(-2.7))) is np.int32 and int32(np.float64(-2.7)) == -2
+    assert str(float32(float32, int32)) == "(float32, int32) -> float32"

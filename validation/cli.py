@@ -204,7 +204,9 @@ def run_unit(unit):
     """Run one unit (a sweep Case, a GrowthJob, a DefectUnit or a row of the fp8
     quantization table) in this process."""
     import attention  # noqa: F401  (simulator warp intrinsics)
-    from validation import defects, fp8_quant, growth, registry, sweep
+    from validation import defects, fp8_quant, growth, registry, simfast, sweep
+
+    simfast.install()  # the simulator's faster machinery (a no-op on a GPU)
 
     if isinstance(unit, registry.Case):
         return "case", sweep.run_case(unit)
@@ -253,8 +255,9 @@ class Progress:
 def build_units(args, device):
     """(units, early case records, broken suite records, config) for this run."""
     import attention  # noqa: F401
-    from validation import defects, growth, registry, sweep
+    from validation import defects, growth, registry, simfast, sweep
 
+    simfast.install()
     small = device == "sim"
     quick = small if args.quick is None else args.quick
     seeds = args.seeds if args.seeds else ([0] if (quick or small) else [0, 1, 2])

@@ -8,19 +8,7 @@ while holding the GIL. This module adds, for this project:
 * ``shfl_sync``, ``shfl_up_sync``, ``shfl_down_sync``, ``shfl_xor_sync``,
   ``syncwarp``, ``activemask``, ``all_sync``, ``any_sync``, ``ballot_sync``,
   ``eq_sync`` and ``lanemask_lt`` on the simulator's fake ``cuda`` module;
-* a block runner whose ``syncthreads`` waits on a condition variable;
-* device-function calls that swap the fake ``cuda`` module into a function's
-  module once a launch: the simulator's own call swaps it in and out on
-  every call (two locks, a scan of the module's globals and an import), the
-  largest cost of a simulated kernel that calls small device functions in its
-  inner loops. A module swapped during a launch stays swapped until the launch
-  ends, when every such swap is undone (``_kernel_call``);
-* a ``cuda.shared.array`` that finds its call site from the caller's frame.
-  The simulator's own builds a whole ``traceback.extract_stack`` for that,
-  which stats every source file on the stack, in every thread of every block:
-  most of a small kernel's simulated time. The site key, (file, line) of the
-  caller, is the same; the one array a site and block is now made atomically
-  (``dict.setdefault``), where two threads could each make their own before.
+* a block runner whose ``syncthreads`` waits on a condition variable.
 
 Semantics (per warp, so blocks of several warps and partial last warps work):
 
@@ -51,7 +39,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["butterfly", "gather", "install", "installed", "WarpSyncError"]
+__all__ = ["gather", "install", "installed", "WarpSyncError"]
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -319,34 +307,6 @@ def gather(value, mask=FULL_MASK):
     return _collective(mask, value)[1]
 
 
-def butterfly(value, offsets, op):
-    """``for off in offsets: value = op(value, shfl_xor_sync(FULL, value, off))``
-    in one rendezvous of the warp instead of one a step.
-
-    Every step of a shuffle butterfly needs every lane's value of the step
-    before, so each step was a rendezvous of the 32 simulated threads: 32 thread
-    switches, most of a simulated reduction's time. Here the warp's lanes meet
-    once, and the first lane back replays the whole butterfly for every lane:
-    the same ``op`` on the same operands in the same order (lane ``l`` takes
-    ``op(own, partner)`` with partner ``l ^ off``, or its own value where the
-    partner is not in the warp, as ``shfl_xor_sync`` gives), so each lane gets
-    the bits the step-by-step shuffles give; ``tests/test_simwarp.py`` compares
-    the two. The replay is kept on the round for the other lanes."""
-    lane, vals = _collective(FULL_MASK, value)
-    key = (_BUTTERFLY, tuple(offsets), op)
-    out = vals.get(key)
-    if out is None:
-        # dict(vals): one C-level copy, so no other lane's insert can land mid-way
-        cur = {x: v for x, v in dict(vals).items() if type(x) is int}
-        for off in offsets:
-            cur = {x: op(v, cur.get(x ^ off, v)) for x, v in cur.items()}
-        out = vals.setdefault(key, cur)
-    return out[lane]
-
-
-_BUTTERFLY = "butterfly"  # key of a round's replayed butterfly (beside the lanes)
-
-
 # -- the intrinsics, as methods of the simulator's FakeCUDAModule ------------
 
 
@@ -466,63 +426,6 @@ def _thread_syncthreads(self):
     self._manager._sync.barrier.wait()
 
 
-_held_swaps = []  # the device functions' module swaps held until the launch ends
-
-
-def _kernel_call(self, *args):
-    """``FakeCUDAKernel.__call__``: a launch as the simulator makes it; a call of
-    a device function inside a launch swaps the fake ``cuda`` into the
-    function's module only if no swap holds it yet, and holds that swap until
-    the launch returns (or raises)."""
-    from numba.cuda.simulator import kernel, kernelapi
-
-    ctx = kernel._kernel_context
-    if ctx is None:  # a launch, or a device function called from host code
-        if self._device:
-            return _original_call(self, *args)
-        try:
-            return _original_call(self, *args)
-        finally:
-            while _held_swaps:
-                _held_swaps.pop().__exit__(None, None, None)
-    # (the swap's refcount rises only after the globals are swapped: a thread
-    # that reads it non-zero finds the module ready; two threads that both read
-    # 0 hold two swaps, both undone at the end)
-    if not kernelapi._swap_refcount.get(id(self.fn.__globals__)):
-        swap = kernelapi.swapped_cuda_module(self.fn, ctx)
-        swap.__enter__()
-        _held_swaps.append(swap)
-    return self.fn(*args)
-
-
-_original_call = None
-
-
-def _shared_array(self, shape, dtype, alignment=None):
-    """The simulator's ``cuda.shared.array`` (one array a call site and block; a
-    ``shape`` of 0 is the dynamic shared memory), keyed by the caller's frame."""
-    import sys
-
-    import numpy as np
-    from numba.cuda import types
-    from numba.cuda.np import numpy_support
-
-    if alignment is not None:
-        raise RuntimeError("Array alignment is not supported in cudasim")
-    if isinstance(dtype, types.Type):
-        dtype = numpy_support.as_dtype(dtype)
-    dtype = np.dtype(dtype)
-    if shape == 0:
-        count = self._dynshared_size // dtype.itemsize
-        return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
-    caller = sys._getframe(1)
-    site = (caller.f_code.co_filename, caller.f_lineno)
-    res = self._allocations.get(site)
-    if res is None:
-        res = self._allocations.setdefault(site, np.empty(shape, dtype))
-    return res
-
-
 def install():
     """Add the warp intrinsics and the waiting barrier to the simulator.
 
@@ -551,10 +454,6 @@ def install():
     mod.ballot_sync = _ballot_sync
     kernel.BlockManager.run = _block_run
     kernel.BlockThread.syncthreads = _thread_syncthreads
-    kernelapi.FakeCUDAShared.array = _shared_array
-    global _original_call
-    _original_call = kernel.FakeCUDAKernel.__call__
-    kernel.FakeCUDAKernel.__call__ = _kernel_call
     _installed = True
     return True
 

@@ -110,45 +110,6 @@ def group_max(v, lanes):
     return v
 
 
-# The shuffle forms above are what every kernel compiles to. On the simulator the
-# four butterflies run through ``simwarp.butterfly`` instead: one rendezvous of
-# the warp where the shuffles take one a step (five for a warp), with the same
-# operations in the same order, so the same bits in every lane; the step-by-step
-# forms stay here under ``*_shuffles`` for the test that compares them
-# (tests/test_simwarp.py).
-warp_sum_shuffles, warp_max_shuffles = warp_sum, warp_max
-group_sum_shuffles, group_max_shuffles = group_sum, group_max
-if SIMULATOR:
-    import operator
-
-    from attention.core import simwarp
-
-    def _offsets(lanes):  # the loop of group_sum_shuffles
-        offs, off = [], lanes // 2
-        while off > 0:
-            offs.append(off)
-            off //= 2
-        return tuple(offs)
-
-    def warp_sum(v):
-        """Sum of ``v`` over the 32 lanes, in every lane (simulator: one rendezvous)."""
-        return simwarp.butterfly(v, (16, 8, 4, 2, 1), operator.add)
-
-    def warp_max(v):
-        """Maximum of ``v`` over the 32 lanes, in every lane (simulator: one rendezvous)."""
-        return simwarp.butterfly(v, (16, 8, 4, 2, 1), max)
-
-    def group_sum(v, lanes):
-        """Sum of ``v`` over each aligned group of ``lanes`` lanes (simulator)."""
-        offs = _offsets(int(lanes))
-        return simwarp.butterfly(v, offs, operator.add) if offs else v
-
-    def group_max(v, lanes):
-        """Maximum of ``v`` over each aligned group of ``lanes`` lanes (simulator)."""
-        offs = _offsets(int(lanes))
-        return simwarp.butterfly(v, offs, max) if offs else v
-
-
 @cuda.jit(device=True, inline="always")
 def block_max(v, red):
     """Maximum of ``v`` over the block, in every thread. red: shared [warps]

@@ -212,24 +212,15 @@ def _np16(kind):
     return ml_dtypes.bfloat16
 
 
-@functools.lru_cache(maxsize=None)
-def _values16(kind):
-    """The float value of each of the 65,536 bit patterns of ``kind`` (a list:
-    f16 patterns as numpy's float16, bf16 ones as the top half of a float32;
-    both widen to float64 exactly)."""
-    bits = np.arange(1 << 16, dtype=np.uint32)
-    with np.errstate(invalid="ignore"):  # the signalling NaNs' patterns
-        if kind == "f16":
-            return bits.astype(np.uint16).view(np.float16).astype(np.float64).tolist()
-        return (bits << 16).view(np.float32).astype(np.float64).tolist()
-
-
 def _halves(word, kind):
-    """float values of the two 16-bit elements of a uint32 word (sim): a look-up
-    of each half (``tests/test_mma16.py`` checks it against the bit casts)."""
-    w = int(word) & 0xFFFFFFFF
-    values = _values16(kind)
-    return values[w & 0xFFFF], values[w >> 16]
+    """float values of the two 16-bit elements of a uint32 word (sim)."""
+    w = np.uint32(int(word) & 0xFFFFFFFF)
+    lo = np.uint16(int(w) & 0xFFFF)
+    hi = np.uint16(int(w) >> 16)
+    if kind == "f16":
+        return float(lo.view(np.float16)), float(hi.view(np.float16))
+    return (float(np.uint32(int(lo) << 16).view(np.float32)),
+            float(np.uint32(int(hi) << 16).view(np.float32)))
 
 
 def _exponent(x):
