@@ -30,7 +30,6 @@ and the validation runner's workers call it) replaces five pieces of it:
   each 16-bit half of a register through numpy scalars; ``_halves`` reads it
   from a table of the 65,536 patterns (``tests/test_mma16.py`` checks every
   pattern against the bit casts).
-
 * **Scalar casts.** A kernel's ``float32(x)`` is numba's type object called on
   a value: ``Type.__call__`` imports ``numba.core.typing`` and runs an ABC
   ``isinstance`` on every call before numpy's cast. ``_number_call`` takes the
@@ -40,7 +39,8 @@ and the validation runner's workers call it) replaces five pieces of it:
 None of this is kernel code: it lives outside the kernel packages, so the
 kernels' source hash (``validation.provenance``), and with it the freshness of
 every GPU report, does not move with it. Measured on a 2-core machine, two
-workers: the tests' simulator process went from 588 s to about 360 s.
+workers: the tests' simulator process went from 588 s to 385 s
+(notes/bench.md, "The simulator's machinery, made faster").
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ SHUFFLE_FORMS = {}  # name -> the Python body of attention.core.warp's device fu
 _BUTTERFLY = "butterfly"  # key of a round's replayed butterfly, beside the lanes' values
 _held_swaps = []  # the device functions' module swaps held until the launch ends
 _original_call = None
-# set by install(), so the calls above need no import: numba's simulator modules
+# set by install(), so the calls below need no import: numba's simulator modules
 # (kernel, kernelapi) and attention.core.simwarp.gather
 _kernel = _kernelapi = _gather = None
 
