@@ -52,13 +52,14 @@ def pytest_report_header(config):
 # trimmed for CI time (below): skipped there by default to keep the test command's CI
 # run short, with this reason. The seconds are SLOW_SIM's as measured with two workers
 # on two cores after validation/simfast.py made the simulator faster (each entry the
-# slowest test it matches); SLOW_COMPILE's are older. With a GPU they all run (plain process), and without
-# one with ATTN_TEST_FULL=1. What stays: each suite keeps a planted defect caught on
-# the simulator; each kernel family keeps compile-only PTX checks of its production
-# form; of the per-switch PTX checks, one switch of each kind (main-kernel precision,
-# combine, ring) stays. (The tensor-core tests of test_mla_mma, test_registry_mma and
-# test_decode_plan_mma run again since the simulator's warp collectives and mma
-# stand-in got 5-8x faster, but for the three below: each has a sibling that stays.)
+# slowest test it matches); SLOW_COMPILE's are older. With a GPU they all run (plain
+# process), and without one with ATTN_TEST_FULL=1. What stays: each suite keeps a
+# planted defect caught on the simulator; each kernel family keeps compile-only PTX
+# checks of its production form; of the per-switch PTX checks, one switch of each
+# kind (main-kernel precision, combine, ring) stays. (The tensor-core tests of
+# test_mla_mma, test_registry_mma and test_decode_plan_mma run again since the
+# simulator's warp collectives and mma stand-in got 5-8x faster, but for the three
+# below: each has a sibling that stays.)
 SLOW_SIM = {
     "tests/test_mla_mma.py::test_decode_graph_gives_mla_decode_bits": 6,
     "tests/test_mla_mma.py::test_mla_decode_mma_matches_the_oracle[*": 5,
