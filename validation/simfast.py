@@ -109,10 +109,8 @@ def _kernel_call(self, *args):
     function called inside a launch swaps the fake ``cuda`` into its module only
     if no swap holds it yet, and that swap is held until the launch ends."""
     ctx = _kernel._kernel_context
-    if ctx is None:  # a launch, or a device function called from host code
-        if self._device:
-            return _original_call(self, *args)
-        try:
+    if ctx is None:  # a launch, or a device function called from host code (which
+        try:          # holds no swap: the loop below then has nothing to undo)
             return _original_call(self, *args)
         finally:
             while _held_swaps:
@@ -198,6 +196,8 @@ def install():
 
     if not config.ENABLE_CUDASIM:
         return False
+    import numpy as np
+    from numba.core.types import abstract
     from numba.cuda.simulator import kernel, kernelapi
 
     from attention.core import simwarp, warp
@@ -213,9 +213,6 @@ def install():
     kernel.FakeCUDAKernel.__call__ = _kernel_call
     kernelapi.FakeCUDAShared.array = _shared_array
     mma16._halves = _halves
-    import numpy as np
-    from numba.core.types import abstract
-
     _VALUE_TYPES.update({bool, int, float, np.bool_, np.float16, np.float32, np.float64,
                          np.int8, np.int16, np.int32, np.int64,
                          np.uint8, np.uint16, np.uint32, np.uint64})
