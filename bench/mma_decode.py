@@ -2,6 +2,7 @@
 
     python3 -m bench.mma_decode [--reps 50] [--shape 32,32,8,128,4096] [--tune]
                                 [--dtypes float16,bfloat16] [--fp8]
+    python3 -m bench.mma_decode --shape 1,32,8,128,32768 --splits 0,16,64,128
 
 A GPU is needed. For each cache dtype (fp16, bf16; q in the cache's dtype),
 cache (``pooled`` [B, H_kv, L, D] with slot m = sequence m; ``paged_hnd_p16``:
@@ -41,6 +42,10 @@ kernel, the codes converted to f16 in registers) against ``fast``
 as above with one byte an element of K and V, plus the scales (two 4-byte
 values; per token and head, ``2 * B * H_kv * L * 4``). Its issue target: 0.90
 of copy at T_q 1.
+
+``--splits``: only the split probe (``probe_splits``): per split count, the
+main kernel with and without its combine, the combine alone and the main
+kernel over empty sequences, fp8 and fp16.
 
 ``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
 (fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
@@ -310,6 +315,74 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
             f"{registers(pl['kernel'])}  bytes {nbytes}")
 
 
+def probe_splits(timer, shape, reps, copy_gbps, log, splits):
+    """``--splits``: where a split plan's time goes, fp8 (per-tensor scales)
+    and fp16 at T_q 1. For each split count (``0``: the plan's default) and
+    warps 4 / 8: the main kernel and its combine (``mma.launch``), the main
+    kernel alone (the plan with its combine left out: the partials are
+    written and not merged), the combine alone, and the main kernel over
+    empty sequences (lengths 0: the launch, the blocks' set-up and their
+    writes, no K/V read). Bytes as ``--fp8`` / the fp16 rows."""
+    from numba import cuda
+
+    from attention.decode import fast, mma
+    from bench.gpu import random_array
+
+    b, h, kv, d, seq = shape
+    rng = np.random.default_rng(9)
+    fp8 = fp8_cache(shape, rng)
+    f8_scales = fp8_scales(shape, "tensor", rng)
+    k16 = random_array((b, kv, seq, d), np.float16, 31)
+    v16 = random_array((b, kv, seq, d), np.float16, 32)
+    q = random_array((b, 1, h, d), np.float16, 41)
+    zeros = cuda.to_device(np.zeros(b, np.int32))
+    out = cuda.device_array((b, 1, h, d), np.float32)
+    lse = cuda.device_array((b, 1, h), np.float32)
+    scale = 1.0 / math.sqrt(d)
+    rows = [("fp8", mma.FP8_KIND, fp8[0], fp8[1], f8_scales,
+             fp8_bytes(shape, 1, *f8_scales)),
+            ("fp16", "f16", k16, v16, (None, None), moved_bytes(b, h, kv, d, seq, 1, 2))]
+    for name, kind, k, v, (ks, vs), nbytes in rows:
+        for warps in (4, 8):
+            for n_split in splits:
+                try:
+                    pl = mma.plan(b, h, kv, d, seq, kind, warps=warps,
+                                  n_split=n_split or None)
+                except Exception as exc:
+                    log(f"  {name} warps {warps} splits {n_split}: {type(exc).__name__}: "
+                        f"{str(exc)[:80]}")
+                    continue
+                if pl["dyn_smem"] > mma.SMEM_PER_SM:
+                    log(f"  {name} warps {warps}: {pl['dyn_smem'] // 1024} KB: skipped")
+                    continue
+                pa, pm = fast.scratch(b, h, d, pl["n_split"])
+                alone = dict(pl, n_split=1)  # launch() then leaves the combine out
+
+                def call(p, lens):
+                    mma.launch(p, q, k, v, lens, fp8[3], scale, out, lse, pa, pm, 0,
+                               d_k_scale=ks, d_v_scale=vs)
+
+                both = timer.time(lambda: call(pl, fp8[2]), reps=reps, warmup=5)
+                main = timer.time(lambda: call(alone, fp8[2]), reps=reps, warmup=5)
+                empty = timer.time(lambda: call(alone, zeros), reps=reps, warmup=5)
+                comb = 0.0
+                if pl["n_split"] > 1:
+                    ck = fast.combine_kernel(-(-d // mma.WARP))
+                    grid, block = (h, b), fast.combine_warps(pl["n_split"]) * mma.WARP
+
+                    def combine():
+                        ck[grid, block, 0](pa, pm, out.reshape(b, h, d), lse.reshape(b, h))
+
+                    comb = timer.time(combine, reps=reps, warmup=5)
+                gb = nbytes / (both * 1e-3) / 1e9
+                gb_main = nbytes / (main * 1e-3) / 1e9
+                log(f"  {name:<4} warps {warps} splits {pl['n_split']:4d} (chunk "
+                    f"{pl['chunk']:6d}, {pl['stages']} stages)  both {both * 1e3:6.1f} us "
+                    f"({gb / copy_gbps:5.3f} of copy)  main {main * 1e3:6.1f} us "
+                    f"({gb_main / copy_gbps:5.3f})  combine {comb * 1e3:5.1f} us  "
+                    f"empty main {empty * 1e3:5.1f} us  bytes {nbytes}")
+
+
 def tune(timer, shape, reps, log):
     from attention.decode import mma
 
@@ -344,6 +417,9 @@ def main(argv=None):
                         help="cache dtypes, comma list (default: float16,bfloat16)")
     parser.add_argument("--fp8", action="store_true",
                         help="also the fp8 e4m3 cache (per-tensor scales): mma against fast")
+    parser.add_argument("--splits", default=None, metavar="LIST",
+                        help="only the split probe (probe_splits): split counts, comma list "
+                             "(0: the plan's default), fp8 and fp16 at T_q 1")
     args = parser.parse_args(argv)
     from attention.core.device import device_name, gpu_available
 
@@ -365,6 +441,11 @@ def main(argv=None):
         print(f"bench.mma_decode: --dtypes: expected some of {DTYPES}, got {bad}",
               file=sys.stderr)
         return 2
+    if args.splits is not None:
+        print("split probe (T_q 1; pooled cache):")
+        probe_splits(timer, shape, reps, copy_gbps, print,
+                     [int(x) for x in args.splits.split(",") if x])
+        return 0
     compare(timer, shape, reps, copy_gbps, print, dtypes)
     if args.fp8:
         print("")
