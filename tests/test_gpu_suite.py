@@ -284,6 +284,55 @@ def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
     assert "rebuilt" not in (logs / "memcheck.log").read_text()
 
 
+ARGS_INTERPRETER = """\
+#!/bin/bash
+# stands in for the GPU image's python in scripts/gpu_all: a test stage prints its
+# command line
+case "$*" in
+  *--log-header*) echo '# gpu_all stage: {"git_commit": "f00d"}' ;;
+  *validation.gpu_suite*) echo "ARGS: $*" ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
+    """ATTN_SANITIZER_WORKERS=3 gives the memcheck and racecheck stages' pytest three
+    xdist workers a file each (``-n 3 --dist loadfile``), the tensor-core files
+    still named first. Control: unset, their command lines hold no ``-n``."""
+    import os
+    import shutil
+    import subprocess
+
+    from validation.provenance import ROOT
+
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu_all", "_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    shutil.copytree(ROOT / "tests", tmp_path / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    fake = tmp_path / "python"
+    fake.write_text(ARGS_INTERPRETER)
+    fake.chmod(0o755)
+    logs = tmp_path / "reports" / "gpu" / "logs"
+
+    def command_lines(**extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
+        env.update(ATTN_PYTHON=str(fake), PYTHONPATH=str(ROOT), **extra)
+        subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck",
+                        "racecheck"], env=env, capture_output=True, text=True, timeout=60)
+        return {stage: next(line for line in (logs / f"{stage}.log").read_text().splitlines()
+                            if line.startswith("ARGS: "))
+                for stage in ("memcheck", "racecheck")}
+
+    for stage, line in command_lines(ATTN_SANITIZER_WORKERS="3").items():
+        assert " -n 3 --dist loadfile tests/test_tgemm.py " in line, (stage, line)
+        assert f"--sanitizer {stage}" in line
+    for stage, line in command_lines().items():
+        assert " -n " not in line and "--dist" not in line, (stage, line)
+        assert " tests/test_tgemm.py " in line
+
+
 def test_expected_failures_are_recorded_as_such_not_as_skips():
     """An xfail-marked test that fails is "xfailed" (with its reason), in the plugin's
     record and in a log rebuilt report; pytest itself calls it skipped. Control: a
