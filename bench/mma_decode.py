@@ -315,6 +315,18 @@ def compare_fp8(timer, shape, reps, copy_gbps, log):
             f"{registers(pl['kernel'])}  bytes {nbytes}")
 
 
+def _null():
+    """A kernel that writes one word when its argument says so (never, here)."""
+    from numba import cuda
+
+    @cuda.jit
+    def null_kernel(sink):
+        if sink.size == 0:
+            sink[0] = 0.0
+
+    return null_kernel
+
+
 def probe_splits(timer, shape, reps, copy_gbps, log, splits):
     """``--splits``: where a split plan's time goes, fp8 (per-tensor scales)
     and fp16 at T_q 1. For each split count (``0``: the plan's default) and
@@ -322,12 +334,16 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
     kernel alone (the plan with its combine left out: the partials are
     written and not merged), the combine alone, and the main kernel over
     empty sequences (lengths 0: the launch, the blocks' set-up and their
-    writes, no K/V read). Bytes as ``--fp8`` / the fp16 rows."""
+    writes, no K/V read), and a kernel that does nothing on the same grid and
+    block, without and with the plan's dynamic shared memory. Bytes as
+    ``--fp8`` / the fp16 rows."""
     from numba import cuda
 
+    from attention.core.device import ensure_dynamic_shared
     from attention.decode import fast, mma
     from bench.gpu import random_array
 
+    _null_kernel = _null()
     b, h, kv, d, seq = shape
     rng = np.random.default_rng(9)
     fp8 = fp8_cache(shape, rng)
@@ -374,13 +390,23 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
                         ck[grid, block, 0](pa, pm, out.reshape(b, h, d), lse.reshape(b, h))
 
                     comb = timer.time(combine, reps=reps, warmup=5)
+                # a kernel that does nothing, on the plan's grid and block, with no
+                # shared memory and with the plan's: the launch and the blocks' turnover
+                sink = out.reshape(b * h * d)
+                null0 = timer.time(lambda: _null_kernel[pl["grid"], pl["block"], 0, 0](sink),
+                                   reps=reps, warmup=5)
+                ensure_dynamic_shared(_null_kernel, (sink,), pl["dyn_smem"], 0, "null")
+                null1 = timer.time(
+                    lambda: _null_kernel[pl["grid"], pl["block"], 0, pl["dyn_smem"]](sink),
+                    reps=reps, warmup=5)
                 gb = nbytes / (both * 1e-3) / 1e9
                 gb_main = nbytes / (main * 1e-3) / 1e9
                 log(f"  {name:<4} warps {warps} splits {pl['n_split']:4d} (chunk "
                     f"{pl['chunk']:6d}, {pl['stages']} stages)  both {both * 1e3:6.1f} us "
                     f"({gb / copy_gbps:5.3f} of copy)  main {main * 1e3:6.1f} us "
                     f"({gb_main / copy_gbps:5.3f})  combine {comb * 1e3:5.1f} us  "
-                    f"empty main {empty * 1e3:5.1f} us  bytes {nbytes}")
+                    f"empty main {empty * 1e3:5.1f} us  null kernel {null0 * 1e3:5.1f} us, "
+                    f"with the plan's shared memory {null1 * 1e3:5.1f} us  bytes {nbytes}")
 
 
 def tune(timer, shape, reps, log):
