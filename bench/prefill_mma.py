@@ -45,7 +45,10 @@ SHAPES = [(2048, 32, 8, 128), (4096, 32, 8, 128)]
 DTYPES = ("float16", "bfloat16")
 COS_LIMIT = 1e-5
 COLUMNS = ["kernel", "dtype", "seq_len", "heads", "kv_heads", "head_dim", "ms", "TFLOPs",
-           "ratio_to_torch", "max_err", "bound", "cos_diff", "nan_ok"]
+           "frac_of_bf16_peak", "ratio_to_torch", "max_err", "bound", "cos_diff", "nan_ok",
+           "check"]
+# issue targets, the default plan's speed as a fraction of torch SDPA's at T 4096
+TARGET_T, TARGET_RATIO, MOONSHOT_RATIO = 4096, 0.5, 0.8
 
 
 def prefill_flops(t_len, heads, head_dim):
@@ -106,6 +109,163 @@ def check(q, k, v, heads, kv, dt, ours, theirs):
     return res
 
 
+def bench_prefill_mma(timer, torch, log, *, reps=30, warmup=5, check_rows=True, extra=(),
+                      bf16_tflops=None):
+    """The rows (dicts, ``COLUMNS``) of the tensor-core prefill against torch SDPA
+    at ``SHAPES`` x ``DTYPES`` (module docstring): ours with its default plan
+    (``default``: True), torch's (None without torch), and each ``extra`` plan
+    (warps, block_n); ``check_rows``: the oracle check of kv group 0 on each
+    default row; ``bf16_tflops``: the run's bf16 peak (adds ``frac_of_bf16_peak``).
+    ``log``: where the progress lines go."""
+    from numba import cuda
+
+    from attention.prefill import mma
+
+    from .gpu import TorchTimer
+
+    tt = TorchTimer(torch) if torch is not None else None
+    rows = []
+    for name in DTYPES:
+        dt = _np_dtype(name)
+        for t_len, heads, kv, head_dim in SHAPES:
+            flops = prefill_flops(t_len, heads, head_dim)
+            q, k, v = _inputs(t_len, heads, kv, head_dim, dt, seed=t_len)
+            scale = 1.0 / math.sqrt(head_dim)
+            words = [cuda.to_device(np.ascontiguousarray(x).view(np.uint32).reshape(-1))
+                     for x in (q, k, v)]
+            d_out = cuda.device_array((t_len, heads * head_dim), np.float32)
+            d_lse = cuda.device_array((heads, t_len), np.float32)
+            pl = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True)
+
+            def ours():
+                mma.launch(pl, *words, t_len, kv, scale, d_out, d_lse)
+
+            ms = timer.time(ours, reps=reps, warmup=warmup)
+            row = {"kernel": f"prefill_mma[w{pl['warps']},n{pl['block_n']}]",
+                   "dtype": name, "seq_len": t_len, "heads": heads, "kv_heads": kv,
+                   "head_dim": head_dim, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                   "default": True}
+            torch_row, theirs = None, None
+            if tt is not None:
+                from .sdpa import backend_of, label
+
+                tq = _torch_view(torch, q, t_len, heads, head_dim, name)
+                tk = _torch_view(torch, k, t_len, kv, head_dim, name)
+                tv = _torch_view(torch, v, t_len, kv, head_dim, name)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                def run_sdpa():
+                    return sdpa(tq, tk, tv, is_causal=True, scale=scale, enable_gqa=True)
+
+                backend, how = backend_of(torch, run_sdpa)
+                tms = tt.time(run_sdpa, reps=reps, warmup=warmup)
+                torch_row = {**row, "kernel": label("torch_sdpa", backend), "ms": tms,
+                             "default": False,
+                             "TFLOPs": flops / (tms * 1e-3) / 1e12, "ratio_to_torch": 1.0}
+                row["ratio_to_torch"] = tms / ms
+                log(f"  torch backend: {backend} ({how})")
+                if check_rows:
+                    o = run_sdpa()[0].transpose(0, 1).reshape(t_len, heads * head_dim)
+                    theirs = o.float().cpu().numpy()
+            if check_rows:
+                res = check(q, k, v, heads, kv, dt, (d_out.copy_to_host(), d_lse.copy_to_host()),
+                            theirs)
+                for r, key in ((row, "ours"), (torch_row, "torch")):
+                    if r is not None and key in res:
+                        r.update({"max_err": res[key]["max_err"], "cos_diff": res[key]["cos_diff"],
+                                  "nan_ok": res[key]["nan_ok"]})
+                row["bound"] = res["bound"]
+                b = res["baseline"]
+                verdict = ("PASS" if res["ours"]["max_err"] <= res["bound"]
+                           and res["ours"]["lse_err"] <= res["lse_bound"]
+                           and res["ours"]["cos_diff"] < COS_LIMIT and res["ours"]["nan_ok"]
+                           else "FAIL")
+                row["check"] = verdict
+                log(f"  check {name} T={t_len} (kv group 0, all rows): max err vs oracle "
+                    f"ours {res['ours']['max_err']:.3e} (bound {res['bound']:.3e}), "
+                    f"baseline {b['max_err']:.3e}"
+                    + (f", torch {res['torch']['max_err']:.3e}" if "torch" in res else "")
+                    + f"; lse ours {res['ours']['lse_err']:.3e} (bound "
+                    f"{res['lse_bound']:.3e}); 1 - cos ours {res['ours']['cos_diff']:.2e}"
+                    + (f", torch {res['torch']['cos_diff']:.2e}" if "torch" in res else "")
+                    + f"; NaN placement ok: {res['ours']['nan_ok']}; {verdict}")
+            rows.append(row)
+            if torch_row is not None:
+                rows.append(torch_row)
+            ratio = f"{row['ratio_to_torch']:.2f}x torch" if "ratio_to_torch" in row else ""
+            log(f"  {name:<8} T={t_len:<5} ours {ms:8.3f} ms {row['TFLOPs']:7.1f} TFLOP/s"
+                + (f" | {torch_row['kernel']} {torch_row['ms']:8.3f} ms "
+                   f"{torch_row['TFLOPs']:7.1f} TFLOP/s | {ratio}" if torch_row else ""))
+            default_out = d_out.copy_to_host()
+            for warps, block_n in extra:
+                pl_x = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True, warps=warps,
+                                block_n=block_n)
+
+                def theirs_plan():
+                    mma.launch(pl_x, *words, t_len, kv, scale, d_out, d_lse)
+
+                ms_x = timer.time(theirs_plan, reps=reps, warmup=warmup)
+                diff = float(np.abs(d_out.copy_to_host() - default_out).max())
+                row_x = {**row, "kernel": f"prefill_mma[w{warps},n{block_n}]", "ms": ms_x,
+                         "default": False,
+                         "TFLOPs": flops / (ms_x * 1e-3) / 1e12}
+                for key in ("max_err", "bound", "cos_diff", "nan_ok", "check"):
+                    row_x.pop(key, None)
+                if torch_row is not None:
+                    row_x["ratio_to_torch"] = torch_row["ms"] / ms_x
+                rows.append(row_x)
+                log(f"    plan w{warps} n{block_n}: {ms_x:8.3f} ms {row_x['TFLOPs']:7.1f} TFLOP/s"
+                    + (f" | {row_x['ratio_to_torch']:.2f}x torch" if torch_row else "")
+                    + f" | max |out - default plan's| {diff:.2e}")
+    if bf16_tflops:
+        for r in rows:
+            r["frac_of_bf16_peak"] = r["TFLOPs"] / bf16_tflops
+    return rows
+
+
+def summary_lines(rows):
+    """Markdown of ``bench_prefill_mma``'s rows for the bench summary: a table and
+    the target lines (the default plan at ``TARGET_T``, each dtype)."""
+    def num(r, key, fmt):
+        x = r.get(key)
+        return "-" if x is None or x == "" else format(float(x), fmt)
+
+    lines = ["", "## Prefill on 16-bit tensor cores (bench.prefill_mma; causal, H 32, H_kv 8, "
+             "D 128)", "",
+             "q, K and V in the dtype, ours writes float32 out and lse. CUDA events around one "
+             "enqueue (ours: `mma.launch` of a plan made once; torch: SDPA with `enable_gqa`, "
+             "the backend that ran named), L2 flushed, host covered, median. FLOPs: 2 x 2 x "
+             "T^2 / 2 x H x D. speed vs torch: torch's time over the row's. Check (default "
+             "plan, kv group 0): max error against the float64 oracle, its bound (2 x the "
+             "rounded-P float32 baseline's error + the floor), 1 - cos, NaN placement.", "",
+             "| kernel | dtype | T | ms | TFLOP/s | of bf16 peak | speed vs torch | max err | "
+             "bound | 1 - cos | check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['seq_len']} | {num(r, 'ms', '.3f')} | "
+                     f"{num(r, 'TFLOPs', '.1f')} | {num(r, 'frac_of_bf16_peak', '.3f')} | "
+                     f"{num(r, 'ratio_to_torch', '.2f')} | {num(r, 'max_err', '.2e')} | "
+                     f"{num(r, 'bound', '.2e')} | {num(r, 'cos_diff', '.1e')} | "
+                     f"{r.get('check') or '-'} |")
+    lines += ["", "### Targets", ""]
+    if not any(r.get("default") and int(r["seq_len"]) == TARGET_T for r in rows):
+        lines.append(f"- no default-plan row at T {TARGET_T} in this run: the targets are not "
+                     f"judged")
+    for r in rows:
+        if not r.get("default") or int(r["seq_len"]) != TARGET_T:
+            continue
+        ratio = r.get("ratio_to_torch")
+        if ratio is None or ratio == "":
+            lines.append(f"- prefill_mma {r['dtype']} T {TARGET_T}: no torch row in this run "
+                         f"(target >= {TARGET_RATIO}x torch SDPA's speed): not measured")
+            continue
+        ratio = float(ratio)
+        verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+        moon = "reached" if ratio >= MOONSHOT_RATIO else "not reached"
+        lines.append(f"- prefill_mma {r['dtype']} T {TARGET_T}: x{ratio:.2f} torch SDPA's speed "
+                     f"(target >= {TARGET_RATIO}): {verdict}; moonshot {MOONSHOT_RATIO}: {moon}")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m bench.prefill_mma",
                                      description=__doc__.split("\n\n")[0])
@@ -129,11 +289,7 @@ def main(argv=None):
     if not gpu_available():
         print("bench.prefill_mma: needs a CUDA GPU (none here)", file=sys.stderr)
         return 1
-    from numba import cuda
-
-    from attention.prefill import mma
-
-    from .gpu import Timer, TorchTimer
+    from .gpu import Timer
 
     try:
         import torch
@@ -143,97 +299,8 @@ def main(argv=None):
         torch = None
     print(f"device: {device_name()}; torch: {torch.__version__ if torch else 'absent'}")
     print("FLOPs: 2 * 2 * T^2/2 * H * D (causal: the visible half of Q.K^T and P.V)")
-    timer = Timer()
-    tt = TorchTimer(torch) if torch is not None else None
-    rows = []
-    for name in DTYPES:
-        dt = _np_dtype(name)
-        for t_len, heads, kv, head_dim in SHAPES:
-            flops = prefill_flops(t_len, heads, head_dim)
-            q, k, v = _inputs(t_len, heads, kv, head_dim, dt, seed=t_len)
-            scale = 1.0 / math.sqrt(head_dim)
-            words = [cuda.to_device(np.ascontiguousarray(x).view(np.uint32).reshape(-1))
-                     for x in (q, k, v)]
-            d_out = cuda.device_array((t_len, heads * head_dim), np.float32)
-            d_lse = cuda.device_array((heads, t_len), np.float32)
-            pl = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True)
-
-            def ours():
-                mma.launch(pl, *words, t_len, kv, scale, d_out, d_lse)
-
-            ms = timer.time(ours, reps=reps, warmup=args.warmup)
-            row = {"kernel": f"prefill_mma[w{pl['warps']},n{pl['block_n']}]",
-                   "dtype": name, "seq_len": t_len, "heads": heads, "kv_heads": kv,
-                   "head_dim": head_dim, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
-            torch_row, theirs = None, None
-            if tt is not None:
-                from .sdpa import backend_of, label
-
-                tq = _torch_view(torch, q, t_len, heads, head_dim, name)
-                tk = _torch_view(torch, k, t_len, kv, head_dim, name)
-                tv = _torch_view(torch, v, t_len, kv, head_dim, name)
-                sdpa = torch.nn.functional.scaled_dot_product_attention
-
-                def run_sdpa():
-                    return sdpa(tq, tk, tv, is_causal=True, scale=scale, enable_gqa=True)
-
-                backend, how = backend_of(torch, run_sdpa)
-                tms = tt.time(run_sdpa, reps=reps, warmup=args.warmup)
-                torch_row = {**row, "kernel": label("torch_sdpa", backend), "ms": tms,
-                             "TFLOPs": flops / (tms * 1e-3) / 1e12, "ratio_to_torch": 1.0}
-                row["ratio_to_torch"] = tms / ms
-                print(f"  torch backend: {backend} ({how})")
-                if not args.no_check:
-                    o = run_sdpa()[0].transpose(0, 1).reshape(t_len, heads * head_dim)
-                    theirs = o.float().cpu().numpy()
-            if not args.no_check:
-                res = check(q, k, v, heads, kv, dt, (d_out.copy_to_host(), d_lse.copy_to_host()),
-                            theirs)
-                for r, key in ((row, "ours"), (torch_row, "torch")):
-                    if r is not None and key in res:
-                        r.update({"max_err": res[key]["max_err"], "cos_diff": res[key]["cos_diff"],
-                                  "nan_ok": res[key]["nan_ok"]})
-                row["bound"] = res["bound"]
-                b = res["baseline"]
-                verdict = ("PASS" if res["ours"]["max_err"] <= res["bound"]
-                           and res["ours"]["lse_err"] <= res["lse_bound"]
-                           and res["ours"]["cos_diff"] < COS_LIMIT and res["ours"]["nan_ok"]
-                           else "FAIL")
-                print(f"  check {name} T={t_len} (kv group 0, all rows): max err vs oracle "
-                      f"ours {res['ours']['max_err']:.3e} (bound {res['bound']:.3e}), "
-                      f"baseline {b['max_err']:.3e}"
-                      + (f", torch {res['torch']['max_err']:.3e}" if "torch" in res else "")
-                      + f"; lse ours {res['ours']['lse_err']:.3e} (bound "
-                      f"{res['lse_bound']:.3e}); 1 - cos ours {res['ours']['cos_diff']:.2e}"
-                      + (f", torch {res['torch']['cos_diff']:.2e}" if "torch" in res else "")
-                      + f"; NaN placement ok: {res['ours']['nan_ok']}; {verdict}")
-            rows.append(row)
-            if torch_row is not None:
-                rows.append(torch_row)
-            ratio = f"{row['ratio_to_torch']:.2f}x torch" if "ratio_to_torch" in row else ""
-            print(f"  {name:<8} T={t_len:<5} ours {ms:8.3f} ms {row['TFLOPs']:7.1f} TFLOP/s"
-                  + (f" | {torch_row['kernel']} {torch_row['ms']:8.3f} ms "
-                     f"{torch_row['TFLOPs']:7.1f} TFLOP/s | {ratio}" if torch_row else ""))
-            default_out = d_out.copy_to_host()
-            for warps, block_n in extra:
-                pl_x = mma.plan(t_len, heads, head_dim, mma.dtype_kind(dt), True, warps=warps,
-                                block_n=block_n)
-
-                def theirs_plan():
-                    mma.launch(pl_x, *words, t_len, kv, scale, d_out, d_lse)
-
-                ms_x = timer.time(theirs_plan, reps=reps, warmup=args.warmup)
-                diff = float(np.abs(d_out.copy_to_host() - default_out).max())
-                row_x = {**row, "kernel": f"prefill_mma[w{warps},n{block_n}]", "ms": ms_x,
-                         "TFLOPs": flops / (ms_x * 1e-3) / 1e12}
-                for key in ("max_err", "bound", "cos_diff", "nan_ok"):
-                    row_x.pop(key, None)
-                if torch_row is not None:
-                    row_x["ratio_to_torch"] = torch_row["ms"] / ms_x
-                rows.append(row_x)
-                print(f"    plan w{warps} n{block_n}: {ms_x:8.3f} ms {row_x['TFLOPs']:7.1f} TFLOP/s"
-                      + (f" | {row_x['ratio_to_torch']:.2f}x torch" if torch_row else "")
-                      + f" | max |out - default plan's| {diff:.2e}")
+    rows = bench_prefill_mma(Timer(), torch, print, reps=reps, warmup=args.warmup,
+                             check_rows=not args.no_check, extra=extra)
     if args.csv:
         import csv
 

@@ -38,8 +38,12 @@ never fatal):
   7. paged caches and batch invariance (bench/paged.py): ``DecodePlan.run``
      on contiguous and paged (HND / NHD, pages of 1, 16, 64) fp16 / bf16
      caches, batch-invariant plans, fixed split lengths, torch SDPA
+  8. prefill on 16-bit tensor cores (bench/prefill_mma.py, section ``prefill_mma``,
+     run after ``mla_mma``): ``attention.prefill.mma`` against torch SDPA in fp16 and
+     bf16 at T 2048 / 4096, H 32, H_kv 8, D 128, causal, with the oracle check of
+     kv group 0 and the issue's ratio target at T 4096
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, host.csv, prefill.csv,
-paged.csv, summary.md}.
+prefill_mma.csv, paged.csv, summary.md}.
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
 median of the repeats after warm-up; before each repeat the L2 is flushed
@@ -75,6 +79,9 @@ from .paged import summary_lines as paged_summary_lines
 from .prefill import COLUMNS as PREFILL_COLUMNS
 from .prefill import bench_prefill
 from .prefill import summary_lines as prefill_summary_lines
+from .prefill_mma import COLUMNS as PREFILL_MMA_COLUMNS
+from .prefill_mma import bench_prefill_mma
+from .prefill_mma import summary_lines as prefill_mma_summary_lines
 from .sdpa import backend_of as sdpa_backend_of
 from .sdpa import base_name
 from .sdpa import label as sdpa_label
@@ -907,6 +914,7 @@ class Tables:
         self.decode, self.mla, self.step, self.host = [], [], [], []  # decode/mla/step/host
         self.long, self.prefill, self.paged = [], [], []  # mla_long / prefill / paged
         self.mla_multi, self.mla_mma, self.checks = [], [], []  # mla_multi / mla_mma / -
+        self.prefill_mma = []  # prefill_mma
 
 
 def write_reports(out_dir, prov, ceilings, t, errors):
@@ -922,6 +930,7 @@ def write_reports(out_dir, prov, ceilings, t, errors):
     write_csv(out_dir / "paged.csv", t.paged, PAGED_COLUMNS)
     write_csv(out_dir / "mla_multi.csv", t.mla_multi, MLA_MULTI_COLUMNS)
     write_csv(out_dir / "mla_mma.csv", t.mla_mma, MLA_MMA_COLUMNS)
+    write_csv(out_dir / "prefill_mma.csv", t.prefill_mma, PREFILL_MMA_COLUMNS)
     errors = list(errors)
     try:
         plot(out_dir / "decode.png", t.decode, ceilings["copy_GBps"])
@@ -941,6 +950,8 @@ def write_reports(out_dir, prov, ceilings, t, errors):
     if t.mla_mma:
         parts.append("\n## MLA decode on 16-bit tensor cores (bench.mla_mma)\n\n"
                      + "\n".join(mla_mma_summary_lines(t.mla_mma)))
+    if t.prefill_mma:
+        parts.append("\n".join(prefill_mma_summary_lines(t.prefill_mma)))
     if parts:
         with open(out_dir / "summary.md", "a") as fh:
             fh.write("".join(p + "\n" for p in parts))
@@ -968,8 +979,8 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
     ap.add_argument("--skip", default="",
-                    help="comma list of: host,decode,mla,mla_mma,step,mla_long,prefill,paged,"
-                         "mla_multi")
+                    help="comma list of: host,decode,mla,mla_mma,prefill_mma,step,mla_long,"
+                         "prefill,paged,mla_multi")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -1025,6 +1036,8 @@ def main(argv=None):
                 ("mla", lambda: bench_mla(timer, peaks, torch, tables.mla)),
                 ("mla_mma", lambda: tables.mla_mma.extend(bench_mla_mma(
                     timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
+                ("prefill_mma", lambda: tables.prefill_mma.extend(bench_prefill_mma(
+                    timer, torch, log, reps=20, bf16_tflops=peaks["bf16_tc"]))),
                 ("step", lambda: bench_step(timer, tables.step)),
                 ("mla_long", lambda: bench_long_mla(timer, tables.long)),
                 ("prefill", lambda: bench_prefill(timer, fma_tf, torch, tables.prefill, log,

@@ -177,12 +177,49 @@ def test_prefill_summary_states_how_rows_are_timed():
     assert "| torch_sdpa[math] | 512 |" in text
 
 
+def test_prefill_mma_summary_judges_the_t4096_ratio(tmp_path):
+    """The 16-bit prefill section's target lines: the default plan at T 4096 only,
+    each dtype, met at x0.5 torch SDPA's speed or more, MISSED below; a run with no
+    torch row says "not measured", never met. The rows reach the bench summary and
+    their own CSV through write_reports."""
+    from bench import prefill_mma
+
+    def row(dtype, t, ratio, default=True, kernel="prefill_mma[w8,n64]"):
+        r = {"kernel": kernel, "dtype": dtype, "seq_len": t, "heads": 32, "kv_heads": 8,
+             "head_dim": 128, "ms": 0.5, "TFLOPs": 270.0, "default": default,
+             "frac_of_bf16_peak": 0.33, "max_err": 1e-3, "bound": 2e-3, "cos_diff": 1e-7,
+             "nan_ok": True, "check": "PASS"}
+        if ratio is not None:
+            r["ratio_to_torch"] = ratio
+        return r
+
+    rows = [row("float16", 2048, 0.30), row("float16", 4096, 0.52),
+            row("float16", 4096, 0.40, default=False, kernel="prefill_mma[w4,n64]"),
+            row("bfloat16", 4096, 0.49), row("float32", 4096, None)]
+    text = "\n".join(prefill_mma.summary_lines(rows))
+    targets = [line for line in text.splitlines() if line.startswith("- prefill_mma")]
+    assert len(targets) == 3, targets  # T 4096 default rows only
+    assert "float16 T 4096: x0.52" in targets[0] and targets[0].count("met") == 1
+    assert "MISSED" in targets[1] and "bfloat16" in targets[1]
+    assert "not measured" in targets[2] and "met" not in targets[2]
+    assert "| prefill_mma[w4,n64] | float16 | 4096 |" in text
+    t = run.Tables()
+    t.prefill_mma.extend(rows)
+    out = tmp_path / "bench"
+    out.mkdir()
+    run.write_reports(out, {"git_commit": "x"}, CEILINGS, t, [])
+    assert "## Prefill on 16-bit tensor cores" in (out / "summary.md").read_text()
+    header = (out / "prefill_mma.csv").read_text().splitlines()[0]
+    assert header == ",".join(prefill_mma.COLUMNS)
+
+
 def test_bench_imports_without_torch():
     import subprocess
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import bench.run, bench.prefill, bench.sdpa, bench.gpu, bench.partials\n"
+            "import bench.run, bench.prefill, bench.prefill_mma, bench.sdpa, bench.gpu, "
+            "bench.partials\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
