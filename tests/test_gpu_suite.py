@@ -356,3 +356,19 @@ def test_expected_failures_are_recorded_as_such_not_as_skips():
     log = ("[gw1] [ 86%] XFAIL tests/test_a.py::test_one[x] \n"
            "tests/test_a.py::test_two XPASS                               [100%]\n")
     assert {t["outcome"] for t in parse_log(log)} == {"xfailed", "xpassed"}
+
+
+def test_inline_error_records_are_counted_and_the_banner_is_not():
+    """A cut sanitizer run has no ERROR SUMMARY: its report counts the error records
+    compute-sanitizer printed as they happened. Control: the tool's banner and
+    pytest's own ``=====`` lines count as none."""
+    from validation.gpu_suite import inline_errors
+
+    clean = ("========= COMPUTE-SANITIZER\n"
+             "============================= test session starts ==============================\n"
+             "tests/test_a.py::test_one PASSED\n")
+    assert inline_errors(clean) == 0
+    dirty = clean + ("========= Invalid __global__ write of size 4 bytes\n"
+                     "=========     at kernel+0xd0\n"
+                     "========= Error: Race reported between Write access at k+0x10\n")
+    assert inline_errors(dirty) == 2

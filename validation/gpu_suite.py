@@ -132,14 +132,18 @@ def main(argv=None):
     if args.sanitizer:
         summaries = sanitizer_summaries(text)
         errors = sum(summaries)
+        inline = inline_errors(text)
         report["sanitizer"] = {"tool": args.sanitizer, "error_summaries": len(summaries),
-                               "errors": errors, "control": control}
-        if errors:
+                               "errors": errors, "errors_reported_inline": inline,
+                               "control": control}
+        if errors or inline:
             status = status or 3
         if control is not None and not control["caught"]:
             status = status or 5
         if not summaries:
-            report["sanitizer"]["note"] = "no ERROR SUMMARY line found: did the tool run?"
+            report["sanitizer"]["note"] = (
+                CUT_NOTE if report["interrupted"] and "COMPUTE-SANITIZER" in text
+                else "no ERROR SUMMARY line found: did the tool run?")
             status = status or 4
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
@@ -288,6 +292,18 @@ _OUTCOME = re.compile(
     r"|(tests/.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: +\[ *\d+%\])?\s*$)")
 
 
+# a run cut by its time limit (SIGINT) ends before compute-sanitizer prints its summary
+CUT_NOTE = ("the run was cut before the tool's ERROR SUMMARY; errors_reported_inline counts "
+            "the error records it printed until then")
+
+
+def inline_errors(text):
+    """Error records compute-sanitizer printed as they happened (one a hazard or bad
+    access: ``========= Invalid ...``, ``Race ...``, ``Error ...``, ``Program hit
+    ...``); with no closing summary (a cut run) they are what the log can tell."""
+    return len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
+
+
 def sanitizer_summaries(text):
     """Error counts of compute-sanitizer's closing lines: ``ERROR SUMMARY: N errors``
     (memcheck, initcheck, synccheck) or ``RACECHECK SUMMARY: N hazards displayed
@@ -353,14 +369,12 @@ def from_log(args):
     if control is not None and not control["caught"]:
         status = status or 5
     if "COMPUTE-SANITIZER" in text:
-        errors_inline = len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
         report["sanitizer"] = {
             # sanitizer-<tool>[-<what>]: e.g. sanitizer-memcheck-full
             "tool": args.name.replace("sanitizer-", "").split("-")[0] if args.name else None,
             "error_summaries": len(summaries), "errors": sum(summaries),
-            "errors_reported_inline": errors_inline, "control": control,
-            "note": "" if summaries else "the run was cut before the tool's ERROR SUMMARY; "
-                    "errors_reported_inline counts the error records it printed until then"}
+            "errors_reported_inline": inline_errors(text), "control": control,
+            "note": "" if summaries else CUT_NOTE}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'suite'}.json"
