@@ -44,8 +44,9 @@ values; per token and head, ``2 * B * H_kv * L * 4``). Its issue target: 0.90
 of copy at T_q 1.
 
 ``--splits``: only the split probe (``probe_splits``): per split count, the
-main kernel with and without its combine, the combine alone and the main
-kernel over empty sequences, fp8 and fp16.
+main kernel with and without its combine, the combine alone, the main kernel
+over empty sequences and a kernel that does nothing on the same grid (without
+and with the plan's shared memory), fp8 and fp16.
 
 ``--tune``: the mma kernel alone over warps {2, 4, 8} x stages {2, 3, 4}
 (fp16, pooled, T_q 1 and 4): the defaults ``mma.WARPS`` / ``mma.STAGES`` are
@@ -395,7 +396,9 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
                 sink = out.reshape(b * h * d)
                 null0 = timer.time(lambda: _null_kernel[pl["grid"], pl["block"], 0, 0](sink),
                                    reps=reps, warmup=5)
-                ensure_dynamic_shared(_null_kernel, (sink,), pl["dyn_smem"], 0, "null")
+                # the opt-in a size (a tag each: a later plan may need more than an earlier)
+                ensure_dynamic_shared(_null_kernel, (sink,), pl["dyn_smem"], 0,
+                                      f"null{pl['dyn_smem']}")
                 null1 = timer.time(
                     lambda: _null_kernel[pl["grid"], pl["block"], 0, pl["dyn_smem"]](sink),
                     reps=reps, warmup=5)
