@@ -370,5 +370,6 @@ def test_inline_error_records_are_counted_and_the_banner_is_not():
     assert inline_errors(clean) == 0
     dirty = clean + ("========= Invalid __global__ write of size 4 bytes\n"
                      "=========     at kernel+0xd0\n"
-                     "========= Error: Race reported between Write access at k+0x10\n")
-    assert inline_errors(dirty) == 2
+                     "========= Error: Race reported between Write access at k+0x10\n"
+                     "========= Warning: Race reported between Read access at k+0x20\n")
+    assert inline_errors(dirty) == 3

@@ -299,9 +299,11 @@ CUT_NOTE = ("the run was cut before the tool's ERROR SUMMARY; errors_reported_in
 
 def inline_errors(text):
     """Error records compute-sanitizer printed as they happened (one a hazard or bad
-    access: ``========= Invalid ...``, ``Race ...``, ``Error ...``, ``Program hit
-    ...``); with no closing summary (a cut run) they are what the log can tell."""
-    return len(re.findall(r"^========= (Invalid|Race|Error|Program hit)", text, re.M))
+    access: ``========= Invalid ...``, ``Race ...``, ``Error ...``, ``Warning: Race
+    ...`` (racecheck's summary counts its warnings too), ``Program hit ...``); with no
+    closing summary (a cut run) they are what the log can tell."""
+    return len(re.findall(r"^========= (Invalid|Race|Error|Warning: Race|Program hit)", text,
+                          re.M))
 
 
 def sanitizer_summaries(text):
