@@ -39,7 +39,7 @@ never fatal):
      on contiguous and paged (HND / NHD, pages of 1, 16, 64) fp16 / bf16
      caches, batch-invariant plans, fixed split lengths, torch SDPA
   8. prefill on 16-bit tensor cores (bench/prefill_mma.py, section ``prefill_mma``,
-     run after ``mla_mma``): ``attention.prefill.mma`` against torch SDPA in fp16 and
+     run last): ``attention.prefill.mma`` against torch SDPA in fp16 and
      bf16 at T 2048 / 4096, H 32, H_kv 8, D 128, causal, with the oracle check of
      kv group 0 and the issue's ratio target at T 4096
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, host.csv, prefill.csv,
@@ -979,8 +979,8 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
     ap.add_argument("--skip", default="",
-                    help="comma list of: host,decode,mla,mla_mma,prefill_mma,step,mla_long,"
-                         "prefill,paged,mla_multi")
+                    help="comma list of: host,decode,mla,mla_mma,step,mla_long,prefill,paged,"
+                         "mla_multi,prefill_mma")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(args.out)
@@ -1036,15 +1036,17 @@ def main(argv=None):
                 ("mla", lambda: bench_mla(timer, peaks, torch, tables.mla)),
                 ("mla_mma", lambda: tables.mla_mma.extend(bench_mla_mma(
                     timer, torch, copy_gbps, peaks["bf16_tc"], verbose=True))),
-                ("prefill_mma", lambda: tables.prefill_mma.extend(bench_prefill_mma(
-                    timer, torch, log, reps=20, bf16_tflops=peaks["bf16_tc"]))),
                 ("step", lambda: bench_step(timer, tables.step)),
                 ("mla_long", lambda: bench_long_mla(timer, tables.long)),
                 ("prefill", lambda: bench_prefill(timer, fma_tf, torch, tables.prefill, log,
                                                   peaks["bf16_tc"])),
                 ("paged", lambda: bench_paged(timer, copy_gbps, torch, tables.paged, log)),
                 ("mla_multi", lambda: tables.mla_multi.extend(
-                    bench_mla_multi(timer, verbose=True))))
+                    bench_mla_multi(timer, verbose=True))),
+                # last: new, and its oracle checks take about a minute of CPU time at
+                # T 4096; a run cut by its limit keeps the sections before it
+                ("prefill_mma", lambda: tables.prefill_mma.extend(bench_prefill_mma(
+                    timer, torch, log, reps=20, bf16_tflops=peaks["bf16_tc"]))))
     ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf,
                 "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
     todo = [name for name, _ in sections if name not in skip]
