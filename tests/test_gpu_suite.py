@@ -333,6 +333,43 @@ def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
         assert " tests/test_tgemm.py " in line
 
 
+def test_gpu_all_memcheck_tc_takes_the_tensor_core_files_alone(tmp_path):
+    """The memcheck_tc stage runs memcheck over the tensor-core kernels' test files
+    and no other, into its own report. Control: the memcheck stage takes those
+    files and the rest."""
+    import os
+    import shutil
+    import subprocess
+
+    from validation.provenance import ROOT
+
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu_all", "_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    shutil.copytree(ROOT / "tests", tmp_path / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    fake = tmp_path / "python"
+    fake.write_text(ARGS_INTERPRETER)
+    fake.chmod(0o755)
+    logs = tmp_path / "reports" / "gpu" / "logs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
+    env.update(ATTN_PYTHON=str(fake), PYTHONPATH=str(ROOT))
+    subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck_tc", "memcheck"],
+                   env=env, capture_output=True, text=True, timeout=60)
+    lines = {stage: next(line for line in (logs / f"{stage}.log").read_text().splitlines()
+                         if line.startswith("ARGS: "))
+             for stage in ("memcheck_tc", "memcheck")}
+    tc = ("test_tgemm", "test_mma16", "test_mla_mma", "test_decode_mma", "test_prefill_mma",
+          "test_prefill_tf32", "test_decode_mma_fp8", "test_decode_plan_mma",
+          "test_registry_mma")
+    named = [w for w in lines["memcheck_tc"].split() if w.startswith("tests/")]
+    assert sorted(named) == sorted(f"tests/{f}.py" for f in tc), named
+    assert "--name sanitizer-memcheck-tensorcore" in lines["memcheck_tc"]
+    assert "--sanitizer memcheck" in lines["memcheck_tc"]
+    rest = [w for w in lines["memcheck"].split() if w.startswith("tests/")]
+    assert set(named) < set(rest) and "tests/test_decode_paged.py" in rest
+
+
 def test_expected_failures_are_recorded_as_such_not_as_skips():
     """An xfail-marked test that fails is "xfailed" (with its reason), in the plugin's
     record and in a log rebuilt report; pytest itself calls it skipped. Control: a
