@@ -296,10 +296,9 @@ esac
 """
 
 
-def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
-    """ATTN_SANITIZER_WORKERS=3 gives the memcheck and racecheck stages' pytest three
-    xdist workers a file each (``-n 3 --dist loadfile``), the tensor-core files
-    still named first. Control: unset, their command lines hold no ``-n``."""
+def _args_copy(tmp_path):
+    """A copy of scripts/gpu_all (and tests/, whose files it lists) run by
+    ``ARGS_INTERPRETER``: (run(stages, **env) -> {stage: its command line})."""
     import os
     import shutil
     import subprocess
@@ -316,19 +315,27 @@ def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
     fake.chmod(0o755)
     logs = tmp_path / "reports" / "gpu" / "logs"
 
-    def command_lines(**extra):
+    def run(stages, **extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
         env.update(ATTN_PYTHON=str(fake), PYTHONPATH=str(ROOT), **extra)
-        subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck",
-                        "racecheck"], env=env, capture_output=True, text=True, timeout=60)
+        subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), *stages], env=env,
+                       capture_output=True, text=True, timeout=60)
         return {stage: next(line for line in (logs / f"{stage}.log").read_text().splitlines()
                             if line.startswith("ARGS: "))
-                for stage in ("memcheck", "racecheck")}
+                for stage in stages}
 
-    for stage, line in command_lines(ATTN_SANITIZER_WORKERS="3").items():
+    return run
+
+
+def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
+    """ATTN_SANITIZER_WORKERS=3 gives the memcheck and racecheck stages' pytest three
+    xdist workers a file each (``-n 3 --dist loadfile``), the tensor-core files
+    still named first. Control: unset, their command lines hold no ``-n``."""
+    run = _args_copy(tmp_path)
+    for stage, line in run(["memcheck", "racecheck"], ATTN_SANITIZER_WORKERS="3").items():
         assert " -n 3 --dist loadfile tests/test_tgemm.py " in line, (stage, line)
         assert f"--sanitizer {stage}" in line
-    for stage, line in command_lines().items():
+    for stage, line in run(["memcheck", "racecheck"]).items():
         assert " -n " not in line and "--dist" not in line, (stage, line)
         assert " tests/test_tgemm.py " in line
 
@@ -337,28 +344,7 @@ def test_gpu_all_memcheck_tc_takes_the_tensor_core_files_alone(tmp_path):
     """The memcheck_tc stage runs memcheck over the tensor-core kernels' test files
     and no other, into its own report. Control: the memcheck stage takes those
     files and the rest."""
-    import os
-    import shutil
-    import subprocess
-
-    from validation.provenance import ROOT
-
-    (tmp_path / "scripts").mkdir()
-    for name in ("gpu_all", "_env.sh"):
-        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
-    shutil.copytree(ROOT / "tests", tmp_path / "tests",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    fake = tmp_path / "python"
-    fake.write_text(ARGS_INTERPRETER)
-    fake.chmod(0o755)
-    logs = tmp_path / "reports" / "gpu" / "logs"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
-    env.update(ATTN_PYTHON=str(fake), PYTHONPATH=str(ROOT))
-    subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck_tc", "memcheck"],
-                   env=env, capture_output=True, text=True, timeout=60)
-    lines = {stage: next(line for line in (logs / f"{stage}.log").read_text().splitlines()
-                         if line.startswith("ARGS: "))
-             for stage in ("memcheck_tc", "memcheck")}
+    lines = _args_copy(tmp_path)(["memcheck_tc", "memcheck"])
     tc = ("test_tgemm", "test_mma16", "test_mla_mma", "test_decode_mma", "test_prefill_mma",
           "test_prefill_tf32", "test_decode_mma_fp8", "test_decode_plan_mma",
           "test_registry_mma")
