@@ -348,6 +348,7 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
     b, h, kv, d, seq = shape
     rng = np.random.default_rng(9)
     fp8 = fp8_cache(shape, rng)
+    lens, slots = fp8[2], fp8[3]  # every sequence L long, slot m = sequence m (both caches)
     f8_scales = fp8_scales(shape, "tensor", rng)
     k16 = random_array((b, kv, seq, d), np.float16, 31)
     v16 = random_array((b, kv, seq, d), np.float16, 32)
@@ -375,12 +376,12 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
                 pa, pm = fast.scratch(b, h, d, pl["n_split"])
                 alone = dict(pl, n_split=1)  # launch() then leaves the combine out
 
-                def call(p, lens):
-                    mma.launch(p, q, k, v, lens, fp8[3], scale, out, lse, pa, pm, 0,
+                def call(p, lengths):
+                    mma.launch(p, q, k, v, lengths, slots, scale, out, lse, pa, pm, 0,
                                d_k_scale=ks, d_v_scale=vs)
 
-                both = timer.time(lambda: call(pl, fp8[2]), reps=reps, warmup=5)
-                main = timer.time(lambda: call(alone, fp8[2]), reps=reps, warmup=5)
+                both = timer.time(lambda: call(pl, lens), reps=reps, warmup=5)
+                main = timer.time(lambda: call(alone, lens), reps=reps, warmup=5)
                 empty = timer.time(lambda: call(alone, zeros), reps=reps, warmup=5)
                 comb = 0.0
                 if pl["n_split"] > 1:
