@@ -340,20 +340,21 @@ def test_gpu_all_runs_the_sanitizer_stages_in_workers_when_asked(tmp_path):
         assert " tests/test_tgemm.py " in line
 
 
-def test_gpu_all_memcheck_tc_takes_the_tensor_core_files_alone(tmp_path):
-    """The memcheck_tc stage runs memcheck over the tensor-core kernels' test files
-    and no other, into its own report. Control: the memcheck stage takes those
-    files and the rest."""
-    lines = _args_copy(tmp_path)(["memcheck_tc", "memcheck"])
+def test_gpu_all_tc_stages_take_the_tensor_core_files_alone(tmp_path):
+    """The memcheck_tc and racecheck_tc stages run their sanitizer over the tensor-core
+    kernels' test files and no other, each into its own report. Control: the memcheck
+    and racecheck stages take those files and others."""
+    lines = _args_copy(tmp_path)(["memcheck_tc", "memcheck", "racecheck_tc", "racecheck"])
     tc = ("test_tgemm", "test_mma16", "test_mla_mma", "test_decode_mma", "test_prefill_mma",
           "test_prefill_tf32", "test_decode_mma_fp8", "test_decode_plan_mma",
           "test_registry_mma")
-    named = [w for w in lines["memcheck_tc"].split() if w.startswith("tests/")]
-    assert sorted(named) == sorted(f"tests/{f}.py" for f in tc), named
-    assert "--name sanitizer-memcheck-tensorcore" in lines["memcheck_tc"]
-    assert "--sanitizer memcheck" in lines["memcheck_tc"]
-    rest = [w for w in lines["memcheck"].split() if w.startswith("tests/")]
-    assert set(named) < set(rest) and "tests/test_decode_paged.py" in rest
+    for tool in ("memcheck", "racecheck"):
+        named = [w for w in lines[f"{tool}_tc"].split() if w.startswith("tests/")]
+        assert sorted(named) == sorted(f"tests/{f}.py" for f in tc), (tool, named)
+        assert f"--name sanitizer-{tool}-tensorcore" in lines[f"{tool}_tc"]
+        assert f"--sanitizer {tool}" in lines[f"{tool}_tc"]
+        rest = [w for w in lines[tool].split() if w.startswith("tests/")]
+        assert set(named) < set(rest) and "tests/test_prefill.py" in rest, tool
 
 
 def test_expected_failures_are_recorded_as_such_not_as_skips():
