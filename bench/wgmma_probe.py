@@ -1,0 +1,386 @@
+"""What Hopper's warp-group MMA (``wgmma``) gives a Numba kernel: a probe, not a
+product kernel (printed, no report).
+
+    python3 -m bench.wgmma_probe [--iters 2048] [--n 64,128,256]
+
+The 16-bit tensor-core kernels (``attention.gemm.mma16``: MLA decode, prefill) issue
+``mma.sync.m16n8k16``, one warp at a time, with every operand first loaded from
+shared memory into registers by ``ldmatrix``. Hopper's ``wgmma.mma_async`` lets a
+warp group (128 threads) multiply a 64-row A by an N-column B (N up to 256) that it
+reads straight from shared memory through 64-bit matrix descriptors: per tile the
+shared-memory traffic that bounds the 128-head MLA decode falls about fourfold
+(notes/bench.md, the shared-memory byte model). ``wgmma`` exists only on the
+architecture-specific target ``sm_90a``; numba-cuda 0.30.4 links a kernel for
+``sm_90a`` on a compute-capability-9.0 device (``CUDACodeLibrary._ensure_cc``), so
+inline PTX can issue it. This probe asks two questions on the GPU:
+
+1. **Layout** (``check``): one warp group computes ``D[64, N] = A[64, 16] @ B[16, N]``
+   from fp16 or bf16 operands in shared memory (no swizzle; both operands K-major, A
+   as ``[64, 16]``, B as ``B^T [N, 16]``) with fp32 accumulation, and writes each
+   thread's ``N / 2`` accumulator registers out raw; the host places them with the
+   accumulator layout below and compares with numpy. The operands are multiples of
+   1/4 in [-1, 1], so every product and sum is exact in fp32: the comparison is
+   ``==``. Both readings of the descriptor's two byte offsets run (``LBO`` between
+   the core matrices along K, ``SBO`` along M / N, and the two swapped): exactly one
+   can be right, so the wrong one is the check's control.
+2. **Throughput** (``throughput``): every block one warp group issuing four
+   ``wgmma.m64nNk16`` a step on the same shared tiles (no memory traffic), against
+   a loop of ``mma.sync.m16n8k16`` from registers (eight independent accumulators a
+   warp, the instruction ``attention.gemm.mma16`` uses), and torch's bf16 matmul on
+   8192^3 (``bench.gpu.torch_matmul_peak``) when torch is importable. TFLOP/s counts
+   2 x 64 x N x 16 flops a wgmma and 2 x 16 x 8 x 16 an mma.sync.
+
+Layout conventions (PTX ISA, "Matrix Descriptor Format" and the wgmma fragments):
+
+* A core matrix is 8 rows x 16 bytes (8 16-bit values of K), its rows 16 bytes
+  apart: 128 contiguous bytes. ``core_layout`` stores element ``(r, k)`` of an
+  operand with 16 values of K at 16-bit index ``(r // 8) * 128 + (k // 8) * 64 +
+  (r % 8) * 8 + k % 8``: the two core matrices of a row group side by side (128
+  bytes apart along K), row groups 256 bytes apart.
+* A descriptor: bits 0-13 the shared address >> 4, bits 16-29 ``LBO`` >> 4, bits
+  32-45 ``SBO`` >> 4, bits 62-63 the swizzle mode (0: none).
+* Accumulators: thread ``t`` of the warp group (warp ``w = t // 32``, lane ``l``)
+  holds register ``i`` of ``N / 2`` at row ``16 w + l // 4 + 8 ((i % 4) // 2)``,
+  column ``8 (i // 4) + 2 (l % 4) + i % 2`` (``accumulator_index``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import numpy as np
+
+M, K = 64, 16  # a wgmma's rows and its K step (16-bit operands)
+A_ELEMS = M * K
+WG = 128  # threads of a warp group
+CORE_BYTES = 128  # one core matrix: 8 rows x 16 bytes
+LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N (core_layout)
+N_CHOICES = (8, 16, 32, 64, 128, 256)
+STEPS = 4  # wgmma a throughput step
+MMA_CHAINS = 8  # independent mma.sync accumulators a warp
+
+
+def core_layout(x):
+    """``x [rows, 16]`` (rows a multiple of 8) -> flat ``[rows * 16]`` in the
+    no-swizzle core-matrix order the descriptors of ``LBO`` / ``SBO`` describe."""
+    rows = x.shape[0]
+    if x.shape[1] != K or rows % 8:
+        raise ValueError(f"x: expected [8 r, {K}], got {x.shape}")
+    r, k = np.meshgrid(np.arange(rows), np.arange(K), indexing="ij")
+    out = np.empty(rows * K, x.dtype)
+    out[(r // 8) * 128 + (k // 8) * 64 + (r % 8) * 8 + k % 8] = x
+    return out
+
+
+def accumulator_index(n):
+    """(row, column) ``[WG, n / 2]`` of every thread's accumulator registers of a
+    ``wgmma.m64n<n>k16`` with fp32 accumulation."""
+    t = np.arange(WG)[:, None]
+    i = np.arange(n // 2)[None, :]
+    w, lane = t // 32, t % 32
+    row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
+    col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+    return row, col
+
+
+def descriptor(addr, lbo, sbo):
+    """The 64-bit no-swizzle matrix descriptor (host form, for tests and docs)."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
+
+
+@functools.lru_cache(maxsize=None)
+def _intrinsics(n, kind, steps):
+    """(``first(da, db)``: D = A B, ``acc(da, db, d)``: ``steps`` wgmma D += A B),
+    each returning the ``n / 2`` fp32 registers, and ``fence()`` (generic-proxy
+    shared stores made visible to the wgmma's async proxy)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    regs = n // 2
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    ptx_t = "f16" if kind == "f16" else "bf16"
+    outs = ", ".join(f"${i}" for i in range(regs))
+    mma = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
+           f"{{{outs}}}, ${regs}, ${regs + 1}, p, 1, 1, 0, 0;\n")
+    ret = types.UniTuple(types.float32, regs)
+    struct = ir.LiteralStructType([f32] * regs)
+
+    def body(scale_d, count):
+        return ("{\n.reg .pred p;\n" f"setp.ne.b32 p, {scale_d}, 0;\n"
+                "wgmma.fence.sync.aligned;\n" + mma * count
+                + "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}")
+
+    def unpack(context, builder, r):
+        return context.make_tuple(builder, ret, [builder.extract_value(r, i)
+                                                 for i in range(regs)])
+
+    @intrinsic
+    def first(typingctx, da, db):
+        sig = ret(types.uint64, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(struct, [i64, i64])
+            cons = ",".join(["=f"] * regs) + ",l,l,~{memory}"
+            r = builder.call(ir.InlineAsm(fnty, body(0, 1), cons, side_effect=True), list(args))
+            return unpack(context, builder, r)
+
+        return sig, codegen
+
+    @intrinsic
+    def acc(typingctx, da, db, d):
+        sig = ret(types.uint64, types.uint64, ret)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(struct, [i64, i64] + [f32] * regs)
+            cons = (",".join(["=f"] * regs) + ",l,l,"
+                    + ",".join(str(i) for i in range(regs)) + ",~{memory}")
+            ins = [builder.extract_value(args[2], i) for i in range(regs)]
+            r = builder.call(ir.InlineAsm(fnty, body(1, steps), cons, side_effect=True),
+                             [args[0], args[1]] + ins)
+            return unpack(context, builder, r)
+
+        return sig, codegen
+
+    @intrinsic
+    def fence(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, "fence.proxy.async.shared::cta;", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return first, acc, fence
+
+
+def _shared_base():
+    from attention.gemm.mma16 import smem_ops
+
+    return smem_ops()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def check_kernel(n, kind, lbo, sbo):
+    """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``
+    (``a_core [64 * 16]``, ``b_core [n * 16]``: 16-bit words in ``core_layout``)."""
+    from numba import cuda, uint16, uint64
+
+    first, _, fence = _intrinsics(n, kind, 1)
+    shared_base = _shared_base()
+    regs = n // 2
+    b_elems = n * K
+
+    @cuda.jit
+    def kernel(a_core, b_core, raw):
+        sa = cuda.shared.array(A_ELEMS, uint16, alignment=128)
+        sb = cuda.shared.array(b_elems, uint16, alignment=128)
+        t = cuda.threadIdx.x
+        for i in range(t, A_ELEMS, WG):
+            sa[i] = a_core[i]
+        for i in range(t, b_elems, WG):
+            sb[i] = b_core[i]
+        fence()
+        cuda.syncthreads()
+        da = uint64((shared_base(sa) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
+            | uint64(sbo >> 4) << 32
+        db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
+            | uint64(sbo >> 4) << 32
+        d = first(da, db)
+        for i in range(regs):
+            raw[t, i] = d[i]
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def throughput_kernel(n, kind):
+    """Blocks of one warp group, each ``iters`` steps of ``STEPS`` wgmma on its own
+    shared tiles; ``sink[block * 128 + t]`` keeps the accumulators live."""
+    from numba import cuda, float32, uint16, uint64
+
+    first, acc, fence = _intrinsics(n, kind, STEPS)
+    shared_base = _shared_base()
+    regs = n // 2
+    b_elems = n * K
+
+    @cuda.jit
+    def kernel(sink, iters):
+        sa = cuda.shared.array(A_ELEMS, uint16, alignment=128)
+        sb = cuda.shared.array(b_elems, uint16, alignment=128)
+        t = cuda.threadIdx.x
+        for i in range(t, A_ELEMS, WG):
+            sa[i] = uint16(0x3000 + i % 7)  # small normal values in fp16 and bf16 alike
+        for i in range(t, b_elems, WG):
+            sb[i] = uint16(0x3000 + i % 5)
+        fence()
+        cuda.syncthreads()
+        da = uint64((shared_base(sa) & 0x3FFFF) >> 4) | uint64(LBO >> 4) << 16 \
+            | uint64(SBO >> 4) << 32
+        db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(LBO >> 4) << 16 \
+            | uint64(SBO >> 4) << 32
+        d = first(da, db)
+        for _ in range(iters):
+            d = acc(da, db, d)
+        s = float32(0.0)
+        for i in range(regs):
+            s += d[i]
+        sink[cuda.blockIdx.x * WG + t] = s
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def mma_sync_kernel(kind):
+    """Warps of ``mma.sync.m16n8k16`` from registers: ``MMA_CHAINS`` independent
+    accumulators, ``iters`` rounds."""
+    from numba import cuda, float32, uint32
+
+    from attention.gemm.mma16 import ops
+
+    mma, _ = ops(kind)
+
+    @cuda.jit
+    def kernel(sink, iters):
+        t = cuda.threadIdx.x
+        a = uint32(0x30003000 + t % 3)
+        b = uint32(0x30003000 + t % 5)
+        c = cuda.local.array((MMA_CHAINS, 4), float32)
+        for j in range(MMA_CHAINS):
+            for r in range(4):
+                c[j, r] = float32(0.0)
+        for _ in range(iters):
+            for j in range(MMA_CHAINS):
+                c[j, 0], c[j, 1], c[j, 2], c[j, 3] = mma(a, a, a, a, b, b,
+                                                         c[j, 0], c[j, 1], c[j, 2], c[j, 3])
+        s = float32(0.0)
+        for j in range(MMA_CHAINS):
+            for r in range(4):
+                s += c[j, r]
+        sink[cuda.blockIdx.x * cuda.blockDim.x + t] = s
+
+    return kernel
+
+
+def _operands(n, kind, seed):
+    """A [64, 16], B [16, n] as multiples of 1/4 in [-1, 1] (exact in 16 bits and
+    every fp32 sum of 16 products), and their 16-bit words."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-4, 5, (M, K)) / 4.0
+    b = rng.integers(-4, 5, (K, n)) / 4.0
+
+    def words(x):
+        if kind == "f16":
+            return x.astype(np.float16).view(np.uint16)
+        return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # exact
+
+    return a, b, words(a), words(b)
+
+
+def check(n=64, kind="f16", seed=0):
+    """Run ``check_kernel`` with both readings of the byte offsets; returns
+    ``{(lbo, sbo): (exact, max_abs_err)}`` against numpy's A @ B."""
+    from numba import cuda
+
+    a, b, aw, bw = _operands(n, kind, seed)
+    want = a @ b
+    rows, cols = accumulator_index(n)
+    out = {}
+    for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
+        raw = cuda.device_array((WG, n // 2), np.float32)
+        check_kernel(n, kind, lbo, sbo)[1, WG](cuda.to_device(core_layout(aw)),
+                                               cuda.to_device(core_layout(bw.T.copy())), raw)
+        got = np.zeros((M, n))
+        got[rows, cols] = raw.copy_to_host()
+        out[(lbo, sbo)] = (bool(np.array_equal(got, want)), float(np.max(np.abs(got - want))))
+    return out
+
+
+def throughput(timer, n, kind="f16", iters=2048, blocks_per_sm=2, sms=132):
+    """TFLOP/s of ``throughput_kernel`` (and its ms)."""
+    from numba import cuda
+
+    blocks = sms * blocks_per_sm
+    sink = cuda.device_array(blocks * WG, np.float32)
+    kern = throughput_kernel(n, kind)
+    ms = timer.time(lambda: kern[blocks, WG](sink, np.int32(iters)), reps=10, flush=False)
+    flops = 2.0 * M * n * K * (1 + STEPS * iters) * blocks
+    return flops / (ms * 1e-3) / 1e12, ms
+
+
+def mma_sync_throughput(timer, kind="f16", iters=2048, sms=132):
+    from numba import cuda
+
+    blocks, threads = sms * 8, 256
+    sink = cuda.device_array(blocks * threads, np.float32)
+    kern = mma_sync_kernel(kind)
+    ms = timer.time(lambda: kern[blocks, threads](sink, np.int32(iters)), reps=10, flush=False)
+    flops = 2.0 * 16 * 8 * 16 * MMA_CHAINS * iters * blocks * (threads // 32)
+    return flops / (ms * 1e-3) / 1e12, ms
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python3 -m bench.wgmma_probe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=2048)
+    parser.add_argument("--n", default="64,128,256", help="wgmma N of the throughput rows")
+    args = parser.parse_args(argv)
+    from numba import cuda
+
+    if not cuda.is_available():
+        print("bench.wgmma_probe: needs a CUDA GPU (none here)", file=sys.stderr)
+        return 2
+    dev = cuda.get_current_device()
+    print(f"device {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, "
+          f"cc {dev.compute_capability}, SMs {dev.MULTIPROCESSOR_COUNT}")
+    if dev.compute_capability != (9, 0):
+        print("wgmma needs sm_90a (compute capability 9.0)", file=sys.stderr)
+        return 2
+    sms = dev.MULTIPROCESSOR_COUNT
+    for kind in ("f16", "bf16"):
+        for n in (8, 64, 256):
+            try:
+                res = check(n, kind)
+            except Exception as exc:  # a probe: report the failure and go on
+                print(f"layout {kind} m64n{n}k16: error {type(exc).__name__}: {exc}")
+                continue
+            text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
+                             f"(max |err| {err:.3g})" for (lb, sb), (ok, err) in res.items())
+            print(f"layout {kind} m64n{n}k16: {text}")
+    from bench.gpu import Timer
+
+    timer = Timer()
+    peak = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from bench.gpu import torch_matmul_peak
+
+            peak = torch_matmul_peak(torch, "bf16")[0]
+            print(f"torch bf16 matmul 8192^3: {peak:.0f} TFLOP/s (backend cuBLAS)")
+    except ImportError:
+        print("torch not importable: no peak row")
+    rows = []
+    for n in (int(x) for x in args.n.split(",")):
+        try:
+            tf, ms = throughput(timer, n, iters=args.iters, sms=sms)
+        except Exception as exc:
+            print(f"wgmma m64n{n}k16 f16: error {type(exc).__name__}: {exc}")
+            continue
+        rows.append((f"wgmma m64n{n}k16 f16 (1 warp group a block, 2 blocks an SM)", tf, ms))
+    tf, ms = mma_sync_throughput(timer, iters=args.iters, sms=sms)
+    rows.append(("mma.sync m16n8k16 f16 (8 warps a block, 8 blocks an SM)", tf, ms))
+    for name, tf, ms in rows:
+        frac = f", {tf / peak:.3f} of torch's bf16 matmul" if peak else ""
+        print(f"{name}: {tf:.0f} TFLOP/s ({ms:.3f} ms){frac}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The wgmma probe (``bench.wgmma_probe``): its host-side layouts, its PTX and ptxas
+on ``sm_90a``, and, on a compute-capability-9.0 GPU, the descriptor reading that
+gives A @ B exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench import wgmma_probe as W
+from tests.conftest import GPU, SIM
+
+
+def test_core_layout_puts_each_element_where_the_docstring_says():
+    x = np.arange(32 * 16, dtype=np.int64).reshape(32, 16)
+    flat = W.core_layout(x)
+    for r, k in [(0, 0), (7, 7), (8, 0), (0, 8), (13, 11), (31, 15)]:
+        assert flat[(r // 8) * 128 + (k // 8) * 64 + (r % 8) * 8 + k % 8] == x[r, k]
+    assert sorted(flat) == sorted(x.ravel())  # a permutation: nothing lost or doubled
+    with pytest.raises(ValueError, match=r"x: expected \[8 r, 16\]"):
+        W.core_layout(np.zeros((12, 16)))
+
+
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_accumulator_index_covers_the_tile_once(n):
+    rows, cols = W.accumulator_index(n)
+    cells = rows * n + cols
+    assert rows.shape == (128, n // 2)
+    assert np.array_equal(np.sort(cells.ravel()), np.arange(64 * n))
+    # a warp's rows: warp w holds rows 16 w .. 16 w + 15 (the m16n8 layout a warp)
+    assert set(rows[32:64].ravel()) == set(range(16, 32))
+
+
+def test_descriptor_bit_fields():
+    d = W.descriptor(0x1230, 128, 256)
+    assert d & 0x3FFF == 0x123 and (d >> 16) & 0x3FFF == 8 and (d >> 32) & 0x3FFF == 16
+    assert d >> 62 == 0  # no swizzle
+
+
+def _ptx(kernel, argtypes, cc=(9, 0, "a")):
+    from numba import cuda
+
+    return cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)[0]
+
+
+def _link(ptx, arch):
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+    except ImportError:
+        pytest.skip("no ptxas: cuda.core (nvJitLink) is not installed")
+    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
+                    options=LinkerOptions(arch=arch, verbose=True, ptxas_options=["-v"]))
+    linker.link("cubin")
+    return linker.get_info_log()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("n", [8, 256])
+def test_check_kernel_issues_one_wgmma_and_assembles_for_sm90a(kind, n):
+    """The layout kernel's PTX holds the proxy fence and one wgmma of the shape and
+    type asked for, and ptxas takes it for sm_90a with no local memory. Control:
+    the same kernel compiled for plain sm_90 is rejected by ptxas for its wgmma
+    (which exists on sm_90a only), so the check does reach the assembler."""
+    from numba import types
+
+    from tests.test_prefill_mma import spill_bytes
+
+    kernel, sig = (W.check_kernel(n, kind, W.LBO, W.SBO),
+                   (types.uint16[:], types.uint16[:], types.float32[:, :]))
+    ptx = _ptx(kernel, sig)
+    mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert len(mmas) == 1 and f".m64n{n}k16.f32.{kind}.{kind} " in mmas[0], mmas
+    assert "fence.proxy.async.shared::cta;" in ptx
+    assert "wgmma.wait_group.sync.aligned 0;" in ptx
+    report = _link(ptx, "sm_90a")
+    assert spill_bytes(report) == 0, report
+    with pytest.raises(Exception, match="wgmma.* not supported on .target 'sm_90'"):
+        _link(_ptx(kernel, sig, cc=(9, 0)), "sm_90")
+
+
+@pytest.mark.compile
+def test_throughput_kernels_keep_their_accumulators_in_registers():
+    """m64n256k16 (128 accumulators a thread) and the mma.sync loop assemble for
+    sm_90a without spilling; the wgmma loop issues STEPS wgmma a step."""
+    from numba import types
+
+    from tests.test_prefill_mma import spill_bytes
+
+    sig = (types.float32[:], types.int32)
+    ptx = _ptx(W.throughput_kernel(256, "f16"), sig)
+    assert sum("wgmma.mma_async" in line for line in ptx.splitlines()) >= 1 + W.STEPS
+    assert spill_bytes(_link(ptx, "sm_90a")) == 0
+    ptx = _ptx(W.mma_sync_kernel("f16"), sig)
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert spill_bytes(_link(ptx, "sm_90a")) == 0
+
+
+def _cc90():
+    if SIM or not GPU:
+        return False
+    from numba import cuda
+
+    return cuda.get_current_device().compute_capability == (9, 0)
+
+
+@pytest.mark.skipif(not _cc90(), reason="wgmma runs only on a compute-capability-9.0 GPU "
+                    "(sm_90a); the simulator has no inline PTX")
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_wgmma_gives_a_times_b_exactly(kind, n):
+    """With the documented byte offsets (LBO along K, SBO along M / N) one warp
+    group's wgmma gives A @ B bit for bit (exact operands). Control: the swapped
+    offsets give another product, so the comparison can fail."""
+    res = W.check(n, kind)
+    assert res[(W.LBO, W.SBO)][0], res
+    assert not res[(W.SBO, W.LBO)][0], res
