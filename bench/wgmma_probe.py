@@ -15,14 +15,18 @@ architecture-specific target ``sm_90a``; numba-cuda 0.30.4 links a kernel for
 inline PTX can issue it. This probe asks two questions on the GPU:
 
 1. **Layout** (``check``): one warp group computes ``D[64, N] = A[64, 16] @ B[16, N]``
-   from fp16 or bf16 operands in shared memory (no swizzle; both operands K-major, A
-   as ``[64, 16]``, B as ``B^T [N, 16]``) with fp32 accumulation, and writes each
-   thread's ``N / 2`` accumulator registers out raw; the host places them with the
-   accumulator layout below and compares with numpy. The operands are multiples of
-   1/4 in [-1, 1], so every product and sum is exact in fp32: the comparison is
-   ``==``. Both readings of the descriptor's two byte offsets run (``LBO`` between
-   the core matrices along K, ``SBO`` along M / N, and the two swapped): exactly one
-   can be right, so the wrong one is the check's control.
+   with fp16 or bf16 operands and fp32 accumulation, and writes each thread's ``N /
+   2`` accumulator registers out raw; the host places them with the accumulator
+   layout below and compares with numpy. Three operand forms (``LAYOUT_CASES``), which
+   cover both products of an attention tile: A and B both K-major in shared memory (S = Q
+   K^T: A ``[64, 16]``, B as ``B^T [N, 16]``); A from registers in the mma.sync A
+   layout (``a_fragment``: P, straight from the S accumulators) with B K-major, and
+   with B MN-major (``mn_layout``, the ``trans-b`` flag: V as the cache stores it,
+   N contiguous). No swizzle. The operands are multiples of 1/4 in [-1, 1], so
+   every product and sum is exact in fp32: the comparison is ``==``. Both readings
+   of the descriptor's two byte offsets run (128 bytes between core matrices along
+   K and 256 along M / N, and the two swapped): one of them can be right, so the
+   other is the check's control.
 2. **Throughput** (``throughput``): every block one warp group issuing four
    ``wgmma.m64nNk16`` a step on the same shared tiles (no memory traffic), against
    a loop of ``mma.sync.m16n8k16`` from registers (eight independent accumulators a
@@ -60,6 +64,10 @@ LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N (cor
 N_CHOICES = (8, 16, 32, 64, 128, 256)
 STEPS = 4  # wgmma a throughput step
 MMA_CHAINS = 8  # independent mma.sync accumulators a warp
+# the layout checks: (A from registers, B MN-major, what) - S = Q K^T takes both operands
+# K-major from shared memory; O = P V takes P from registers and V MN-major
+LAYOUT_CASES = ((False, 0, "A smem, B K-major"), (True, 0, "A registers, B K-major"),
+                (True, 1, "A registers, B MN-major"))
 
 
 def core_layout(x):
@@ -71,6 +79,37 @@ def core_layout(x):
     r, k = np.meshgrid(np.arange(rows), np.arange(K), indexing="ij")
     out = np.empty(rows * K, x.dtype)
     out[(r // 8) * 128 + (k // 8) * 64 + (r % 8) * 8 + k % 8] = x
+    return out
+
+
+def mn_layout(x):
+    """``x [16, cols]`` (B with N contiguous, cols a multiple of 8) -> flat ``[16 *
+    cols]`` in MN-major core matrices: element ``(k, c)`` at 16-bit index ``(c // 8)
+    * 128 + (k // 8) * 64 + (k % 8) * 8 + c % 8`` (a core matrix's rows run along
+    K, each 8 values of N; the same byte offsets as ``core_layout``, 128 along K and
+    256 along N)."""
+    cols = x.shape[1]
+    if x.shape[0] != K or cols % 8:
+        raise ValueError(f"x: expected [{K}, 8 c], got {x.shape}")
+    k, c = np.meshgrid(np.arange(K), np.arange(cols), indexing="ij")
+    out = np.empty(K * cols, x.dtype)
+    out[(c // 8) * 128 + (k // 8) * 64 + (k % 8) * 8 + c % 8] = x
+    return out
+
+
+def a_fragment(words):
+    """A's 16-bit ``words [64, 16]`` -> ``[128, 4]`` uint32: each thread's A registers
+    of a register-A wgmma, warp ``w`` holding rows ``16 w ..`` in the m16n8k16 A
+    layout (lane ``l``: register 0 row ``l // 4``, K ``2 (l % 4)`` and the next in
+    its upper half; 1: row + 8; 2: K + 8; 3: both)."""
+    t = np.arange(WG)
+    w, lane = t // 32, t % 32
+    out = np.empty((WG, 4), np.uint32)
+    for j in range(4):
+        row = 16 * w + lane // 4 + 8 * (j % 2)
+        col = 2 * (lane % 4) + 8 * (j // 2)
+        out[:, j] = (words[row, col].astype(np.uint32)
+                     | (words[row, col + 1].astype(np.uint32) << 16))
     return out
 
 
@@ -91,26 +130,30 @@ def descriptor(addr, lbo, sbo):
 
 
 @functools.lru_cache(maxsize=None)
-def _intrinsics(n, kind, steps):
-    """(``first(da, db)``: D = A B, ``acc(da, db, d)``: ``steps`` wgmma D += A B),
-    each returning the ``n / 2`` fp32 registers, and ``fence()`` (generic-proxy
-    shared stores made visible to the wgmma's async proxy)."""
+def _intrinsics(n, kind, steps, trans_b=0):
+    """(``first(da, db)``: D = A B, ``acc(da, db, d)``: ``steps`` wgmma D += A B,
+    ``first_ra(a0, a1, a2, a3, db)``: D = A B with A from registers, the m16n8k16
+    A fragment a warp), each returning the ``n / 2`` fp32 registers, and ``fence()``
+    (generic-proxy shared stores made visible to the wgmma's async proxy).
+    ``trans_b`` 1: B's descriptor describes an MN-major tile (N contiguous)."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     regs = n // 2
-    f32, i64 = ir.FloatType(), ir.IntType(64)
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     ptx_t = "f16" if kind == "f16" else "bf16"
     outs = ", ".join(f"${i}" for i in range(regs))
-    mma = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
-           f"{{{outs}}}, ${regs}, ${regs + 1}, p, 1, 1, 0, 0;\n")
+    op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} {{{outs}}}, "
+    mma = op + f"${regs}, ${regs + 1}, p, 1, 1, 0, {trans_b};\n"
+    mma_ra = (op + f"{{${regs}, ${regs + 1}, ${regs + 2}, ${regs + 3}}}, ${regs + 4}, "
+              f"p, 1, 1, {trans_b};\n")
     ret = types.UniTuple(types.float32, regs)
     struct = ir.LiteralStructType([f32] * regs)
 
-    def body(scale_d, count):
+    def body(scale_d, text):
         return ("{\n.reg .pred p;\n" f"setp.ne.b32 p, {scale_d}, 0;\n"
-                "wgmma.fence.sync.aligned;\n" + mma * count
+                "wgmma.fence.sync.aligned;\n" + text
                 + "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}")
 
     def unpack(context, builder, r):
@@ -124,7 +167,21 @@ def _intrinsics(n, kind, steps):
         def codegen(context, builder, sig, args):
             fnty = ir.FunctionType(struct, [i64, i64])
             cons = ",".join(["=f"] * regs) + ",l,l,~{memory}"
-            r = builder.call(ir.InlineAsm(fnty, body(0, 1), cons, side_effect=True), list(args))
+            r = builder.call(ir.InlineAsm(fnty, body(0, mma), cons, side_effect=True),
+                             list(args))
+            return unpack(context, builder, r)
+
+        return sig, codegen
+
+    @intrinsic
+    def first_ra(typingctx, a0, a1, a2, a3, db):
+        sig = ret(types.uint32, types.uint32, types.uint32, types.uint32, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(struct, [i32] * 4 + [i64])
+            cons = ",".join(["=f"] * regs) + ",r,r,r,r,l,~{memory}"
+            r = builder.call(ir.InlineAsm(fnty, body(0, mma_ra), cons, side_effect=True),
+                             list(args))
             return unpack(context, builder, r)
 
         return sig, codegen
@@ -138,7 +195,7 @@ def _intrinsics(n, kind, steps):
             cons = (",".join(["=f"] * regs) + ",l,l,"
                     + ",".join(str(i) for i in range(regs)) + ",~{memory}")
             ins = [builder.extract_value(args[2], i) for i in range(regs)]
-            r = builder.call(ir.InlineAsm(fnty, body(1, steps), cons, side_effect=True),
+            r = builder.call(ir.InlineAsm(fnty, body(1, mma * steps), cons, side_effect=True),
                              [args[0], args[1]] + ins)
             return unpack(context, builder, r)
 
@@ -156,7 +213,7 @@ def _intrinsics(n, kind, steps):
 
         return sig, codegen
 
-    return first, acc, fence
+    return first, acc, first_ra, fence
 
 
 def _shared_base():
@@ -166,18 +223,22 @@ def _shared_base():
 
 
 @functools.lru_cache(maxsize=None)
-def check_kernel(n, kind, lbo, sbo):
-    """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``
-    (``a_core [64 * 16]``, ``b_core [n * 16]``: 16-bit words in ``core_layout``)."""
+def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0):
+    """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``.
+    ``a_core [64 * 16]``: A's 16-bit words in ``core_layout``; with ``a_regs`` A
+    comes from registers instead, ``a_frag [128, 4]`` uint32 (``a_fragment``).
+    ``b_core [n * 16]``: B's words in ``core_layout`` of ``B^T`` (K-major), or with
+    ``trans_b`` in ``mn_layout`` of B (MN-major). ``lbo`` / ``sbo``: the byte
+    offsets both descriptors carry."""
     from numba import cuda, uint16, uint64
 
-    first, _, fence = _intrinsics(n, kind, 1)
+    first, _, first_ra, fence = _intrinsics(n, kind, 1, trans_b)
     shared_base = _shared_base()
     regs = n // 2
     b_elems = n * K
 
     @cuda.jit
-    def kernel(a_core, b_core, raw):
+    def kernel(a_core, a_frag, b_core, raw):
         sa = cuda.shared.array(A_ELEMS, uint16, alignment=128)
         sb = cuda.shared.array(b_elems, uint16, alignment=128)
         t = cuda.threadIdx.x
@@ -191,7 +252,10 @@ def check_kernel(n, kind, lbo, sbo):
             | uint64(sbo >> 4) << 32
         db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
             | uint64(sbo >> 4) << 32
-        d = first(da, db)
+        if a_regs:
+            d = first_ra(a_frag[t, 0], a_frag[t, 1], a_frag[t, 2], a_frag[t, 3], db)
+        else:
+            d = first(da, db)
         for i in range(regs):
             raw[t, i] = d[i]
 
@@ -204,7 +268,7 @@ def throughput_kernel(n, kind):
     shared tiles; ``sink[block * 128 + t]`` keeps the accumulators live."""
     from numba import cuda, float32, uint16, uint64
 
-    first, acc, fence = _intrinsics(n, kind, STEPS)
+    first, acc, _, fence = _intrinsics(n, kind, STEPS)
     shared_base = _shared_base()
     regs = n // 2
     b_elems = n * K
@@ -282,7 +346,7 @@ def _operands(n, kind, seed):
     return a, b, words(a), words(b)
 
 
-def check(n=64, kind="f16", seed=0):
+def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0):
     """Run ``check_kernel`` with both readings of the byte offsets; returns
     ``{(lbo, sbo): (exact, max_abs_err)}`` against numpy's A @ B."""
     from numba import cuda
@@ -290,11 +354,13 @@ def check(n=64, kind="f16", seed=0):
     a, b, aw, bw = _operands(n, kind, seed)
     want = a @ b
     rows, cols = accumulator_index(n)
+    a_core = cuda.to_device(core_layout(aw))
+    a_frag = cuda.to_device(a_fragment(aw))
+    b_core = cuda.to_device(mn_layout(bw) if trans_b else core_layout(bw.T.copy()))
     out = {}
     for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
         raw = cuda.device_array((WG, n // 2), np.float32)
-        check_kernel(n, kind, lbo, sbo)[1, WG](cuda.to_device(core_layout(aw)),
-                                               cuda.to_device(core_layout(bw.T.copy())), raw)
+        check_kernel(n, kind, lbo, sbo, a_regs, trans_b)[1, WG](a_core, a_frag, b_core, raw)
         got = np.zeros((M, n))
         got[rows, cols] = raw.copy_to_host()
         out[(lbo, sbo)] = (bool(np.array_equal(got, want)), float(np.max(np.abs(got - want))))
@@ -342,16 +408,19 @@ def main(argv=None):
         print("wgmma needs sm_90a (compute capability 9.0)", file=sys.stderr)
         return 2
     sms = dev.MULTIPROCESSOR_COUNT
-    for kind in ("f16", "bf16"):
-        for n in (8, 64, 256):
-            try:
-                res = check(n, kind)
-            except Exception as exc:  # a probe: report the failure and go on
-                print(f"layout {kind} m64n{n}k16: error {type(exc).__name__}: {exc}")
-                continue
-            text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
-                             f"(max |err| {err:.3g})" for (lb, sb), (ok, err) in res.items())
-            print(f"layout {kind} m64n{n}k16: {text}")
+    for a_regs, trans_b, what in LAYOUT_CASES:
+        for kind in ("f16", "bf16"):
+            for n in (8, 64, 256):
+                name = f"layout {what} {kind} m64n{n}k16"
+                try:
+                    res = check(n, kind, a_regs=a_regs, trans_b=trans_b)
+                except Exception as exc:  # a probe: report the failure and go on
+                    print(f"{name}: error {type(exc).__name__}: {exc}")
+                    continue
+                text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
+                                 f"(max |err| {err:.3g})"
+                                 for (lb, sb), (ok, err) in res.items())
+                print(f"{name}: {text}")
     from bench.gpu import Timer
 
     timer = Timer()

@@ -57,26 +57,46 @@ def _link(ptx, arch):
 @pytest.mark.compile
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 @pytest.mark.parametrize("n", [8, 256])
-def test_check_kernel_issues_one_wgmma_and_assembles_for_sm90a(kind, n):
-    """The layout kernel's PTX holds the proxy fence and one wgmma of the shape and
-    type asked for, and ptxas takes it for sm_90a with no local memory. Control:
-    the same kernel compiled for plain sm_90 is rejected by ptxas for its wgmma
-    (which exists on sm_90a only), so the check does reach the assembler."""
+@pytest.mark.parametrize("a_regs,trans_b", [(False, 0), (True, 0), (True, 1)])
+def test_check_kernel_issues_one_wgmma_and_assembles_for_sm90a(kind, n, a_regs, trans_b):
+    """The layout kernel's PTX holds the proxy fence and one wgmma of the shape, type,
+    A source (a descriptor or four registers) and B transpose asked for, and ptxas
+    takes it for sm_90a with no local memory. Control: the same kernel compiled for
+    plain sm_90 is rejected by ptxas for its wgmma (which exists on sm_90a only), so
+    the check does reach the assembler."""
     from numba import types
 
     from tests.test_prefill_mma import spill_bytes
 
-    kernel, sig = (W.check_kernel(n, kind, W.LBO, W.SBO),
-                   (types.uint16[:], types.uint16[:], types.float32[:, :]))
+    kernel, sig = (W.check_kernel(n, kind, W.LBO, W.SBO, a_regs, trans_b),
+                   (types.uint16[:], types.uint32[:, :], types.uint16[:], types.float32[:, :]))
     ptx = _ptx(kernel, sig)
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert len(mmas) == 1 and f".m64n{n}k16.f32.{kind}.{kind} " in mmas[0], mmas
+    a_operand = mmas[0].split("}, ")[1]
+    assert a_operand.startswith("{") == a_regs, mmas[0]  # four registers, or a descriptor
+    assert mmas[0].rstrip().endswith(f", {trans_b};"), mmas[0]
     assert "fence.proxy.async.shared::cta;" in ptx
     assert "wgmma.wait_group.sync.aligned 0;" in ptx
     report = _link(ptx, "sm_90a")
     assert spill_bytes(report) == 0, report
     with pytest.raises(Exception, match="wgmma.* not supported on .target 'sm_90'"):
         _link(_ptx(kernel, sig, cc=(9, 0)), "sm_90")
+
+
+def test_mn_layout_and_a_fragment_place_what_the_docstrings_say():
+    x = np.arange(16 * 24, dtype=np.int64).reshape(16, 24)
+    flat = W.mn_layout(x)
+    for k, c in [(0, 0), (7, 7), (8, 0), (0, 8), (11, 13), (15, 23)]:
+        assert flat[(c // 8) * 128 + (k // 8) * 64 + (k % 8) * 8 + c % 8] == x[k, c]
+    assert sorted(flat) == sorted(x.ravel())
+    words = np.arange(64 * 16, dtype=np.uint16).reshape(64, 16)
+    frag = W.a_fragment(words)
+    lo, hi = frag & 0xFFFF, frag >> 16
+    assert np.array_equal(hi, lo + 1)  # the next K in the upper half
+    t = 32 + 5  # warp 1, lane 5: row 16 + 1, K 2
+    assert [int(v) for v in lo[t]] == [words[17, 2], words[25, 2], words[17, 10], words[25, 10]]
+    assert sorted(lo.ravel().tolist() + hi.ravel().tolist()) == sorted(words.ravel().tolist())
 
 
 @pytest.mark.compile
@@ -108,10 +128,13 @@ def _cc90():
                     "(sm_90a); the simulator has no inline PTX")
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 @pytest.mark.parametrize("n", [8, 64, 256])
-def test_wgmma_gives_a_times_b_exactly(kind, n):
-    """With the documented byte offsets (LBO along K, SBO along M / N) one warp
-    group's wgmma gives A @ B bit for bit (exact operands). Control: the swapped
-    offsets give another product, so the comparison can fail."""
-    res = W.check(n, kind)
-    assert res[(W.LBO, W.SBO)][0], res
-    assert not res[(W.SBO, W.LBO)][0], res
+@pytest.mark.parametrize("a_regs,trans_b", [(False, 0), (True, 0), (True, 1)])
+def test_wgmma_gives_a_times_b_exactly(kind, n, a_regs, trans_b):
+    """One of the two readings of the descriptors' byte offsets (128 bytes between
+    the core matrices along K and 256 along M / N, or the two swapped) makes one warp
+    group's wgmma give A @ B bit for bit (exact operands), with A from shared memory
+    or registers and B K-major or MN-major; the other reading gives another product,
+    which is the control that the comparison can fail. Which one is right for each
+    operand form is what the probe prints (notes/bench.md)."""
+    res = W.check(n, kind, a_regs=a_regs, trans_b=trans_b)
+    assert sorted(ok for ok, _ in res.values()) == [False, True], res
