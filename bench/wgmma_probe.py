@@ -22,7 +22,9 @@ inline PTX can issue it. This probe asks two questions on the GPU:
    K^T: A ``[64, 16]``, B as ``B^T [N, 16]``); A from registers in the mma.sync A
    layout (``a_fragment``: P, straight from the S accumulators) with B K-major, and
    with B MN-major (``mn_layout``, the ``trans-b`` flag: V as the cache stores it,
-   N contiguous). No swizzle. The operands are multiples of 1/4 in [-1, 1], so
+   N contiguous). No swizzle. One K step of 16 (N 8, 64, 256) and four (K 64, each
+   step's descriptors 256 bytes on: ``LAYOUT_SHAPES``). The operands are multiples
+   of 1/4 in [-1, 1], so
    every product and sum is exact in fp32: the comparison is ``==``. Both readings
    of the descriptor's two byte offsets run (128 bytes between core matrices along
    K and 256 along M / N, and the two swapped): one of them can be right, so the
@@ -38,9 +40,10 @@ Layout conventions (PTX ISA, "Matrix Descriptor Format" and the wgmma fragments)
 
 * A core matrix is 8 rows x 16 bytes (8 16-bit values of K), its rows 16 bytes
   apart: 128 contiguous bytes. ``core_layout`` stores element ``(r, k)`` of an
-  operand with 16 values of K at 16-bit index ``(r // 8) * 128 + (k // 8) * 64 +
-  (r % 8) * 8 + k % 8``: the two core matrices of a row group side by side (128
-  bytes apart along K), row groups 256 bytes apart.
+  operand with ``kt`` values of K at 16-bit index ``(r // 8) * 8 kt + (k // 8) * 64
+  + (r % 8) * 8 + k % 8``: the core matrices of a row group side by side (128 bytes
+  apart along K), row groups ``16 kt`` bytes apart; ``mn_layout`` is its MN-major
+  counterpart.
 * A descriptor: bits 0-13 the shared address >> 4, bits 16-29 ``LBO`` >> 4, bits
   32-45 ``SBO`` >> 4, bits 62-63 the swizzle mode (0: none).
 * Accumulators: thread ``t`` of the warp group (warp ``w = t // 32``, lane ``l``)
@@ -60,7 +63,7 @@ M, K = 64, 16  # a wgmma's rows and its K step (16-bit operands)
 A_ELEMS = M * K
 WG = 128  # threads of a warp group
 CORE_BYTES = 128  # one core matrix: 8 rows x 16 bytes
-LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N (core_layout)
+LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N, at K 16
 N_CHOICES = (8, 16, 32, 64, 128, 256)
 STEPS = 4  # wgmma a throughput step
 MMA_CHAINS = 8  # independent mma.sync accumulators a warp
@@ -68,48 +71,60 @@ MMA_CHAINS = 8  # independent mma.sync accumulators a warp
 # K-major from shared memory; O = P V takes P from registers and V MN-major
 LAYOUT_CASES = ((False, 0, "A smem, B K-major"), (True, 0, "A registers, B K-major"),
                 (True, 1, "A registers, B MN-major"))
+# (kind, N, K) of each form's checks: one K step at N 8, 64 and 256, then four K steps
+LAYOUT_SHAPES = (("f16", 8, 16), ("f16", 64, 16), ("f16", 256, 16), ("bf16", 64, 16),
+                 ("f16", 64, 64), ("bf16", 256, 64))
 
 
 def core_layout(x):
-    """``x [rows, 16]`` (rows a multiple of 8) -> flat ``[rows * 16]`` in the
-    no-swizzle core-matrix order the descriptors of ``LBO`` / ``SBO`` describe."""
-    rows = x.shape[0]
-    if x.shape[1] != K or rows % 8:
-        raise ValueError(f"x: expected [8 r, {K}], got {x.shape}")
-    r, k = np.meshgrid(np.arange(rows), np.arange(K), indexing="ij")
-    out = np.empty(rows * K, x.dtype)
-    out[(r // 8) * 128 + (k // 8) * 64 + (r % 8) * 8 + k % 8] = x
+    """``x [rows, kt]`` (rows a multiple of 8, kt of 16) -> flat ``[rows * kt]`` in
+    no-swizzle K-major core matrices: element ``(r, k)`` at 16-bit index ``(r // 8) *
+    8 kt + (k // 8) * 64 + (r % 8) * 8 + k % 8``: a row group's core matrices side by
+    side along K (128 bytes apart), row groups ``16 kt`` bytes apart (``offsets``)."""
+    rows, kt = x.shape
+    if kt % K or rows % 8:
+        raise ValueError(f"x: expected [8 r, 16 k], got {x.shape}")
+    r, k = np.meshgrid(np.arange(rows), np.arange(kt), indexing="ij")
+    out = np.empty(rows * kt, x.dtype)
+    out[(r // 8) * 8 * kt + (k // 8) * 64 + (r % 8) * 8 + k % 8] = x
     return out
 
 
 def mn_layout(x):
-    """``x [16, cols]`` (B with N contiguous, cols a multiple of 8) -> flat ``[16 *
-    cols]`` in MN-major core matrices: element ``(k, c)`` at 16-bit index ``(c // 8)
-    * 128 + (k // 8) * 64 + (k % 8) * 8 + c % 8`` (a core matrix's rows run along
-    K, each 8 values of N; the same byte offsets as ``core_layout``, 128 along K and
-    256 along N)."""
-    cols = x.shape[1]
-    if x.shape[0] != K or cols % 8:
-        raise ValueError(f"x: expected [{K}, 8 c], got {x.shape}")
-    k, c = np.meshgrid(np.arange(K), np.arange(cols), indexing="ij")
-    out = np.empty(K * cols, x.dtype)
-    out[(c // 8) * 128 + (k // 8) * 64 + (k % 8) * 8 + c % 8] = x
+    """``x [kt, cols]`` (B with N contiguous; kt a multiple of 16, cols of 8) -> flat
+    ``[kt * cols]`` in MN-major core matrices: element ``(k, c)`` at 16-bit index
+    ``(c // 8) * 8 kt + (k // 8) * 64 + (k % 8) * 8 + c % 8`` (a core matrix's rows run
+    along K, each 8 values of N; the byte offsets of ``core_layout``: 128 along K,
+    ``16 kt`` along N)."""
+    kt, cols = x.shape
+    if kt % K or cols % 8:
+        raise ValueError(f"x: expected [16 k, 8 c], got {x.shape}")
+    k, c = np.meshgrid(np.arange(kt), np.arange(cols), indexing="ij")
+    out = np.empty(kt * cols, x.dtype)
+    out[(c // 8) * 8 * kt + (k // 8) * 64 + (k % 8) * 8 + c % 8] = x
     return out
 
 
+def offsets(kt):
+    """The two byte offsets of the layouts above, (along K, along M / N): (128, 16 kt)."""
+    return CORE_BYTES, 16 * kt
+
+
 def a_fragment(words):
-    """A's 16-bit ``words [64, 16]`` -> ``[128, 4]`` uint32: each thread's A registers
-    of a register-A wgmma, warp ``w`` holding rows ``16 w ..`` in the m16n8k16 A
-    layout (lane ``l``: register 0 row ``l // 4``, K ``2 (l % 4)`` and the next in
-    its upper half; 1: row + 8; 2: K + 8; 3: both)."""
+    """A's 16-bit ``words [64, kt]`` -> ``[kt / 16, 128, 4]`` uint32: for each K step of
+    16, each thread's A registers of a register-A wgmma, warp ``w`` holding rows ``16 w
+    ..`` in the m16n8k16 A layout (lane ``l``: register 0 row ``l // 4``, K ``2 (l %
+    4)`` and the next in its upper half; 1: row + 8; 2: K + 8; 3: both)."""
     t = np.arange(WG)
     w, lane = t // 32, t % 32
-    out = np.empty((WG, 4), np.uint32)
-    for j in range(4):
-        row = 16 * w + lane // 4 + 8 * (j % 2)
-        col = 2 * (lane % 4) + 8 * (j // 2)
-        out[:, j] = (words[row, col].astype(np.uint32)
-                     | (words[row, col + 1].astype(np.uint32) << 16))
+    steps = words.shape[1] // K
+    out = np.empty((steps, WG, 4), np.uint32)
+    for s in range(steps):
+        for j in range(4):
+            row = 16 * w + lane // 4 + 8 * (j % 2)
+            col = K * s + 2 * (lane % 4) + 8 * (j // 2)
+            out[s, :, j] = (words[row, col].astype(np.uint32)
+                            | (words[row, col + 1].astype(np.uint32) << 16))
     return out
 
 
@@ -133,7 +148,8 @@ def descriptor(addr, lbo, sbo):
 def _intrinsics(n, kind, steps, trans_b=0):
     """(``first(da, db)``: D = A B, ``acc(da, db, d)``: ``steps`` wgmma D += A B,
     ``first_ra(a0, a1, a2, a3, db)``: D = A B with A from registers, the m16n8k16
-    A fragment a warp), each returning the ``n / 2`` fp32 registers, and ``fence()``
+    A fragment a warp, ``acc_ra(a0, a1, a2, a3, db, d)``: one D += A B so), each
+    returning the ``n / 2`` fp32 registers, and ``fence()``
     (generic-proxy shared stores made visible to the wgmma's async proxy).
     ``trans_b`` 1: B's descriptor describes an MN-major tile (N contiguous)."""
     from llvmlite import ir
@@ -187,6 +203,21 @@ def _intrinsics(n, kind, steps, trans_b=0):
         return sig, codegen
 
     @intrinsic
+    def acc_ra(typingctx, a0, a1, a2, a3, db, d):
+        sig = ret(types.uint32, types.uint32, types.uint32, types.uint32, types.uint64, ret)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(struct, [i32] * 4 + [i64] + [f32] * regs)
+            cons = (",".join(["=f"] * regs) + ",r,r,r,r,l,"
+                    + ",".join(str(i) for i in range(regs)) + ",~{memory}")
+            ins = [builder.extract_value(args[5], i) for i in range(regs)]
+            r = builder.call(ir.InlineAsm(fnty, body(1, mma_ra), cons, side_effect=True),
+                             list(args[:5]) + ins)
+            return unpack(context, builder, r)
+
+        return sig, codegen
+
+    @intrinsic
     def acc(typingctx, da, db, d):
         sig = ret(types.uint64, types.uint64, ret)
 
@@ -213,7 +244,7 @@ def _intrinsics(n, kind, steps, trans_b=0):
 
         return sig, codegen
 
-    return first, acc, first_ra, fence
+    return first, acc, first_ra, acc_ra, fence
 
 
 def _shared_base():
@@ -223,26 +254,29 @@ def _shared_base():
 
 
 @functools.lru_cache(maxsize=None)
-def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0):
-    """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``.
-    ``a_core [64 * 16]``: A's 16-bit words in ``core_layout``; with ``a_regs`` A
-    comes from registers instead, ``a_frag [128, 4]`` uint32 (``a_fragment``).
-    ``b_core [n * 16]``: B's words in ``core_layout`` of ``B^T`` (K-major), or with
+def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
+    """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``, A
+    ``[64, kt]``, B ``[kt, n]``, in ``kt / 16`` wgmma (each K step's descriptors
+    start 256 bytes, two core matrices along K, after the last one's).
+    ``a_core [64 * kt]``: A's 16-bit words in ``core_layout``; with ``a_regs`` A
+    comes from registers instead, ``a_frag [kt / 16, 128, 4]`` uint32 (``a_fragment``).
+    ``b_core [n * kt]``: B's words in ``core_layout`` of ``B^T`` (K-major), or with
     ``trans_b`` in ``mn_layout`` of B (MN-major). ``lbo`` / ``sbo``: the byte
     offsets both descriptors carry."""
     from numba import cuda, uint16, uint64
 
-    first, _, first_ra, fence = _intrinsics(n, kind, 1, trans_b)
+    first, acc, first_ra, acc_ra, fence = _intrinsics(n, kind, 1, trans_b)
     shared_base = _shared_base()
     regs = n // 2
-    b_elems = n * K
+    a_elems, b_elems, steps = M * kt, n * kt, kt // K
+    step = uint64(2 * CORE_BYTES >> 4)  # the descriptors' address field, a K step on
 
     @cuda.jit
     def kernel(a_core, a_frag, b_core, raw):
-        sa = cuda.shared.array(A_ELEMS, uint16, alignment=128)
+        sa = cuda.shared.array(a_elems, uint16, alignment=128)
         sb = cuda.shared.array(b_elems, uint16, alignment=128)
         t = cuda.threadIdx.x
-        for i in range(t, A_ELEMS, WG):
+        for i in range(t, a_elems, WG):
             sa[i] = a_core[i]
         for i in range(t, b_elems, WG):
             sb[i] = b_core[i]
@@ -253,9 +287,15 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0):
         db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
             | uint64(sbo >> 4) << 32
         if a_regs:
-            d = first_ra(a_frag[t, 0], a_frag[t, 1], a_frag[t, 2], a_frag[t, 3], db)
+            d = first_ra(a_frag[0, t, 0], a_frag[0, t, 1], a_frag[0, t, 2], a_frag[0, t, 3],
+                         db)
+            for s in range(1, steps):
+                d = acc_ra(a_frag[s, t, 0], a_frag[s, t, 1], a_frag[s, t, 2], a_frag[s, t, 3],
+                           db + uint64(s) * step, d)
         else:
             d = first(da, db)
+            for s in range(1, steps):
+                d = acc(da + uint64(s) * step, db + uint64(s) * step, d)
         for i in range(regs):
             raw[t, i] = d[i]
 
@@ -268,7 +308,7 @@ def throughput_kernel(n, kind):
     shared tiles; ``sink[block * 128 + t]`` keeps the accumulators live."""
     from numba import cuda, float32, uint16, uint64
 
-    first, acc, _, fence = _intrinsics(n, kind, STEPS)
+    first, acc, _, _, fence = _intrinsics(n, kind, STEPS)
     shared_base = _shared_base()
     regs = n // 2
     b_elems = n * K
@@ -331,12 +371,12 @@ def mma_sync_kernel(kind):
     return kernel
 
 
-def _operands(n, kind, seed):
-    """A [64, 16], B [16, n] as multiples of 1/4 in [-1, 1] (exact in 16 bits and
-    every fp32 sum of 16 products), and their 16-bit words."""
+def _operands(n, kind, seed, kt=K):
+    """A [64, kt], B [kt, n] as multiples of 1/4 in [-1, 1] (exact in 16 bits, and so
+    is every fp32 sum of their products), and their 16-bit words."""
     rng = np.random.default_rng(seed)
-    a = rng.integers(-4, 5, (M, K)) / 4.0
-    b = rng.integers(-4, 5, (K, n)) / 4.0
+    a = rng.integers(-4, 5, (M, kt)) / 4.0
+    b = rng.integers(-4, 5, (kt, n)) / 4.0
 
     def words(x):
         if kind == "f16":
@@ -346,21 +386,24 @@ def _operands(n, kind, seed):
     return a, b, words(a), words(b)
 
 
-def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0):
-    """Run ``check_kernel`` with both readings of the byte offsets; returns
-    ``{(lbo, sbo): (exact, max_abs_err)}`` against numpy's A @ B."""
+def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K):
+    """Run ``check_kernel`` with both readings of the byte offsets (``offsets(kt)``
+    as (LBO, SBO), and swapped); returns ``{(lbo, sbo): (exact, max_abs_err)}``
+    against numpy's A @ B."""
     from numba import cuda
 
-    a, b, aw, bw = _operands(n, kind, seed)
+    a, b, aw, bw = _operands(n, kind, seed, kt)
     want = a @ b
     rows, cols = accumulator_index(n)
     a_core = cuda.to_device(core_layout(aw))
     a_frag = cuda.to_device(a_fragment(aw))
     b_core = cuda.to_device(mn_layout(bw) if trans_b else core_layout(bw.T.copy()))
+    along_k, along_mn = offsets(kt)
     out = {}
-    for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
+    for lbo, sbo in ((along_k, along_mn), (along_mn, along_k)):
         raw = cuda.device_array((WG, n // 2), np.float32)
-        check_kernel(n, kind, lbo, sbo, a_regs, trans_b)[1, WG](a_core, a_frag, b_core, raw)
+        check_kernel(n, kind, lbo, sbo, a_regs, trans_b, kt)[1, WG](a_core, a_frag, b_core,
+                                                                    raw)
         got = np.zeros((M, n))
         got[rows, cols] = raw.copy_to_host()
         out[(lbo, sbo)] = (bool(np.array_equal(got, want)), float(np.max(np.abs(got - want))))
@@ -409,18 +452,16 @@ def main(argv=None):
         return 2
     sms = dev.MULTIPROCESSOR_COUNT
     for a_regs, trans_b, what in LAYOUT_CASES:
-        for kind in ("f16", "bf16"):
-            for n in (8, 64, 256):
-                name = f"layout {what} {kind} m64n{n}k16"
-                try:
-                    res = check(n, kind, a_regs=a_regs, trans_b=trans_b)
-                except Exception as exc:  # a probe: report the failure and go on
-                    print(f"{name}: error {type(exc).__name__}: {exc}")
-                    continue
-                text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
-                                 f"(max |err| {err:.3g})"
-                                 for (lb, sb), (ok, err) in res.items())
-                print(f"{name}: {text}")
+        for kind, n, kt in LAYOUT_SHAPES:
+            name = f"layout {what} {kind} m64n{n}k16, K {kt}"
+            try:
+                res = check(n, kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
+            except Exception as exc:  # a probe: report the failure and go on
+                print(f"{name}: error {type(exc).__name__}: {exc}")
+                continue
+            text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
+                             f"(max |err| {err:.3g})" for (lb, sb), (ok, err) in res.items())
+            print(f"{name}: {text}")
     from bench.gpu import Timer
 
     timer = Timer()

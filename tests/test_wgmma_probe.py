@@ -17,8 +17,12 @@ def test_core_layout_puts_each_element_where_the_docstring_says():
     for r, k in [(0, 0), (7, 7), (8, 0), (0, 8), (13, 11), (31, 15)]:
         assert flat[(r // 8) * 128 + (k // 8) * 64 + (r % 8) * 8 + k % 8] == x[r, k]
     assert sorted(flat) == sorted(x.ravel())  # a permutation: nothing lost or doubled
-    with pytest.raises(ValueError, match=r"x: expected \[8 r, 16\]"):
+    with pytest.raises(ValueError, match=r"x: expected \[8 r, 16 k\]"):
         W.core_layout(np.zeros((12, 16)))
+    x = np.arange(16 * 64, dtype=np.int64).reshape(16, 64)  # four K steps: rows 1 KB apart
+    flat = W.core_layout(x)
+    assert flat[(9 // 8) * 512 + (37 // 8) * 64 + (9 % 8) * 8 + 37 % 8] == x[9, 37]
+    assert W.offsets(64) == (128, 1024) and W.offsets(16) == (W.LBO, W.SBO)
 
 
 @pytest.mark.parametrize("n", [8, 64, 256])
@@ -58,9 +62,11 @@ def _link(ptx, arch):
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 @pytest.mark.parametrize("n", [8, 256])
 @pytest.mark.parametrize("a_regs,trans_b", [(False, 0), (True, 0), (True, 1)])
-def test_check_kernel_issues_one_wgmma_and_assembles_for_sm90a(kind, n, a_regs, trans_b):
-    """The layout kernel's PTX holds the proxy fence and one wgmma of the shape, type,
-    A source (a descriptor or four registers) and B transpose asked for, and ptxas
+@pytest.mark.parametrize("kt", [16, 64])
+def test_check_kernel_issues_its_wgmma_and_assembles_for_sm90a(kind, n, a_regs, trans_b, kt):
+    """The layout kernel's PTX holds the proxy fence and a wgmma of the shape, type,
+    A source (a descriptor or four registers) and B transpose asked for (one, or at K
+    64 the first and the loop's, which LLVM may unroll), and ptxas
     takes it for sm_90a with no local memory. Control: the same kernel compiled for
     plain sm_90 is rejected by ptxas for its wgmma (which exists on sm_90a only), so
     the check does reach the assembler."""
@@ -68,14 +74,16 @@ def test_check_kernel_issues_one_wgmma_and_assembles_for_sm90a(kind, n, a_regs, 
 
     from tests.test_prefill_mma import spill_bytes
 
-    kernel, sig = (W.check_kernel(n, kind, W.LBO, W.SBO, a_regs, trans_b),
-                   (types.uint16[:], types.uint32[:, :], types.uint16[:], types.float32[:, :]))
+    kernel, sig = (W.check_kernel(n, kind, *W.offsets(kt), a_regs, trans_b, kt),
+                   (types.uint16[:], types.uint32[:, :, :], types.uint16[:],
+                    types.float32[:, :]))
     ptx = _ptx(kernel, sig)
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
-    assert len(mmas) == 1 and f".m64n{n}k16.f32.{kind}.{kind} " in mmas[0], mmas
+    assert len(mmas) == 1 if kt == 16 else len(mmas) in (2, kt // 16), mmas  # rolled or not
+    assert all(f".m64n{n}k16.f32.{kind}.{kind} " in m for m in mmas), mmas
     a_operand = mmas[0].split("}, ")[1]
     assert a_operand.startswith("{") == a_regs, mmas[0]  # four registers, or a descriptor
-    assert mmas[0].rstrip().endswith(f", {trans_b};"), mmas[0]
+    assert all(m.rstrip().endswith(f", {trans_b};") for m in mmas), mmas
     assert "fence.proxy.async.shared::cta;" in ptx
     assert "wgmma.wait_group.sync.aligned 0;" in ptx
     report = _link(ptx, "sm_90a")
@@ -92,11 +100,14 @@ def test_mn_layout_and_a_fragment_place_what_the_docstrings_say():
     assert sorted(flat) == sorted(x.ravel())
     words = np.arange(64 * 16, dtype=np.uint16).reshape(64, 16)
     frag = W.a_fragment(words)
-    lo, hi = frag & 0xFFFF, frag >> 16
+    assert frag.shape == (1, 128, 4)
+    lo, hi = frag[0] & 0xFFFF, frag[0] >> 16
     assert np.array_equal(hi, lo + 1)  # the next K in the upper half
     t = 32 + 5  # warp 1, lane 5: row 16 + 1, K 2
     assert [int(v) for v in lo[t]] == [words[17, 2], words[25, 2], words[17, 10], words[25, 10]]
     assert sorted(lo.ravel().tolist() + hi.ravel().tolist()) == sorted(words.ravel().tolist())
+    wide = np.arange(64 * 32, dtype=np.uint16).reshape(64, 32)
+    assert int(W.a_fragment(wide)[1, t, 0] & 0xFFFF) == wide[17, 16 + 2]  # K step 1
 
 
 @pytest.mark.compile
@@ -126,15 +137,15 @@ def _cc90():
 
 @pytest.mark.skipif(not _cc90(), reason="wgmma runs only on a compute-capability-9.0 GPU "
                     "(sm_90a); the simulator has no inline PTX")
-@pytest.mark.parametrize("kind", ["f16", "bf16"])
-@pytest.mark.parametrize("n", [8, 64, 256])
+@pytest.mark.parametrize("kind,n,kt", W.LAYOUT_SHAPES)
 @pytest.mark.parametrize("a_regs,trans_b", [(False, 0), (True, 0), (True, 1)])
-def test_wgmma_gives_a_times_b_exactly(kind, n, a_regs, trans_b):
+def test_wgmma_gives_a_times_b_exactly(kind, n, kt, a_regs, trans_b):
     """One of the two readings of the descriptors' byte offsets (128 bytes between
     the core matrices along K and 256 along M / N, or the two swapped) makes one warp
     group's wgmma give A @ B bit for bit (exact operands), with A from shared memory
-    or registers and B K-major or MN-major; the other reading gives another product,
+    or registers and B K-major or MN-major, over one K step or four; the other reading
+    gives another product,
     which is the control that the comparison can fail. Which one is right for each
     operand form is what the probe prints (notes/bench.md)."""
-    res = W.check(n, kind, a_regs=a_regs, trans_b=trans_b)
+    res = W.check(n, kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
     assert sorted(ok for ok, _ in res.values()) == [False, True], res
