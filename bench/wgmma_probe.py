@@ -76,18 +76,26 @@ LAYOUT_SHAPES = (("f16", 8, 16), ("f16", 64, 16), ("f16", 256, 16), ("bf16", 64,
                  ("f16", 64, 64), ("bf16", 256, 64))
 
 
+def _core_matrices(x, mn_major):
+    """``x [mn, kt]`` -> flat: element ``(i, k)`` at ``(i // 8) * 8 kt + (k // 8) * 64``
+    plus, inside its core matrix, ``(i % 8) * 8 + k % 8`` (K-major: rows along M / N)
+    or ``(k % 8) * 8 + i % 8`` (MN-major: rows along K)."""
+    mn, kt = x.shape
+    i, k = np.meshgrid(np.arange(mn), np.arange(kt), indexing="ij")
+    inner = (k % 8) * 8 + i % 8 if mn_major else (i % 8) * 8 + k % 8
+    out = np.empty(mn * kt, x.dtype)
+    out[(i // 8) * 8 * kt + (k // 8) * 64 + inner] = x
+    return out
+
+
 def core_layout(x):
     """``x [rows, kt]`` (rows a multiple of 8, kt of 16) -> flat ``[rows * kt]`` in
     no-swizzle K-major core matrices: element ``(r, k)`` at 16-bit index ``(r // 8) *
     8 kt + (k // 8) * 64 + (r % 8) * 8 + k % 8``: a row group's core matrices side by
     side along K (128 bytes apart), row groups ``16 kt`` bytes apart (``offsets``)."""
-    rows, kt = x.shape
-    if kt % K or rows % 8:
+    if x.shape[1] % K or x.shape[0] % 8:
         raise ValueError(f"x: expected [8 r, 16 k], got {x.shape}")
-    r, k = np.meshgrid(np.arange(rows), np.arange(kt), indexing="ij")
-    out = np.empty(rows * kt, x.dtype)
-    out[(r // 8) * 8 * kt + (k // 8) * 64 + (r % 8) * 8 + k % 8] = x
-    return out
+    return _core_matrices(x, False)
 
 
 def mn_layout(x):
@@ -96,13 +104,9 @@ def mn_layout(x):
     ``(c // 8) * 8 kt + (k // 8) * 64 + (k % 8) * 8 + c % 8`` (a core matrix's rows run
     along K, each 8 values of N; the byte offsets of ``core_layout``: 128 along K,
     ``16 kt`` along N)."""
-    kt, cols = x.shape
-    if kt % K or cols % 8:
+    if x.shape[0] % K or x.shape[1] % 8:
         raise ValueError(f"x: expected [16 k, 8 c], got {x.shape}")
-    k, c = np.meshgrid(np.arange(kt), np.arange(cols), indexing="ij")
-    out = np.empty(kt * cols, x.dtype)
-    out[(c // 8) * 8 * kt + (k // 8) * 64 + (k % 8) * 8 + c % 8] = x
-    return out
+    return _core_matrices(x.T, True)
 
 
 def offsets(kt):
@@ -172,65 +176,50 @@ def _intrinsics(n, kind, steps, trans_b=0):
                 "wgmma.fence.sync.aligned;\n" + text
                 + "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}")
 
-    def unpack(context, builder, r):
+    def call(context, builder, in_types, in_cons, text, operands, d=None):
+        # the asm ``text`` on ``operands`` (with ``d``, the accumulator tuple tied to
+        # the outputs): the outputs as a ``ret`` tuple
+        ins = [] if d is None else [builder.extract_value(d, i) for i in range(regs)]
+        tied = "" if d is None else "," + ",".join(str(i) for i in range(regs))
+        fnty = ir.FunctionType(struct, in_types + [f32] * len(ins))
+        cons = ",".join(["=f"] * regs) + "," + in_cons + tied + ",~{memory}"
+        r = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                         list(operands) + ins)
         return context.make_tuple(builder, ret, [builder.extract_value(r, i)
                                                  for i in range(regs)])
 
+    u32 = types.uint32
+
     @intrinsic
     def first(typingctx, da, db):
-        sig = ret(types.uint64, types.uint64)
-
         def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(struct, [i64, i64])
-            cons = ",".join(["=f"] * regs) + ",l,l,~{memory}"
-            r = builder.call(ir.InlineAsm(fnty, body(0, mma), cons, side_effect=True),
-                             list(args))
-            return unpack(context, builder, r)
+            return call(context, builder, [i64, i64], "l,l", body(0, mma), args)
 
-        return sig, codegen
-
-    @intrinsic
-    def first_ra(typingctx, a0, a1, a2, a3, db):
-        sig = ret(types.uint32, types.uint32, types.uint32, types.uint32, types.uint64)
-
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(struct, [i32] * 4 + [i64])
-            cons = ",".join(["=f"] * regs) + ",r,r,r,r,l,~{memory}"
-            r = builder.call(ir.InlineAsm(fnty, body(0, mma_ra), cons, side_effect=True),
-                             list(args))
-            return unpack(context, builder, r)
-
-        return sig, codegen
-
-    @intrinsic
-    def acc_ra(typingctx, a0, a1, a2, a3, db, d):
-        sig = ret(types.uint32, types.uint32, types.uint32, types.uint32, types.uint64, ret)
-
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(struct, [i32] * 4 + [i64] + [f32] * regs)
-            cons = (",".join(["=f"] * regs) + ",r,r,r,r,l,"
-                    + ",".join(str(i) for i in range(regs)) + ",~{memory}")
-            ins = [builder.extract_value(args[5], i) for i in range(regs)]
-            r = builder.call(ir.InlineAsm(fnty, body(1, mma_ra), cons, side_effect=True),
-                             list(args[:5]) + ins)
-            return unpack(context, builder, r)
-
-        return sig, codegen
+        return ret(types.uint64, types.uint64), codegen
 
     @intrinsic
     def acc(typingctx, da, db, d):
-        sig = ret(types.uint64, types.uint64, ret)
-
         def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(struct, [i64, i64] + [f32] * regs)
-            cons = (",".join(["=f"] * regs) + ",l,l,"
-                    + ",".join(str(i) for i in range(regs)) + ",~{memory}")
-            ins = [builder.extract_value(args[2], i) for i in range(regs)]
-            r = builder.call(ir.InlineAsm(fnty, body(1, mma * steps), cons, side_effect=True),
-                             [args[0], args[1]] + ins)
-            return unpack(context, builder, r)
+            return call(context, builder, [i64, i64], "l,l", body(1, mma * steps), args[:2],
+                        args[2])
 
-        return sig, codegen
+        return ret(types.uint64, types.uint64, ret), codegen
+
+    @intrinsic
+    def first_ra(typingctx, a0, a1, a2, a3, db):
+        def codegen(context, builder, sig, args):
+            return call(context, builder, [i32] * 4 + [i64], "r,r,r,r,l", body(0, mma_ra),
+                        args)
+
+        return ret(u32, u32, u32, u32, types.uint64), codegen
+
+    @intrinsic
+    def acc_ra(typingctx, a0, a1, a2, a3, db, d):
+        def codegen(context, builder, sig, args):
+            return call(context, builder, [i32] * 4 + [i64], "r,r,r,r,l", body(1, mma_ra),
+                        args[:5], args[5])
+
+        return ret(u32, u32, u32, u32, types.uint64, ret), codegen
 
     @intrinsic
     def fence(typingctx):
@@ -247,10 +236,19 @@ def _intrinsics(n, kind, steps, trans_b=0):
     return first, acc, first_ra, acc_ra, fence
 
 
-def _shared_base():
+@functools.lru_cache(maxsize=None)
+def _smem():
+    """(``shared_base(smem)``: a shared array's 32-bit shared-space address,
+    ``desc(addr, lbo, sbo)``: the device form of ``descriptor``)."""
+    from numba import cuda, uint64
+
     from attention.gemm.mma16 import smem_ops
 
-    return smem_ops()[0]
+    @cuda.jit(device=True, inline="always")
+    def desc(addr, lbo, sbo):
+        return uint64((addr & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 | uint64(sbo >> 4) << 32
+
+    return smem_ops()[0], desc
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,7 +264,7 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
     from numba import cuda, uint16, uint64
 
     first, acc, first_ra, acc_ra, fence = _intrinsics(n, kind, 1, trans_b)
-    shared_base = _shared_base()
+    shared_base, desc = _smem()
     regs = n // 2
     a_elems, b_elems, steps = M * kt, n * kt, kt // K
     step = uint64(2 * CORE_BYTES >> 4)  # the descriptors' address field, a K step on
@@ -282,10 +280,8 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
             sb[i] = b_core[i]
         fence()
         cuda.syncthreads()
-        da = uint64((shared_base(sa) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
-            | uint64(sbo >> 4) << 32
-        db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 \
-            | uint64(sbo >> 4) << 32
+        da = desc(shared_base(sa), lbo, sbo)
+        db = desc(shared_base(sb), lbo, sbo)
         if a_regs:
             d = first_ra(a_frag[0, t, 0], a_frag[0, t, 1], a_frag[0, t, 2], a_frag[0, t, 3],
                          db)
@@ -306,10 +302,10 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
 def throughput_kernel(n, kind):
     """Blocks of one warp group, each ``iters`` steps of ``STEPS`` wgmma on its own
     shared tiles; ``sink[block * 128 + t]`` keeps the accumulators live."""
-    from numba import cuda, float32, uint16, uint64
+    from numba import cuda, float32, uint16
 
     first, acc, _, _, fence = _intrinsics(n, kind, STEPS)
-    shared_base = _shared_base()
+    shared_base, desc = _smem()
     regs = n // 2
     b_elems = n * K
 
@@ -324,10 +320,8 @@ def throughput_kernel(n, kind):
             sb[i] = uint16(0x3000 + i % 5)
         fence()
         cuda.syncthreads()
-        da = uint64((shared_base(sa) & 0x3FFFF) >> 4) | uint64(LBO >> 4) << 16 \
-            | uint64(SBO >> 4) << 32
-        db = uint64((shared_base(sb) & 0x3FFFF) >> 4) | uint64(LBO >> 4) << 16 \
-            | uint64(SBO >> 4) << 32
+        da = desc(shared_base(sa), LBO, SBO)
+        db = desc(shared_base(sb), LBO, SBO)
         d = first(da, db)
         for _ in range(iters):
             d = acc(da, db, d)
