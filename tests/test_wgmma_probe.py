@@ -86,6 +86,8 @@ def test_check_kernel_issues_its_wgmma_and_assembles_for_sm90a(kind, n, a_regs, 
     assert all(m.rstrip().endswith(f", {trans_b};") for m in mmas), mmas
     assert "fence.proxy.async.shared::cta;" in ptx
     assert "wgmma.wait_group.sync.aligned 0;" in ptx
+    # the device-side descriptor carries the host form's offset bits
+    assert f", {W.descriptor(0, *W.offsets(kt))};" in ptx
     report = _link(ptx, "sm_90a")
     assert spill_bytes(report) == 0, report
     with pytest.raises(Exception, match="wgmma.* not supported on .target 'sm_90'"):
