@@ -24,11 +24,13 @@ inline PTX can issue it. This probe asks two questions on the GPU:
    with B MN-major (``mn_layout``, the ``trans-b`` flag: V as the cache stores it,
    N contiguous). No swizzle. One K step of 16 (N 8, 64, 256) and four (K 64, each
    step's descriptors 256 bytes on: ``LAYOUT_SHAPES``). The operands are multiples
-   of 1/4 in [-1, 1], so
-   every product and sum is exact in fp32: the comparison is ``==``. Both readings
-   of the descriptor's two byte offsets run (128 bytes between core matrices along
-   K and 256 along M / N, and the two swapped): one of them can be right, so the
-   other is the check's control.
+   of 1/4 in [-1, 1], so every product and sum is exact in fp32: the comparison is
+   ``==``. Both readings of the descriptor's two byte offsets run (128 bytes between
+   core matrices along K and ``16 K`` along M / N, and the two swapped): one of them
+   can be right, so the other is the check's control. Then the 128-byte swizzle
+   (``SWIZZLE_CASES``, K-major, K 64: rows of 128 bytes, chunk ``c`` of row ``r`` at
+   ``c ^ (r % 8)``, the layout a kernel staging whole cache rows with ``cp.async``
+   would use), against the same bytes read with no swizzle as the control.
 2. **Throughput** (``throughput``): every block one warp group issuing four
    ``wgmma.m64nNk16`` a step on the same shared tiles (no memory traffic), against
    a loop of ``mma.sync.m16n8k16`` from registers (eight independent accumulators a
@@ -64,6 +66,8 @@ A_ELEMS = M * K
 WG = 128  # threads of a warp group
 CORE_BYTES = 128  # one core matrix: 8 rows x 16 bytes
 LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N, at K 16
+SWIZZLE_128B = 1  # the descriptor's mode field (bits 62-63) for the 128-byte swizzle
+SWIZZLE_SBO = 1024  # bytes between 8-row atoms of a 128-byte-swizzled operand
 N_CHOICES = (8, 16, 32, 64, 128, 256)
 STEPS = 4  # wgmma a throughput step
 MMA_CHAINS = 8  # independent mma.sync accumulators a warp
@@ -71,6 +75,9 @@ MMA_CHAINS = 8  # independent mma.sync accumulators a warp
 # K-major from shared memory; O = P V takes P from registers and V MN-major
 LAYOUT_CASES = ((False, 0, "A smem, B K-major"), (True, 0, "A registers, B K-major"),
                 (True, 1, "A registers, B MN-major"))
+# the 128-byte swizzle (the layout a kernel staging whole rows with cp.async would use),
+# K-major at K 64: (A from registers, kind, N)
+SWIZZLE_CASES = ((False, "f16", 64), (False, "bf16", 256), (True, "f16", 64))
 # (kind, N, K) of each form's checks: one K step at N 8, 64 and 256, then four K steps
 LAYOUT_SHAPES = (("f16", 8, 16), ("f16", 64, 16), ("f16", 256, 16), ("bf16", 64, 16),
                  ("f16", 64, 64), ("bf16", 256, 64))
@@ -109,6 +116,20 @@ def mn_layout(x):
     return _core_matrices(x.T, True)
 
 
+def swizzle128_layout(x):
+    """``x [rows, 64]`` (rows a multiple of 8) -> flat ``[rows * 64]`` in the 128-byte
+    swizzle of K-major operands: row ``r`` is 128 contiguous bytes at ``128 r``, its
+    16-byte chunk ``c`` (values ``8 c .. 8 c + 7`` of K) stored at chunk ``c ^ (r %
+    8)``; 8 rows make a 1024-byte atom (the descriptor's stride, ``SWIZZLE_SBO``)."""
+    rows, kt = x.shape
+    if kt != 64 or rows % 8:
+        raise ValueError(f"x: expected [8 r, 64], got {x.shape}")
+    r, k = np.meshgrid(np.arange(rows), np.arange(kt), indexing="ij")
+    out = np.empty(rows * kt, x.dtype)
+    out[r * 64 + ((k // 8) ^ (r % 8)) * 8 + k % 8] = x
+    return out
+
+
 def offsets(kt):
     """The two byte offsets of the layouts above, (along K, along M / N): (128, 16 kt)."""
     return CORE_BYTES, 16 * kt
@@ -143,9 +164,10 @@ def accumulator_index(n):
     return row, col
 
 
-def descriptor(addr, lbo, sbo):
-    """The 64-bit no-swizzle matrix descriptor (host form, for tests and docs)."""
-    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
+def descriptor(addr, lbo, sbo, mode=0):
+    """The 64-bit matrix descriptor (host form, for tests and docs); ``mode`` the
+    swizzle (0 none, ``SWIZZLE_128B``)."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (mode << 62)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,17 +267,20 @@ def _smem():
     from attention.gemm.mma16 import smem_ops
 
     @cuda.jit(device=True, inline="always")
-    def desc(addr, lbo, sbo):
-        return uint64((addr & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16 | uint64(sbo >> 4) << 32
+    def desc(addr, lbo, sbo, mode):
+        return (uint64((addr & 0x3FFFF) >> 4) | uint64(lbo >> 4) << 16
+                | uint64(sbo >> 4) << 32 | uint64(mode) << 62)
 
     return smem_ops()[0], desc
 
 
 @functools.lru_cache(maxsize=None)
-def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
+def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K, mode=0):
     """One warp group: ``raw[t, i]`` = register ``i`` of thread ``t`` of ``A @ B``, A
     ``[64, kt]``, B ``[kt, n]``, in ``kt / 16`` wgmma (each K step's descriptors
-    start 256 bytes, two core matrices along K, after the last one's).
+    start 256 bytes, two core matrices along K, after the last one's; with ``mode``
+    ``SWIZZLE_128B`` the operands are in ``swizzle128_layout`` and a K step is 32
+    bytes, inside the swizzled row).
     ``a_core [64 * kt]``: A's 16-bit words in ``core_layout``; with ``a_regs`` A
     comes from registers instead, ``a_frag [kt / 16, 128, 4]`` uint32 (``a_fragment``).
     ``b_core [n * kt]``: B's words in ``core_layout`` of ``B^T`` (K-major), or with
@@ -267,12 +292,14 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
     shared_base, desc = _smem()
     regs = n // 2
     a_elems, b_elems, steps = M * kt, n * kt, kt // K
-    step = uint64(2 * CORE_BYTES >> 4)  # the descriptors' address field, a K step on
+    # the descriptors' address field, a K step on
+    step = uint64((2 * K if mode else 2 * CORE_BYTES) >> 4)
 
     @cuda.jit
     def kernel(a_core, a_frag, b_core, raw):
-        sa = cuda.shared.array(a_elems, uint16, alignment=128)
-        sb = cuda.shared.array(b_elems, uint16, alignment=128)
+        # 1024: a swizzle atom's alignment (the swizzle is of the address bits)
+        sa = cuda.shared.array(a_elems, uint16, alignment=1024)
+        sb = cuda.shared.array(b_elems, uint16, alignment=1024)
         t = cuda.threadIdx.x
         for i in range(t, a_elems, WG):
             sa[i] = a_core[i]
@@ -280,8 +307,8 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K):
             sb[i] = b_core[i]
         fence()
         cuda.syncthreads()
-        da = desc(shared_base(sa), lbo, sbo)
-        db = desc(shared_base(sb), lbo, sbo)
+        da = desc(shared_base(sa), lbo, sbo, mode)
+        db = desc(shared_base(sb), lbo, sbo, mode)
         if a_regs:
             d = first_ra(a_frag[0, t, 0], a_frag[0, t, 1], a_frag[0, t, 2], a_frag[0, t, 3],
                          db)
@@ -320,8 +347,8 @@ def throughput_kernel(n, kind):
             sb[i] = uint16(0x3000 + i % 5)
         fence()
         cuda.syncthreads()
-        da = desc(shared_base(sa), LBO, SBO)
-        db = desc(shared_base(sb), LBO, SBO)
+        da = desc(shared_base(sa), LBO, SBO, 0)
+        db = desc(shared_base(sb), LBO, SBO, 0)
         d = first(da, db)
         for _ in range(iters):
             d = acc(da, db, d)
@@ -380,27 +407,39 @@ def _operands(n, kind, seed, kt=K):
     return a, b, words(a), words(b)
 
 
-def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K):
-    """Run ``check_kernel`` with both readings of the byte offsets (``offsets(kt)``
-    as (LBO, SBO), and swapped); returns ``{(lbo, sbo): (exact, max_abs_err)}``
-    against numpy's A @ B."""
+def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K, swizzle=False):
+    """Run ``check_kernel`` two ways and compare with numpy's A @ B; returns ``{label:
+    (exact, max_abs_err)}``. No swizzle: both readings of the byte offsets
+    (``offsets(kt)`` as (LBO, SBO), and swapped). ``swizzle`` (K-major B, K 64):
+    the operands in ``swizzle128_layout`` read with the 128-byte swizzle, and the same
+    bytes read with none (the control)."""
     from numba import cuda
 
     a, b, aw, bw = _operands(n, kind, seed, kt)
     want = a @ b
     rows, cols = accumulator_index(n)
-    a_core = cuda.to_device(core_layout(aw))
+    if swizzle:
+        if trans_b or kt != 64:
+            raise ValueError("swizzle: the K-major B at K 64 only")
+        a_core, b_core = swizzle128_layout(aw), swizzle128_layout(bw.T.copy())
+        runs = {f"128-byte swizzle, SBO {SWIZZLE_SBO}": (16, SWIZZLE_SBO, SWIZZLE_128B),
+                "no swizzle on the same bytes": (*offsets(kt), 0)}
+    else:
+        a_core = core_layout(aw)
+        b_core = mn_layout(bw) if trans_b else core_layout(bw.T.copy())
+        along_k, along_mn = offsets(kt)
+        runs = {f"LBO {lb} / SBO {sb}": (lb, sb, 0)
+                for lb, sb in ((along_k, along_mn), (along_mn, along_k))}
+    a_core, b_core = cuda.to_device(a_core), cuda.to_device(b_core)
     a_frag = cuda.to_device(a_fragment(aw))
-    b_core = cuda.to_device(mn_layout(bw) if trans_b else core_layout(bw.T.copy()))
-    along_k, along_mn = offsets(kt)
     out = {}
-    for lbo, sbo in ((along_k, along_mn), (along_mn, along_k)):
+    for label, (lbo, sbo, mode) in runs.items():
         raw = cuda.device_array((WG, n // 2), np.float32)
-        check_kernel(n, kind, lbo, sbo, a_regs, trans_b, kt)[1, WG](a_core, a_frag, b_core,
-                                                                    raw)
+        check_kernel(n, kind, lbo, sbo, a_regs, trans_b, kt, mode)[1, WG](a_core, a_frag,
+                                                                          b_core, raw)
         got = np.zeros((M, n))
         got[rows, cols] = raw.copy_to_host()
-        out[(lbo, sbo)] = (bool(np.array_equal(got, want)), float(np.max(np.abs(got - want))))
+        out[label] = (bool(np.array_equal(got, want)), float(np.max(np.abs(got - want))))
     return out
 
 
@@ -425,6 +464,11 @@ def mma_sync_throughput(timer, kind="f16", iters=2048, sms=132):
     ms = timer.time(lambda: kern[blocks, threads](sink, np.int32(iters)), reps=10, flush=False)
     flops = 2.0 * 16 * 8 * 16 * MMA_CHAINS * iters * blocks * (threads // 32)
     return flops / (ms * 1e-3) / 1e12, ms
+
+
+def _verdicts(res):
+    return "; ".join(f"{label}: {'exact' if ok else 'WRONG'} (max |err| {err:.3g})"
+                     for label, (ok, err) in res.items())
 
 
 def main(argv=None):
@@ -453,9 +497,16 @@ def main(argv=None):
             except Exception as exc:  # a probe: report the failure and go on
                 print(f"{name}: error {type(exc).__name__}: {exc}")
                 continue
-            text = "; ".join(f"LBO {lb} / SBO {sb}: {'exact' if ok else 'WRONG'} "
-                             f"(max |err| {err:.3g})" for (lb, sb), (ok, err) in res.items())
-            print(f"{name}: {text}")
+            print(f"{name}: {_verdicts(res)}")
+    for a_regs, kind, n in SWIZZLE_CASES:
+        name = f"layout A {'registers' if a_regs else 'smem'}, B K-major, swizzled {kind} " \
+               f"m64n{n}k16, K 64"
+        try:
+            res = check(n, kind, a_regs=a_regs, kt=64, swizzle=True)
+        except Exception as exc:
+            print(f"{name}: error {type(exc).__name__}: {exc}")
+            continue
+        print(f"{name}: {_verdicts(res)}")
     from bench.gpu import Timer
 
     timer = Timer()

@@ -151,3 +151,48 @@ def test_wgmma_gives_a_times_b_exactly(kind, n, kt, a_regs, trans_b):
     operand form is what the probe prints (notes/bench.md)."""
     res = W.check(n, kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
     assert sorted(ok for ok, _ in res.values()) == [False, True], res
+
+
+def test_swizzle128_layout_xors_the_chunk_with_the_row():
+    x = np.arange(16 * 64, dtype=np.int64).reshape(16, 64)
+    flat = W.swizzle128_layout(x)
+    for r, k in [(0, 0), (1, 0), (3, 17), (7, 63), (9, 40), (15, 5)]:
+        assert flat[r * 64 + ((k // 8) ^ (r % 8)) * 8 + k % 8] == x[r, k]
+    assert flat[1 * 64 + 1 * 8] == x[1, 0]  # row 1's first chunk moved to chunk 1
+    assert sorted(flat) == sorted(x.ravel())
+    with pytest.raises(ValueError, match=r"x: expected \[8 r, 64\]"):
+        W.swizzle128_layout(np.zeros((8, 32)))
+    assert W.descriptor(0, 16, 1024, W.SWIZZLE_128B) >> 62 == 1
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("a_regs", [False, True])
+def test_swizzled_check_kernel_carries_the_mode_bits(a_regs):
+    """With the 128-byte swizzle the descriptor's mode bits are set (the host form's
+    constant is in the PTX), and the kernel assembles for sm_90a without local
+    memory. Control: the no-swizzle kernel's constant differs, so the assertion can
+    fail. (The 32-byte K step is checked by the GPU test's products.)"""
+    from numba import types
+
+    from tests.test_prefill_mma import spill_bytes
+
+    sig = (types.uint16[:], types.uint32[:, :, :], types.uint16[:], types.float32[:, :])
+    ptx = _ptx(W.check_kernel(64, "f16", 16, W.SWIZZLE_SBO, a_regs, 0, 64, W.SWIZZLE_128B),
+               sig)
+    want = W.descriptor(0, 16, W.SWIZZLE_SBO, W.SWIZZLE_128B)
+    assert f", {want};" in ptx
+    assert f", {W.descriptor(0, 16, W.SWIZZLE_SBO)};" not in ptx
+    assert spill_bytes(_link(ptx, "sm_90a")) == 0
+    plain = _ptx(W.check_kernel(64, "f16", 16, W.SWIZZLE_SBO, a_regs, 0, 64, 0), sig)
+    assert f", {want};" not in plain
+
+
+@pytest.mark.skipif(not _cc90(), reason="wgmma runs only on a compute-capability-9.0 GPU "
+                    "(sm_90a); the simulator has no inline PTX")
+@pytest.mark.parametrize("a_regs,kind,n", W.SWIZZLE_CASES)
+def test_swizzled_wgmma_gives_a_times_b_exactly(a_regs, kind, n):
+    """Operands in the 128-byte swizzle, read with it, give A @ B bit for bit over four
+    K steps; the same bytes read without the swizzle do not (the control)."""
+    res = W.check(n, kind, a_regs=a_regs, kt=64, swizzle=True)
+    ok = [ok for ok, _ in res.values()]
+    assert ok == [True, False], res
