@@ -68,7 +68,6 @@ CORE_BYTES = 128  # one core matrix: 8 rows x 16 bytes
 LBO, SBO = 128, 256  # bytes between core matrices along K, and along M / N, at K 16
 SWIZZLE_128B = 1  # the descriptor's mode field (bits 62-63) for the 128-byte swizzle
 SWIZZLE_SBO = 1024  # bytes between 8-row atoms of a 128-byte-swizzled operand
-N_CHOICES = (8, 16, 32, 64, 128, 256)
 STEPS = 4  # wgmma a throughput step
 MMA_CHAINS = 8  # independent mma.sync accumulators a warp
 # the layout checks: (A from registers, B MN-major, what) - S = Q K^T takes both operands
