@@ -120,12 +120,15 @@ def swizzle128_layout(x):
     swizzle of K-major operands: row ``r`` is 128 contiguous bytes at ``128 r``, its
     16-byte chunk ``c`` (values ``8 c .. 8 c + 7`` of K) stored at chunk ``c ^ (r %
     8)``; 8 rows make a 1024-byte atom (the descriptor's stride, ``SWIZZLE_SBO``)."""
+    from attention.gemm.mma16 import swizzle
+
     rows, kt = x.shape
     if kt != 64 or rows % 8:
         raise ValueError(f"x: expected [8 r, 64], got {x.shape}")
     r, k = np.meshgrid(np.arange(rows), np.arange(kt), indexing="ij")
     out = np.empty(rows * kt, x.dtype)
-    out[r * 64 + ((k // 8) ^ (r % 8)) * 8 + k % 8] = x
+    # the swizzle of mma16's tiles at 8 chunks a row is this one
+    out[r * 64 + swizzle(r, k // 8, 8) * 8 + k % 8] = x
     return out
 
 

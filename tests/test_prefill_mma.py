@@ -373,10 +373,10 @@ def _ptx(kind, head_dim, causal=True, warps=None, block_n=None, defect=None):
     return _PTX[key]
 
 
-def _ptxas_report(ptx):
-    """ptxas's verbose report of ``ptx`` for sm_90 (nvJitLink through cuda.core),
+def _ptxas_report(ptx, arch="sm_90"):
+    """ptxas's verbose report of ``ptx`` for ``arch`` (nvJitLink through cuda.core),
     headed by the nvJitLink version (spill figures differ between versions), or
-    None where that is not installed."""
+    None where that is not installed. PTX ptxas rejects raises."""
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError:
@@ -388,7 +388,7 @@ def _ptxas_report(ptx):
     except Exception:  # an older binding: the report alone
         version = "nvJitLink (version unknown)"
     linker = Linker(ObjectCode.from_ptx(ptx.encode()),
-                    options=LinkerOptions(arch="sm_90", verbose=True, ptxas_options=["-v"]))
+                    options=LinkerOptions(arch=arch, verbose=True, ptxas_options=["-v"]))
     linker.link("cubin")
     return f"{version}\n{linker.get_info_log()}"
 

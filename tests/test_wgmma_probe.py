@@ -48,14 +48,12 @@ def _ptx(kernel, argtypes, cc=(9, 0, "a")):
 
 
 def _link(ptx, arch):
-    try:
-        from cuda.core import Linker, LinkerOptions, ObjectCode
-    except ImportError:
+    from tests.test_prefill_mma import _ptxas_report
+
+    report = _ptxas_report(ptx, arch)
+    if report is None:
         pytest.skip("no ptxas: cuda.core (nvJitLink) is not installed")
-    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
-                    options=LinkerOptions(arch=arch, verbose=True, ptxas_options=["-v"]))
-    linker.link("cubin")
-    return linker.get_info_log()
+    return report
 
 
 @pytest.mark.compile
