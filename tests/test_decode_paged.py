@@ -146,6 +146,29 @@ def test_paged_matches_the_oracle_and_the_pooled_plan(layout, page, dtype):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("layout,page", [("HND", 16), ("NHD", 16), ("HND", 1), ("HND", 3)])
+def test_long_chunks_move_the_page_table_window(layout, page):
+    """The 16-bit ring loads a warp's page-table entries S - 1 issues ahead of
+    their use (a window of S - 1 steps in registers, moved one step a loop
+    turn). The cases above are too short for the window to move: here one
+    split streams more than 2 (S - 1) + 1 steps a warp, so a window that does
+    not move, or moves wrong, reads another step's rows (the planted check:
+    leaving the move out fails this test on the simulator)."""
+    dt = np.float16
+    rng = np.random.default_rng(31 + page)
+    lens = np.array([1100, 1033], np.int32)
+    h, n_kv, d = 2, 1, 128  # vector rows: the ring
+    k, v, table = paged_case(rng, lens, page, n_kv, d, dt, layout)
+    q = rng.standard_normal((len(lens), h, d)).astype(np.float32)
+    out, lse, pl = run_plan(q, k, v, lens, table, dt, page, layout, n_split=1)
+    fp = pl.fast_plan
+    step = fp["block"] // fp["lanes"] * fp["unroll"]  # positions a block covers a step
+    steps_a_warp = -(-int(lens[1]) // step)
+    assert fp["stages"] >= 3 and steps_a_warp > 2 * (fp["stages"] - 1) + 1, (fp, steps_a_warp)
+    judge(q, k, v, lens, table, layout, out, lse, dt, f"{layout} P={page} long")
+
+
+@pytest.mark.device
 def test_split_plans_read_pages_across_chunks():
     """Several splits a sequence (chunks end inside pages, P = 5): still the
     oracle's result."""
