@@ -157,6 +157,38 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("mode", ["token", "tensor"])
+def test_fp8_kernel_paged_whole_tiles_give_the_fp16_kernel_bits(mode):
+    """Pages of 64 (one page-table read a 64-row tile, read a tile ahead of its
+    copies: ``tile_entry``), one split, length 200: a block streams four tiles,
+    so a page entry read for the wrong tile shows past the first two (the
+    planted check: the fp8 branch reading tile it + 1's entry where tile it +
+    2's is due fails here). The fp16 kernel over the same pages is judged
+    against the oracle in ``tests/test_mla_mma.py``."""
+    from attention.core.device import device_empty, to_device
+    from mla import mma as MM
+
+    rng = np.random.default_rng(12)
+    c = _case(rng, [200], mode=mode, cap=256)
+    codes, scales, fp16, table = _paged(c["codes"], c["scales"], c["fp16"], c["lens"], 64, rng)
+    qc = rng.standard_normal((1, NH, RANK + D_ROPE)).astype(np.float32)
+    results = []
+    for lat, fp8_mode, sc in ((codes, mode, scales), (fp16, None, None)):
+        pl = MM.plan(1, NH, RANK, D_ROPE, 256, "f16", row_groups=1, n_split=1, paged=True,
+                     fp8=fp8_mode)
+        o = device_empty((1, NH, RANK), np.float32)
+        lse = device_empty((1, NH), np.float32)
+        pa, pm = MM.scratch(pl, 1, NH)
+        MM.launch(pl, to_device(qc), to_device(lat), to_device(c["lens"]), to_device(table), NH,
+                  0.125, o, lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
+        results.append((o.copy_to_host(), lse.copy_to_host()))
+    (o8, l8), (o16, l16) = results
+    np.testing.assert_array_equal(o8, o16)
+    np.testing.assert_array_equal(l8, l16)
+    assert np.isfinite(o8).all() and np.abs(o8).max() > 0
+
+
+@pytest.mark.device
 def test_fp8_decode_gives_the_fp16_cache_bits_token_contiguous():
     """Per token, contiguous, 2 queries a sequence, lengths 20 and 3."""
     c = _case(np.random.default_rng(1), [20, 3], s_q=2, mode="token")

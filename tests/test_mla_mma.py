@@ -247,6 +247,32 @@ def test_paged_matches_the_oracle(page):
         np.testing.assert_array_equal(a, b)  # the same sums: the bits of the contiguous cache
 
 
+@pytest.mark.device
+def test_paged_whole_tiles_read_the_table_a_tile_ahead():
+    """Pages of 64 (one page-table read a 64-row tile), one split: a block
+    streams four tiles, and each tile's page entry is read a tile before its
+    copies (``tile_entry``). The case above runs two tiles a block, too few for
+    an entry read for the wrong tile to show past the first (the planted check:
+    reading tile it + 1's entry where tile it + 2's is due fails here)."""
+    from tests.test_mla_paged import paged_case
+
+    lengths = [200, 256, 129]
+    c = paged_case(64, F16, dims=DIMS, lengths=lengths, seed=5)
+    nh, rank = DIMS.n_head, DIMS.kv_rank
+    width = rank + DIMS.d_rope
+    lens = c["lengths"]
+    qc = np.random.default_rng(6).standard_normal((len(lens), nh, width)).astype(F16)
+    qc = qc.astype(np.float32)
+    scale = 1.0 / np.sqrt(width)
+    rows = rows_of(c["pages"].astype(np.float64), lens, c["table"], 64)
+    ref = oracle(qc, rows, lens, nh, 1, scale, rank)
+    base = baseline(qc, rows, lens, nh, 1, scale, rank)
+    got, pl = attend(qc, c["pages"], lens, nh, scale, rank, table=c["table"], paged=True,
+                     tile=64, n_split=1)
+    assert pl["n_split"] == 1
+    judge(got, ref, base, "paged P 64, four tiles a block")
+
+
 @functools.lru_cache(maxsize=None)
 def defect_case():
     """Lengths 30 and 49 at s_q 2: query 0 of the second sequence ends at 48, a
