@@ -122,7 +122,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
 from attention.core.device import (
     SIMULATOR,
@@ -370,32 +370,19 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     chunk_at = device_fn(chunk_at)
 
-    def tile_entry(table, seq, tile0, end, page, shift):
-        # the page-table entry of the tile at tile0 where a tile lies in one page
-        # (pages of a multiple of KT rows); 0 (nothing read) otherwise or past end.
-        # The kernel reads it a tile ahead of the tile's copies (tile_row), so the
-        # table's latency hides behind a tile's mma work, not in front of the copies
-        if PAGED and page % KT == 0 and tile0 < end:
-            j, _ = page_split(tile0, page, shift)
-            return table[seq, j]
-        return int32(0)
-
-    tile_entry = device_fn(tile_entry)
-
-    def tile_row(entry, tile0, end, page, shift, n_pages, slot_row):
+    def tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row):
         # cache row of position tile0 when the tile's KT positions are KT consecutive
         # rows: a contiguous cache, or pages of a multiple of KT rows (tile0 is a
-        # multiple of KT, so the tile lies in one page, whose table entry, read
-        # ahead by tile_entry, is ``entry``: one page-table read a tile, not one a
-        # copied chunk); -1: a bad page entry or no position below end; -2: smaller
-        # pages, each row looked up (pos_row)
+        # multiple of KT, so the tile lies in one page: one page-table read a tile,
+        # not one a copied chunk); -1: a bad page entry or no position below end;
+        # -2: smaller pages, each row looked up (pos_row)
         if PAGED:
             if page % KT != 0:
                 return int64(-2)
             if tile0 >= end:
                 return int64(-1)
-            _, off = page_split(tile0, page, shift)
-            pg = int64(entry)
+            j, off = page_split(tile0, page, shift)
+            pg = int64(table[seq, j])
             if pg < 0 or pg >= n_pages:
                 return int64(-1)
             return pg * page + off
@@ -414,12 +401,12 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     next_chunk = device_fn(next_chunk)
 
-    def issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, entry, tile0, end,
-              kb, row, c):
+    def issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, tile0, end, kb,
+              row, c):
         # start copying the latent rows of positions tile0 .. tile0 + KT - 1 into the
-        # tile at byte kb (rows at or past end: zeros; entry: tile_entry's for the
-        # tile); this thread's chunks are (row, c), then NTH chunks on each time
-        tb = tile_row(entry, tile0, end, page, shift, n_pages, slot_row)
+        # tile at byte kb (rows at or past end: zeros); this thread's chunks are
+        # (row, c), then NTH chunks on each time
+        tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
         if RSC > 0 and tb >= 0 and tile0 + KT <= end:
             # a whole tile of consecutive cache rows (the common case): no position
             # checks, and each thread below RSC CPR copies chunk c of rows row + RSC a
@@ -465,15 +452,15 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     pos_row = device_fn(pos_row)
 
 
-    def issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages, slot_row, entry,
-               tile0, end, nb, tid):
+    def issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages, slot_row, tile0,
+               end, nb, tid):
         # fp8: start copying tile tile0's codes into code buffer nb and its k_pe into
         # k_pe buffer nb (rows at or past end, or of a bad page entry: zeros); the
         # thread's code chunks are (row, c), then NTH chunks on each time. Returns,
         # per token, the scale of the tile's row tid (threads below KT; 0 for a
         # zero row; it lands while the tile is in flight and goes to shared memory
-        # when the tile has landed), else 0. entry: tile_entry's for the tile.
-        tb = tile_row(entry, tile0, end, page, shift, n_pages, slot_row)
+        # when the tile has landed), else 0.
+        tb = tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row)
         s_row = float32(0.0)
         if PER_TOKEN and tid < KT:
             ri = pos_row(tb, tid, table, seq, tile0 + tid, end, page, shift, n_pages)
@@ -668,16 +655,13 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         if FP8 and not PER_TOKEN:
             s_all = sc[0]
         if n_tiles > 0:  # the first tile's copies go out before Q is staged
-            entry = tile_entry(table, seq, start, end, page, shift)
             if FP8:
                 s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
-                                slot_row, entry, start, end, 0, tid)
+                                slot_row, start, end, 0, tid)
             else:
-                issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, entry,
-                      start, end, LAT0B, crow, cc)
+                issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, start,
+                      end, LAT0B, crow, cc)
         commit()
-        # the next tile's page-table entry, read a tile ahead of its copies
-        entry = tile_entry(table, seq, start + KT, end, page, shift)
 
         # -- Q [16 RG, W] rounded to 16 bits into its tile (rows past R: zeros) --
         first = rb * ROWS
@@ -724,9 +708,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             if FP8:
                 if it + 1 < n_tiles:
                     s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
-                                    slot_row, entry, start + (it + 1) * KT, end, (it + 1) % 2,
-                                    tid_z)
-                    entry = tile_entry(table, seq, start + (it + 2) * KT, end, page, shift)
+                                    slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid_z)
                 commit()
                 convert8(smem64, smf, it % 2, tid_z)
                 cuda.syncthreads()  # the f16 c_kv tile is complete
@@ -736,10 +718,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 kdelta = ROPE0B + (it % 2) * ROPEB - NOPE0B - NCBN * KBLK
             else:
                 if it + 1 < n_tiles:
-                    issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row, entry,
+                    issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row,
                           start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB,
                           tid_z // CPR if REMAT else crow, tid_z % CPR if REMAT else cc)
-                    entry = tile_entry(table, seq, start + (it + 2) * KT, end, page, shift)
                 commit()
                 kb = LAT0B + (it % 2) * LATB
             tile0 = start + it * KT

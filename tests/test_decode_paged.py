@@ -147,13 +147,13 @@ def test_paged_matches_the_oracle_and_the_pooled_plan(layout, page, dtype):
 
 @pytest.mark.device
 @pytest.mark.parametrize("layout,page", [("HND", 16), ("NHD", 16), ("HND", 1), ("HND", 3)])
-def test_long_chunks_move_the_page_table_window(layout, page):
-    """The 16-bit ring loads a warp's page-table entries S - 1 issues ahead of
-    their use (a window of S - 1 steps in registers, moved one step a loop
-    turn). The cases above are too short for the window to move: here one
-    split streams more than 2 (S - 1) + 1 steps a warp, so a window that does
-    not move, or moves wrong, reads another step's rows (the planted check:
-    leaving the move out fails this test on the simulator)."""
+def test_long_chunks_stream_the_page_table_through_the_ring(layout, page):
+    """The 16-bit ring: a warp loads the page-table entries of its first S - 1
+    steps before issuing them, then each turn those of the step after the one it
+    issues (``fetch_pages``). The cases above are too short for that turn to
+    run: here one split streams more than 2 (S - 1) + 1 steps a warp (the planted
+    check: an in-loop fetch of the wrong step's entries fails this test on the
+    simulator)."""
     dt = np.float16
     rng = np.random.default_rng(31 + page)
     lens = np.array([1100, 1033], np.int32)

@@ -159,12 +159,11 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
 @pytest.mark.device
 @pytest.mark.parametrize("mode", ["token", "tensor"])
 def test_fp8_kernel_paged_whole_tiles_give_the_fp16_kernel_bits(mode):
-    """Pages of 64 (one page-table read a 64-row tile, read a tile ahead of its
-    copies: ``tile_entry``), one split, length 200: a block streams four tiles,
-    so a page entry read for the wrong tile shows past the first two (the
-    planted check: the fp8 branch reading tile it + 1's entry where tile it +
-    2's is due fails here). The fp16 kernel over the same pages is judged
-    against the oracle in ``tests/test_mla_mma.py``."""
+    """Pages of 64 (one page-table read a 64-row tile), one split, length 200: a
+    block streams four tiles, so a page looked up for the wrong tile shows past
+    the first two (the planted check: the fp8 loop's copies of tile it + 1
+    looking up tile it's page fail here). The fp16 kernel over the same pages is
+    judged against the oracle in ``tests/test_mla_mma.py``."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 

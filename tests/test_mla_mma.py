@@ -248,12 +248,11 @@ def test_paged_matches_the_oracle(page):
 
 
 @pytest.mark.device
-def test_paged_whole_tiles_read_the_table_a_tile_ahead():
-    """Pages of 64 (one page-table read a 64-row tile), one split: a block
-    streams four tiles, and each tile's page entry is read a tile before its
-    copies (``tile_entry``). The case above runs two tiles a block, too few for
-    an entry read for the wrong tile to show past the first (the planted check:
-    reading tile it + 1's entry where tile it + 2's is due fails here)."""
+def test_paged_whole_tiles_find_each_tiles_page():
+    """Pages of 64 (one page-table read a 64-row tile, ``tile_row``), one split:
+    a block streams four tiles. The case above runs two tiles a block, too few
+    for a page looked up for the wrong tile to show past the first (the planted
+    check: the loop's copies of tile it + 1 looking up tile it's page fail here)."""
     from tests.test_mla_paged import paged_case
 
     lengths = [200, 256, 129]

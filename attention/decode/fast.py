@@ -1154,12 +1154,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                     j, _ = page_split(pos, page, shift)
                     pgs[slot0 + u] = table[seq, j]
 
-        def shift_window(pgs):
-            # the table-entry window one step on: slot k + 1's U entries into slot
-            # k (constant indices: the window stays in registers)
-            for k in range((STG - 2) * U):
-                pgs[k] = pgs[k + U]
-
         def checked_page(entry, n_pages, bad):
             # a table entry as a page index; one outside [0, num_pages) is never
             # dereferenced: page 0 is read instead and ``bad[0]`` set (the block
@@ -1212,7 +1206,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
 
         issue_row = device_fn(issue_row)
         fetch_pages = device_fn(fetch_pages)
-        shift_window = device_fn(shift_window)
         checked_page = device_fn(checked_page)
         issue_rows = device_fn(issue_rows)
         read_rows = device_fn(read_rows)
@@ -1221,7 +1214,6 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
         tile_step = device_fn(tile_step_scattered if SCATTER else tile_step)
     else:
         load_rows = tile_step = issue_rows = read_rows = commit = wait = fetch_pages = None
-        shift_window = None
         N_BUF, WORD, STEP, STG, RING_STAGE = 1, float32, 1, 0, 0
     RING = PIPE and STG > 0  # rows through the shared-memory ring
     N_PGS = max(STG - 1, 1) * U  # paged ring: table entries a lane holds
@@ -1384,11 +1376,8 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                 # -- the warp's ring: steps t+1 .. t+S-1 in flight while t is computed --
                 ring = cuda.shared.array(0, WORD)
                 at0 = warp * STG * RING_STAGE
-                # paged: a window of the table entries of the next S - 1 issues,
-                # S - 1 steps ahead of their use, as the rows are: slot k (U
-                # entries) holds the issue k steps on. The prologue's steps are
-                # fetched (all before any is used), then the window refilled with
-                # the S - 1 steps after them
+                # paged: the table entries of the prologue's steps (all loaded
+                # before any is used), then of the next issue (slot 0)
                 pgs = cuda.local.array(N_PGS, int32)
                 if PAGED:
                     for i in range(STG - 1):
@@ -1401,12 +1390,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                                    tile + i * STEP, end, grp, sub, lane, pgs, i * U,
                                    n_kv, kv_head, page, shift, n_pages, whole, bad)
                     commit()  # one group a step, empty past the end: the wait counts steps
-                if PAGED:
-                    for i in range(STG - 1):
-                        if tile + (STG - 1 + i) * STEP < end:
-                            fetch_pages(pgs, i * U, slot_table, seq,
-                                        tile + (STG - 1 + i) * STEP, end, grp, page, shift,
-                                        whole)
+                if PAGED and tile + (STG - 1) * STEP < end:
+                    fetch_pages(pgs, 0, slot_table, seq, tile + (STG - 1) * STEP, end, grp,
+                                page, shift, whole)
                 i = 0
                 while tile < end:
                     ahead = tile + (STG - 1) * STEP
@@ -1414,13 +1400,9 @@ def fast_decode_kernel(kind, vec, chunks, heads, group, warps=WARPS, unroll=4, l
                         issue_rows(ring, at0 + ((i + STG - 1) % STG) * RING_STAGE, k_cache,
                                    v_cache, row0, ahead, end, grp, sub, lane, pgs, 0,
                                    n_kv, kv_head, page, shift, n_pages, whole, bad)
-                        if PAGED:  # the window moves one step: the new last slot's
-                            # entries (S - 1 issues on) are loaded now
-                            shift_window(pgs)
-                            if ahead + (STG - 1) * STEP < end:
-                                fetch_pages(pgs, (STG - 2) * U, slot_table, seq,
-                                            ahead + (STG - 1) * STEP, end, grp, page, shift,
-                                            whole)
+                        if PAGED and ahead + STEP < end:  # the next issue's entries, now
+                            fetch_pages(pgs, 0, slot_table, seq, ahead + STEP, end, grp, page,
+                                        shift, whole)
                     commit()
                     wait()  # step i's group has landed
                     read_rows(ring, at0 + (i % STG) * RING_STAGE, ka, va, lane)
