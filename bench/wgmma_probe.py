@@ -2,6 +2,13 @@
 product kernel (printed, no report).
 
     python3 -m bench.wgmma_probe [--iters 2048] [--n 64,128,256]
+    python3 -m bench.wgmma_probe --case I      # check I of cases() alone
+    python3 -m bench.wgmma_probe --throughput  # the throughput rows alone
+
+The parent runs each check, and the throughput rows, in a child process of its
+own: a kernel fault is sticky in a CUDA context, so in one process the first bad
+check would fail every later one (what the first GPU run, 2e6b0d9 on an H100,
+printed: an illegal address in the first check, m64n8k16, then nothing else).
 
 The 16-bit tensor-core kernels (``attention.gemm.mma16``: MLA decode, prefill) issue
 ``mma.sync.m16n8k16``, one warp at a time, with every operand first loaded from
@@ -294,6 +301,11 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K, mode=0):
     shared_base, desc = _smem()
     regs = n // 2
     a_elems, b_elems, steps = M * kt, n * kt, kt // K
+    # B's shared tile padded to 16 rows: at N 8 a wgmma reads past an 8-row B (the
+    # first GPU run, 2e6b0d9: m64n8k16 with B the last 256 bytes of the block's
+    # shared memory faulted with an illegal address, which then failed every later
+    # check in that process)
+    b_alloc = max(n, 16) * kt
     # the descriptors' address field, a K step on
     step = uint64((2 * K if mode else 2 * CORE_BYTES) >> 4)
 
@@ -301,12 +313,12 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K, mode=0):
     def kernel(a_core, a_frag, b_core, raw):
         # 1024: a swizzle atom's alignment (the swizzle is of the address bits)
         sa = cuda.shared.array(a_elems, uint16, alignment=1024)
-        sb = cuda.shared.array(b_elems, uint16, alignment=1024)
+        sb = cuda.shared.array(b_alloc, uint16, alignment=1024)
         t = cuda.threadIdx.x
         for i in range(t, a_elems, WG):
             sa[i] = a_core[i]
-        for i in range(t, b_elems, WG):
-            sb[i] = b_core[i]
+        for i in range(t, b_alloc, WG):
+            sb[i] = b_core[i] if i < b_elems else uint16(0)
         fence()
         cuda.syncthreads()
         da = desc(shared_base(sa), lbo, sbo, mode)
@@ -473,42 +485,34 @@ def _verdicts(res):
                      for label, (ok, err) in res.items())
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python3 -m bench.wgmma_probe",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=2048)
-    parser.add_argument("--n", default="64,128,256", help="wgmma N of the throughput rows")
-    args = parser.parse_args(argv)
-    from numba import cuda
-
-    if not cuda.is_available():
-        print("bench.wgmma_probe: needs a CUDA GPU (none here)", file=sys.stderr)
-        return 2
-    dev = cuda.get_current_device()
-    print(f"device {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, "
-          f"cc {dev.compute_capability}, SMs {dev.MULTIPROCESSOR_COUNT}")
-    if dev.compute_capability != (9, 0):
-        print("wgmma needs sm_90a (compute capability 9.0)", file=sys.stderr)
-        return 2
-    sms = dev.MULTIPROCESSOR_COUNT
+def cases():
+    """Every check the probe runs, in order: ``(name, check keywords)``: the three
+    operand forms over ``LAYOUT_SHAPES``, then ``SWIZZLE_CASES``."""
+    out = []
     for a_regs, trans_b, what in LAYOUT_CASES:
         for kind, n, kt in LAYOUT_SHAPES:
-            name = f"layout {what} {kind} m64n{n}k16, K {kt}"
-            try:
-                res = check(n, kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
-            except Exception as exc:  # a probe: report the failure and go on
-                print(f"{name}: error {type(exc).__name__}: {exc}")
-                continue
-            print(f"{name}: {_verdicts(res)}")
+            out.append((f"layout {what} {kind} m64n{n}k16, K {kt}",
+                        dict(n=n, kind=kind, a_regs=a_regs, trans_b=trans_b, kt=kt)))
     for a_regs, kind, n in SWIZZLE_CASES:
-        name = f"layout A {'registers' if a_regs else 'smem'}, B K-major, swizzled {kind} " \
-               f"m64n{n}k16, K 64"
-        try:
-            res = check(n, kind, a_regs=a_regs, kt=64, swizzle=True)
-        except Exception as exc:
-            print(f"{name}: error {type(exc).__name__}: {exc}")
-            continue
-        print(f"{name}: {_verdicts(res)}")
+        out.append((f"layout A {'registers' if a_regs else 'smem'}, B K-major, swizzled "
+                    f"{kind} m64n{n}k16, K 64",
+                    dict(n=n, kind=kind, a_regs=a_regs, kt=64, swizzle=True)))
+    return out
+
+
+def _run_case(i):
+    """Check ``cases()[i]`` in this process and print its line."""
+    name, kw = cases()[i]
+    try:
+        res = check(**kw)
+    except Exception as exc:  # a probe: report the failure
+        print(f"{name}: error {type(exc).__name__}: {exc}")
+        return 1
+    print(f"{name}: {_verdicts(res)}")
+    return 0
+
+
+def _run_throughput(iters, ns, sms):
     from bench.gpu import Timer
 
     timer = Timer()
@@ -524,19 +528,73 @@ def main(argv=None):
     except ImportError:
         print("torch not importable: no peak row")
     rows = []
-    for n in (int(x) for x in args.n.split(",")):
-        try:
-            tf, ms = throughput(timer, n, iters=args.iters, sms=sms)
-        except Exception as exc:
-            print(f"wgmma m64n{n}k16 f16: error {type(exc).__name__}: {exc}")
-            continue
-        rows.append((f"wgmma m64n{n}k16 f16 (1 warp group a block, 2 blocks an SM)", tf, ms))
-    tf, ms = mma_sync_throughput(timer, iters=args.iters, sms=sms)
+    tf, ms = mma_sync_throughput(timer, iters=iters, sms=sms)
     rows.append(("mma.sync m16n8k16 f16 (8 warps a block, 8 blocks an SM)", tf, ms))
+    for n in ns:
+        try:
+            tf, ms = throughput(timer, n, iters=iters, sms=sms)
+        except Exception as exc:  # a fault is sticky: the later rows would fail too
+            print(f"wgmma m64n{n}k16 f16: error {type(exc).__name__}: {exc}")
+            break
+        rows.append((f"wgmma m64n{n}k16 f16 (1 warp group a block, 2 blocks an SM)", tf, ms))
     for name, tf, ms in rows:
         frac = f", {tf / peak:.3f} of torch's bf16 matmul" if peak else ""
         print(f"{name}: {tf:.0f} TFLOP/s ({ms:.3f} ms){frac}")
     return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python3 -m bench.wgmma_probe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=2048)
+    parser.add_argument("--n", default="64,128,256", help="wgmma N of the throughput rows")
+    parser.add_argument("--case", type=int, default=None,
+                        help="run check i of cases() alone, in this process (the parent "
+                             "runs each so: a kernel fault is sticky in a CUDA context, "
+                             "so one bad case would fail every later one)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="the throughput rows alone, in this process")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a child process may take")
+    args = parser.parse_args(argv)
+    from numba import cuda
+
+    if not cuda.is_available():
+        print("bench.wgmma_probe: needs a CUDA GPU (none here)", file=sys.stderr)
+        return 2
+    dev = cuda.get_current_device()
+    if dev.compute_capability != (9, 0):
+        print("wgmma needs sm_90a (compute capability 9.0)", file=sys.stderr)
+        return 2
+    sms = dev.MULTIPROCESSOR_COUNT
+    if args.case is not None:
+        return _run_case(args.case)
+    if args.throughput:
+        return _run_throughput(args.iters, [int(x) for x in args.n.split(",")], sms)
+    print(f"device {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, "
+          f"cc {dev.compute_capability}, SMs {sms}; each check in its own process")
+    import subprocess
+
+    base = [sys.executable, "-m", "bench.wgmma_probe"]
+    children = [base + ["--case", str(i)] for i in range(len(cases()))]
+    children.append(base + ["--throughput", "--iters", str(args.iters), "--n", args.n])
+    status = 0
+    for cmd in children:
+        sys.stdout.flush()
+        try:
+            r = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            print(f"{' '.join(cmd[3:])}: no answer in {args.timeout:.0f} s")
+            status = 1
+            continue
+        out = r.stdout.strip() or f"{' '.join(cmd[3:])}: exit {r.returncode}, no output"
+        print(out)
+        if r.returncode:
+            status = 1
+            err = [x for x in r.stderr.splitlines() if "Error" in x][-1:]
+            if err and "error" not in out:
+                print(f"  ({err[0].strip()})")
+    return status
 
 
 if __name__ == "__main__":

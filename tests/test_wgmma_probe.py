@@ -194,3 +194,41 @@ def test_swizzled_wgmma_gives_a_times_b_exactly(a_regs, kind, n):
     res = W.check(n, kind, a_regs=a_regs, kt=64, swizzle=True)
     ok = [ok for ok, _ in res.values()]
     assert ok == [True, False], res
+
+
+def test_cases_cover_every_form_once():
+    names = [name for name, _ in W.cases()]
+    assert len(names) == len(set(names))
+    assert len(names) == len(W.LAYOUT_CASES) * len(W.LAYOUT_SHAPES) + len(W.SWIZZLE_CASES)
+
+
+def test_each_check_runs_in_its_own_process(monkeypatch, capsys):
+    """A kernel fault is sticky in a CUDA context: the first GPU run's first check
+    faulted and every later one then failed in the same process. The parent runs
+    each check (and the throughput rows) as a child: a child that fails is
+    reported and the next ones still run. Control: the failing child is the
+    second of all, and the run's status says so."""
+    import subprocess
+    import types
+
+    from numba import cuda
+
+    fake_dev = types.SimpleNamespace(compute_capability=(9, 0), MULTIPROCESSOR_COUNT=132,
+                                     name=b"fake H100")
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: fake_dev)
+    seen = []
+
+    def run(cmd, timeout, capture_output, text):
+        seen.append(cmd[3:])
+        if cmd[3:] == ["--case", "1"]:
+            return subprocess.CompletedProcess(cmd, 1, "", "CudaAPIError: illegal address")
+        return subprocess.CompletedProcess(cmd, 0, f"ran {' '.join(cmd[3:])}", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert W.main([]) == 1
+    n = len(W.cases())
+    assert seen[:n] == [["--case", str(i)] for i in range(n)]
+    assert seen[n][0] == "--throughput" and len(seen) == n + 1
+    out = capsys.readouterr().out
+    assert "case 1: exit 1" in out and "CudaAPIError" in out and f"ran --case {n - 1}" in out
