@@ -335,9 +335,10 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
     kernel alone (the plan with its combine left out: the partials are
     written and not merged), the combine alone, and the main kernel over
     empty sequences (lengths 0: the launch, the blocks' set-up and their
-    writes, no K/V read), and a kernel that does nothing on the same grid and
-    block, without and with the plan's dynamic shared memory. Bytes as
-    ``--fp8`` / the fp16 rows."""
+    writes, no K/V read; also timed with the L2 not flushed, so that the
+    kernel's code and its first reads come from L2), and a kernel that does
+    nothing on the same grid and block, without and with the plan's dynamic
+    shared memory. Bytes as ``--fp8`` / the fp16 rows."""
     from numba import cuda
 
     from attention.core.device import ensure_dynamic_shared
@@ -383,6 +384,9 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
                 both = timer.time(lambda: call(pl, lens), reps=reps, warmup=5)
                 main = timer.time(lambda: call(alone, lens), reps=reps, warmup=5)
                 empty = timer.time(lambda: call(alone, zeros), reps=reps, warmup=5)
+                # the same with the L2 not flushed: the kernel's code and its first
+                # reads (length, slot, Q) then come from L2, not DRAM
+                warm = timer.time(lambda: call(alone, zeros), reps=reps, warmup=5, flush=False)
                 comb = 0.0
                 if pl["n_split"] > 1:
                     ck = fast.combine_kernel(-(-d // mma.WARP))
@@ -409,7 +413,8 @@ def probe_splits(timer, shape, reps, copy_gbps, log, splits):
                     f"{pl['chunk']:6d}, {pl['stages']} stages)  both {both * 1e3:6.1f} us "
                     f"({gb / copy_gbps:5.3f} of copy)  main {main * 1e3:6.1f} us "
                     f"({gb_main / copy_gbps:5.3f})  combine {comb * 1e3:5.1f} us  "
-                    f"empty main {empty * 1e3:5.1f} us  null kernel {null0 * 1e3:5.1f} us, "
+                    f"empty main {empty * 1e3:5.1f} us (L2 not flushed {warm * 1e3:5.1f} us)  "
+                    f"null kernel {null0 * 1e3:5.1f} us, "
                     f"with the plan's shared memory {null1 * 1e3:5.1f} us  bytes {nbytes}")
 
 
