@@ -421,12 +421,14 @@ def _operands(n, kind, seed, kt=K):
     return a, b, words(a), words(b)
 
 
-def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K, swizzle=False):
+def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K, swizzle=False,
+          reading=None):
     """Run ``check_kernel`` two ways and compare with numpy's A @ B; returns ``{label:
     (exact, max_abs_err)}``. No swizzle: both readings of the byte offsets
     (``offsets(kt)`` as (LBO, SBO), and swapped). ``swizzle`` (K-major B, K 64):
     the operands in ``swizzle128_layout`` read with the 128-byte swizzle, and the same
-    bytes read with none (the control)."""
+    bytes read with none (the control). ``reading``: run only that one of the two
+    (0 or 1, in the order above)."""
     from numba import cuda
 
     a, b, aw, bw = _operands(n, kind, seed, kt)
@@ -444,6 +446,8 @@ def check(n=64, kind="f16", seed=0, a_regs=False, trans_b=0, kt=K, swizzle=False
         along_k, along_mn = offsets(kt)
         runs = {f"LBO {lb} / SBO {sb}": (lb, sb, 0)
                 for lb, sb in ((along_k, along_mn), (along_mn, along_k))}
+    if reading is not None:
+        runs = dict([list(runs.items())[reading]])
     a_core, b_core = cuda.to_device(a_core), cuda.to_device(b_core)
     a_frag = cuda.to_device(a_fragment(aw))
     out = {}
@@ -500,16 +504,53 @@ def cases():
     return out
 
 
-def _run_case(i):
-    """Check ``cases()[i]`` in this process and print its line."""
+def _run_case(i, reading=None, as_json=False):
+    """Check ``cases()[i]`` (one ``reading`` of it, or both) in this process and
+    print its line (``as_json``: ``{"name", "result": {label: [exact, max_err]}}``
+    or ``{"name", "error"}`` on one line, for the tests)."""
+    import json
+
     name, kw = cases()[i]
+    if reading is not None:
+        name += f" (reading {reading} alone)"
     try:
-        res = check(**kw)
+        res = check(**kw, reading=reading)
     except Exception as exc:  # a probe: report the failure
-        print(f"{name}: error {type(exc).__name__}: {exc}")
+        text = f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"name": name, "error": text}) if as_json
+              else f"{name}: error {text}")
         return 1
-    print(f"{name}: {_verdicts(res)}")
+    print(json.dumps({"name": name, "result": res}) if as_json
+          else f"{name}: {_verdicts(res)}")
     return 0
+
+
+def case_in_child(i, reading=None, timeout=120.0):
+    """``check`` of ``cases()[i]`` in a child process (``--case i --json``): its
+    ``{label: (exact, max_err)}``; raises RuntimeError with the child's error. A
+    kernel fault stays in the child's CUDA context."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "bench.wgmma_probe", "--case", str(i), "--json"]
+    if reading is not None:
+        cmd += ["--reading", str(reading)]
+    r = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"case {i}: exit {r.returncode}, no result: {r.stderr[-500:]}")
+    got = json.loads(lines[-1])
+    if "error" in got:
+        raise RuntimeError(f"{got['name']}: {got['error']}")
+    return {label: (bool(ok), float(err)) for label, (ok, err) in got["result"].items()}
+
+
+def case_index(**kw):
+    """The index in ``cases()`` of the check with these ``check`` keywords."""
+    for i, (_, ckw) in enumerate(cases()):
+        if ckw == kw:
+            return i
+    raise KeyError(f"no probe case with {kw}")
 
 
 def _run_throughput(iters, ns, sms):
@@ -552,6 +593,12 @@ def main(argv=None):
                         help="run check i of cases() alone, in this process (the parent "
                              "runs each so: a kernel fault is sticky in a CUDA context, "
                              "so one bad case would fail every later one)")
+    parser.add_argument("--reading", type=int, default=None, choices=(0, 1),
+                        help="with --case: only that reading of the check (the parent "
+                             "runs the second alone when a check's process fails, since "
+                             "a fault in the first hides the second)")
+    parser.add_argument("--json", action="store_true",
+                        help="with --case: the result as one JSON line")
     parser.add_argument("--throughput", action="store_true",
                         help="the throughput rows alone, in this process")
     parser.add_argument("--timeout", type=float, default=120.0,
@@ -568,7 +615,7 @@ def main(argv=None):
         return 2
     sms = dev.MULTIPROCESSOR_COUNT
     if args.case is not None:
-        return _run_case(args.case)
+        return _run_case(args.case, args.reading, args.json)
     if args.throughput:
         return _run_throughput(args.iters, [int(x) for x in args.n.split(",")], sms)
     print(f"device {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, "
@@ -579,21 +626,23 @@ def main(argv=None):
     children = [base + ["--case", str(i)] for i in range(len(cases()))]
     children.append(base + ["--throughput", "--iters", str(args.iters), "--n", args.n])
     status = 0
-    for cmd in children:
+    while children:
+        cmd = children.pop(0)
         sys.stdout.flush()
         try:
             r = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
+            code, out, err = r.returncode, r.stdout.strip(), r.stderr
         except subprocess.TimeoutExpired:
-            print(f"{' '.join(cmd[3:])}: no answer in {args.timeout:.0f} s")
-            status = 1
-            continue
-        out = r.stdout.strip() or f"{' '.join(cmd[3:])}: exit {r.returncode}, no output"
+            code, out, err = 1, f"{' '.join(cmd[3:])}: no answer in {args.timeout:.0f} s", ""
+        out = out or f"{' '.join(cmd[3:])}: exit {code}, no output"
         print(out)
-        if r.returncode:
+        if code:
             status = 1
-            err = [x for x in r.stderr.splitlines() if "Error" in x][-1:]
-            if err and "error" not in out:
-                print(f"  ({err[0].strip()})")
+            last = [x for x in err.splitlines() if "Error" in x][-1:]
+            if last and "error" not in out:
+                print(f"  ({last[0].strip()})")
+            if cmd[3] == "--case" and "--reading" not in cmd:
+                children.insert(0, cmd + ["--reading", "1"])  # the reading the fault hid
     return status
 
 

@@ -146,8 +146,10 @@ def test_wgmma_gives_a_times_b_exactly(kind, n, kt, a_regs, trans_b):
     or registers and B K-major or MN-major, over one K step or four; the other reading
     gives another product,
     which is the control that the comparison can fail. Which one is right for each
-    operand form is what the probe prints (notes/bench.md)."""
-    res = W.check(n, kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
+    operand form is what the probe prints (notes/bench.md). Each check runs in a
+    child process: a kernel fault is sticky in a CUDA context and would fail every
+    later test of this worker (the first GPU run of the probe faulted)."""
+    res = W.case_in_child(W.case_index(n=n, kind=kind, a_regs=a_regs, trans_b=trans_b, kt=kt))
     assert sorted(ok for ok, _ in res.values()) == [False, True], res
 
 
@@ -190,8 +192,9 @@ def test_swizzled_check_kernel_carries_the_mode_bits(a_regs):
 @pytest.mark.parametrize("a_regs,kind,n", W.SWIZZLE_CASES)
 def test_swizzled_wgmma_gives_a_times_b_exactly(a_regs, kind, n):
     """Operands in the 128-byte swizzle, read with it, give A @ B bit for bit over four
-    K steps; the same bytes read without the swizzle do not (the control)."""
-    res = W.check(n, kind, a_regs=a_regs, kt=64, swizzle=True)
+    K steps; the same bytes read without the swizzle do not (the control). In a
+    child process, as above."""
+    res = W.case_in_child(W.case_index(n=n, kind=kind, a_regs=a_regs, kt=64, swizzle=True))
     ok = [ok for ok, _ in res.values()]
     assert ok == [True, False], res
 
@@ -228,7 +231,23 @@ def test_each_check_runs_in_its_own_process(monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "run", run)
     assert W.main([]) == 1
     n = len(W.cases())
-    assert seen[:n] == [["--case", str(i)] for i in range(n)]
-    assert seen[n][0] == "--throughput" and len(seen) == n + 1
+    # case 1 failed: its second reading runs alone next, then the other cases
+    want = [["--case", "0"], ["--case", "1"], ["--case", "1", "--reading", "1"]]
+    want += [["--case", str(i)] for i in range(2, n)]
+    assert seen[:n + 1] == want
+    assert seen[n + 1][0] == "--throughput" and len(seen) == n + 2
     out = capsys.readouterr().out
     assert "case 1: exit 1" in out and "CudaAPIError" in out and f"ran --case {n - 1}" in out
+    assert "ran --case 1 --reading 1" in out
+
+
+def test_case_index_finds_the_tests_cases():
+    """The GPU tests look their checks up in ``cases()`` by keywords: each
+    parametrisation has its case (control: an unknown one raises)."""
+    for kind, n, kt in W.LAYOUT_SHAPES:
+        for a_regs, trans_b, _ in W.LAYOUT_CASES:
+            W.case_index(n=n, kind=kind, a_regs=a_regs, trans_b=trans_b, kt=kt)
+    for a_regs, kind, n in W.SWIZZLE_CASES:
+        W.case_index(n=n, kind=kind, a_regs=a_regs, kt=64, swizzle=True)
+    with pytest.raises(KeyError):
+        W.case_index(n=48, kind="f16", a_regs=False, trans_b=0, kt=16)
