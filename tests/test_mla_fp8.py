@@ -133,22 +133,28 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
     them). Length 130 at rank 256 / RG 4: two whole tiles, whose codes a thread
     copies in two passes of rows 32 apart (``issue8``'s whole-tile path; at rank
     64 one pass covers a tile)."""
+    c = _case(np.random.default_rng(5), [length], mode=mode, cap=length + 6, rank=rank)
+    qc = np.random.default_rng(6).standard_normal((1, NH, rank + D_ROPE)).astype(np.float32)
+    _kernel_bits_match(c["codes"], c["scales"], c["fp16"], np.zeros((1, 1), np.int32),
+                       c["lens"], qc, mode, rank, row_groups, length)
+
+
+def _kernel_bits_match(codes, scales, fp16, table, lens, qc, mode, rank, row_groups, cap,
+                       paged=False):
+    """``mla.mma`` launched alone (one split) over the fp8 cache and over its fp16
+    dequantization (``table``: slots or the page table): the same bits."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
-    c = _case(np.random.default_rng(5), [length], mode=mode, cap=length + 6, rank=rank)
-    rng = np.random.default_rng(6)
-    qc = rng.standard_normal((1, NH, rank + D_ROPE)).astype(np.float32)
-    table = to_device(np.zeros((1, 1), np.int32))
     results = []
-    for lat, fp8_mode, sc in ((c["codes"], mode, c["scales"]), (c["fp16"], None, None)):
-        pl = MM.plan(1, NH, rank, D_ROPE, length, "f16", row_groups=row_groups, n_split=1,
-                     fp8=fp8_mode)
+    for lat, fp8_mode, sc in ((codes, mode, scales), (fp16, None, None)):
+        pl = MM.plan(1, NH, rank, D_ROPE, cap, "f16", row_groups=row_groups, n_split=1,
+                     paged=paged, fp8=fp8_mode)
         o = device_empty((1, NH, rank), np.float32)
         lse = device_empty((1, NH), np.float32)
         pa, pm = MM.scratch(pl, 1, NH)
-        MM.launch(pl, to_device(qc), to_device(lat), to_device(c["lens"]), table, NH, 0.125, o,
-                  lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
+        MM.launch(pl, to_device(qc), to_device(lat), to_device(lens), to_device(table), NH,
+                  0.125, o, lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
         results.append((o.copy_to_host(), lse.copy_to_host()))
     (o8, l8), (o16, l16) = results
     np.testing.assert_array_equal(o8, o16)
@@ -164,27 +170,11 @@ def test_fp8_kernel_paged_whole_tiles_give_the_fp16_kernel_bits(mode):
     the first two (the planted check: the fp8 loop's copies of tile it + 1
     looking up tile it's page fail here). The fp16 kernel over the same pages is
     judged against the oracle in ``tests/test_mla_mma.py``."""
-    from attention.core.device import device_empty, to_device
-    from mla import mma as MM
-
     rng = np.random.default_rng(12)
     c = _case(rng, [200], mode=mode, cap=256)
     codes, scales, fp16, table = _paged(c["codes"], c["scales"], c["fp16"], c["lens"], 64, rng)
     qc = rng.standard_normal((1, NH, RANK + D_ROPE)).astype(np.float32)
-    results = []
-    for lat, fp8_mode, sc in ((codes, mode, scales), (fp16, None, None)):
-        pl = MM.plan(1, NH, RANK, D_ROPE, 256, "f16", row_groups=1, n_split=1, paged=True,
-                     fp8=fp8_mode)
-        o = device_empty((1, NH, RANK), np.float32)
-        lse = device_empty((1, NH), np.float32)
-        pa, pm = MM.scratch(pl, 1, NH)
-        MM.launch(pl, to_device(qc), to_device(lat), to_device(c["lens"]), to_device(table), NH,
-                  0.125, o, lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
-        results.append((o.copy_to_host(), lse.copy_to_host()))
-    (o8, l8), (o16, l16) = results
-    np.testing.assert_array_equal(o8, o16)
-    np.testing.assert_array_equal(l8, l16)
-    assert np.isfinite(o8).all() and np.abs(o8).max() > 0
+    _kernel_bits_match(codes, scales, fp16, table, c["lens"], qc, mode, RANK, 1, 256, paged=True)
 
 
 @pytest.mark.device
