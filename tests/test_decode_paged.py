@@ -146,7 +146,9 @@ def test_paged_matches_the_oracle_and_the_pooled_plan(layout, page, dtype):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("layout,page", [("HND", 16), ("NHD", 16), ("HND", 1), ("HND", 3)])
+# a step in one page (16: one entry a step) and a row a page (1, the other layout); two
+# cases, not the four layouts x pages: each is about 8 s of simulator time in CI
+@pytest.mark.parametrize("layout,page", [("HND", 16), ("NHD", 1)])
 def test_long_chunks_stream_the_page_table_through_the_ring(layout, page):
     """The 16-bit ring: a warp loads the page-table entries of its first S - 1
     steps before issuing them, then each turn those of the step after the one it
