@@ -301,10 +301,10 @@ def check_kernel(n, kind, lbo, sbo, a_regs=False, trans_b=0, kt=K, mode=0):
     shared_base, desc = _smem()
     regs = n // 2
     a_elems, b_elems, steps = M * kt, n * kt, kt // K
-    # B's shared tile padded to 16 rows: at N 8 a wgmma reads past an 8-row B (the
-    # first GPU run, 2e6b0d9: m64n8k16 with B the last 256 bytes of the block's
-    # shared memory faulted with an illegal address, which then failed every later
-    # check in that process)
+    # B's shared tile padded to 16 rows with zeros. The first GPU run (2e6b0d9) faulted
+    # with an illegal address in m64n8k16, B being the last 256 bytes of the block's
+    # shared memory; a wgmma reading an N-8 operand as if it had 16 rows is the lead
+    # (not confirmed), and the padding costs nothing
     b_alloc = max(n, 16) * kt
     # the descriptors' address field, a K step on
     step = uint64((2 * K if mode else 2 * CORE_BYTES) >> 4)
