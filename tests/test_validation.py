@@ -632,17 +632,21 @@ def test_measured_costs_shorten_the_replayed_shards():
     00e7132 recorded (16 workers a shard, the pool's first-in first-out queue):
     both shards together hold every unit once, their expected sums come out
     within one bundle of each other, and each finishes sooner than the build
-    order's shards (which both ran past their 540 s deadline there). Control:
-    with no costs the shards are the every-other-bundle split, as before."""
+    order's shards (which both ran past their 540 s deadline there). The
+    kernels are that run's (entries added since change its bundles' names).
+    Control: with no costs the shards are the every-other-bundle split, as
+    before."""
     from validation import cli, schedule
 
     table, digest = schedule.load_costs(COSTS_RUN)
     assert len(digest) == 16 and len(table.seconds) > 300
+    kernels = ",".join(sorted({key[0] for key in table.case_costs}))
 
     def shards(extra):
         out = []
         for i in (0, 1):
-            args = cli.parser().parse_args(["--seeds", "0", "--shard", f"{i}/2"] + extra)
+            args = cli.parser().parse_args(["--seeds", "0", "--shard", f"{i}/2",
+                                            "--kernels", kernels] + extra)
             units, _, _, config = cli.build_units(args, "gpu")
             groups = cli.bundles(units)
             est = [table.estimate(cli.group_label([units[j] for j in b]), len(b))
@@ -661,7 +665,7 @@ def test_measured_costs_shorten_the_replayed_shards():
         assert schedule.makespan(new, 16) < schedule.makespan(old, 16) - 30
         assert config["costs"] == digest and config["costs_from"] == str(COSTS_RUN)
     # control: without costs, shard i holds bundles i, i + 2, ... of the build order
-    args = cli.parser().parse_args(["--seeds", "0"])
+    args = cli.parser().parse_args(["--seeds", "0", "--kernels", kernels])
     units = cli.build_units(args, "gpu")[0]
     whole = cli.bundles(units)
     assert [u.id for u in before[1][0]] == [units[j].id for b in whole[1::2] for j in b]
