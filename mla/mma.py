@@ -122,7 +122,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from attention.core.device import (
     SIMULATOR,
@@ -233,12 +233,16 @@ sub_word = device_fn(sub_word)
 
 @functools.lru_cache(maxsize=None)
 def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None,
-                   fp8=None):
+                   fp8=None, page_size=None):
     """The tensor-core MLA attention kernel (module docstring).
 
     kind: "f16" / "bf16" (the cache's type; "f16" for an fp8 cache); rank: r;
     d_rope; row_groups: RG (1, 2, 4); tile: KT (64); paged: the cache is
-    ``[num_pages, P, W]`` read through the page table; defect: None or one of
+    ``[num_pages, P, W]`` read through the page table; page_size (paged only):
+    None (P read from the ``page`` argument) or P, compiled in (the ``page``
+    and ``shift`` arguments are then ignored: ``launch`` checks the cache's P
+    against it). With P a run-time value the RG 4 kernels spilled 124 to 184
+    bytes a thread, with it a constant 16 (notes/bench.md); defect: None or one of
     ``DEFECTS`` (and ``FP8_DEFECTS`` with ``fp8``); fp8: None (a 16-bit cache)
     or "tensor" / "token": an fp8 latent cache (``mla.fp8``'s rows of ``r +
     2 d_rope`` bytes) with that scale mode (module docstring, "fp8 cache").
@@ -278,6 +282,11 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     check_defect(defect, fp8)
     RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
     PAGED = bool(paged)
+    if page_size is not None and (not PAGED or int(page_size) < 1):
+        raise ValueError(f"page_size: a page size >= 1 of a paged kernel, got {page_size!r} "
+                         f"(paged={paged!r})")
+    PAGE = int(page_size) if page_size is not None else 0  # 0: P at run time
+    SHIFT = PAGE.bit_length() - 1 if PAGE & (PAGE - 1) == 0 else -1
     FP8 = fp8 is not None
     PER_TOKEN = fp8 == "token"
     # per tensor: the tile holds the codes' values, the scale goes on the c_kv part
@@ -630,6 +639,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         smf = cuda.shared.array(0, float32)
         sbase = shared_base(smem)
 
+        if PAGE:  # the page size compiled in (the arguments ignored)
+            page = int32(PAGE)
+            shift = int32(SHIFT)
         # -- the sequence's length and rows (the device guard) --
         length = lens[seq]
         slot_row = int64(0)
@@ -847,7 +859,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         part_acc[seq, row, split, col + 1] = x1
 
     name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
-            + ("" if fp8 is None else "_fp8" + fp8))
+            + (f"{PAGE}" if PAGE else "") + ("" if fp8 is None else "_fp8" + fp8))
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
     # 512 threads at RG 4: at most 128 registers a thread for one block an SM
     return jit(kernel, fastmath=True, launch_bounds=(NTH,))
@@ -858,7 +870,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 # ---------------------------------------------------------------------------
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
-         row_groups=None, tile=None, defect=None, fp8=None, chunk=None):
+         row_groups=None, tile=None, defect=None, fp8=None, chunk=None, page_size=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
@@ -870,6 +882,8 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     None, or the scale mode of an fp8 latent cache (``mla.fp8``; ``kind`` "f16").
     ``chunk`` (not with ``n_split``): the positions a split, fixed (rounded up
     to a multiple of KT): a batch-invariant plan's (``invariant_chunk``).
+    ``page_size`` (paged): the cache's P compiled into the kernel (``launch``
+    refuses another); None: one kernel for any P, read at run time.
     """
     n_rows = int(n_rows)
     if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
@@ -888,7 +902,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
                                       chunk=chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
-                                 defect, fp8),
+                                 defect, fp8, None if page_size is None else int(page_size)),
         "kind": kind,
         "rank": int(rank),
         "d_rope": int(d_rope),
@@ -900,6 +914,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         "row_groups": row_groups,
         "tile": tile,
         "paged": bool(paged),
+        "page_size": None if page_size is None else int(page_size),
         "defect": defect,
         "fp8": fp8,
     }
@@ -917,7 +932,7 @@ def invariant_chunk(n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=No
 
 
 def capacity_plan(n_seq, n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=None,
-                  defect=None):
+                  defect=None, page_size=None):
     """The plan of a batch-invariant call (``prepare``'s ``capacity``): the
     capacity's positions in chunks of ``invariant_chunk``, whatever ``n_seq``.
     ``defect`` "mla_chunk_follows_batch" (``PLAN_DEFECTS``, planted): the
@@ -930,7 +945,7 @@ def capacity_plan(n_seq, n_rows, rank, d_rope, capacity, kind, *, paged=False, f
     else:
         chunk = invariant_chunk(n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)
     return plan(n_seq, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8,
-                chunk=chunk, defect=defect)
+                chunk=chunk, defect=defect, page_size=page_size)
 
 
 def scratch(pl, n_seq, n_rows, stream=None):
@@ -952,6 +967,9 @@ def launch(pl, d_qc, d_latent, d_lens, d_table, nh, scale, d_o_lat, d_lse, d_par
     """
     n_seq, n_rows = int(d_qc.shape[0]), int(d_qc.shape[1])
     n_pages, page = int(d_latent.shape[0]), int(d_latent.shape[1])
+    if pl.get("page_size") is not None and page != pl["page_size"]:
+        raise ValueError(f"d_latent: pages of {pl['page_size']} rows (the plan's page_size), "
+                         f"got shape {tuple(d_latent.shape)}")
     if len(d_table.shape) == 1:
         d_table = d_table.reshape(n_seq, 1)
     shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
@@ -1025,14 +1043,18 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     if n_q == 0:
         return p
     max_len = int(np.max(vis)) if len(vis) else 0
+    paged = page_table is not None
+    # paged: one kernel per page size, P compiled in (``mla_mma_kernel``)
+    page_size = int(d_latent.shape[1]) if paged else None
     if capacity is not None:  # batch-invariant: the capacity's chunks
         if n_split is not None:
             raise ValueError("n_split, capacity: a batch-invariant plan fixes its chunks")
-        pl = capacity_plan(n_seq, s_q * nh, rank, d_rope, int(capacity), kind,
-                           paged=page_table is not None, fp8=fp8, defect=defect)
+        pl = capacity_plan(n_seq, s_q * nh, rank, d_rope, int(capacity), kind, paged=paged,
+                           fp8=fp8, defect=defect, page_size=page_size)
     else:
-        pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=page_table is not None,
-                  n_split=n_split, defect=None if defect in PLAN_DEFECTS else defect, fp8=fp8)
+        pl = plan(n_seq, s_q * nh, rank, d_rope, max_len, kind, paged=paged, n_split=n_split,
+                  defect=None if defect in PLAN_DEFECTS else defect, fp8=fp8,
+                  page_size=page_size)
     heads = np.arange(nh)
     table = to_device(np.concatenate((heads, np.full(nh, rank), np.full(nh, d_nope),
                                       np.full(nh, d_v))).astype(np.int32), stream)

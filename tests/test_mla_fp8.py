@@ -140,16 +140,17 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
 
 
 def _kernel_bits_match(codes, scales, fp16, table, lens, qc, mode, rank, row_groups, cap,
-                       paged=False):
+                       paged=False, page_size=None):
     """``mla.mma`` launched alone (one split) over the fp8 cache and over its fp16
-    dequantization (``table``: slots or the page table): the same bits."""
+    dequantization (``table``: slots or the page table; ``page_size``: the
+    plan's): the same bits."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
     results = []
     for lat, fp8_mode, sc in ((codes, mode, scales), (fp16, None, None)):
         pl = MM.plan(1, NH, rank, D_ROPE, cap, "f16", row_groups=row_groups, n_split=1,
-                     paged=paged, fp8=fp8_mode)
+                     paged=paged, fp8=fp8_mode, page_size=page_size)
         o = device_empty((1, NH, rank), np.float32)
         lse = device_empty((1, NH), np.float32)
         pa, pm = MM.scratch(pl, 1, NH)
@@ -165,7 +166,8 @@ def _kernel_bits_match(codes, scales, fp16, table, lens, qc, mode, rank, row_gro
 @pytest.mark.device
 @pytest.mark.parametrize("mode", ["token", "tensor"])
 def test_fp8_kernel_paged_whole_tiles_give_the_fp16_kernel_bits(mode):
-    """Pages of 64 (one page-table read a 64-row tile), one split, length 200: a
+    """Pages of 64 (one page-table read a 64-row tile; the page size compiled in,
+    as ``mla_decode`` plans it), one split, length 200: a
     block streams four tiles, so a page looked up for the wrong tile shows past
     the first two (the planted check: the fp8 loop's copies of tile it + 1
     looking up tile it's page fail here). The fp16 kernel over the same pages is
@@ -174,7 +176,8 @@ def test_fp8_kernel_paged_whole_tiles_give_the_fp16_kernel_bits(mode):
     c = _case(rng, [200], mode=mode, cap=256)
     codes, scales, fp16, table = _paged(c["codes"], c["scales"], c["fp16"], c["lens"], 64, rng)
     qc = rng.standard_normal((1, NH, RANK + D_ROPE)).astype(np.float32)
-    _kernel_bits_match(codes, scales, fp16, table, c["lens"], qc, mode, RANK, 1, 256, paged=True)
+    _kernel_bits_match(codes, scales, fp16, table, c["lens"], qc, mode, RANK, 1, 256, paged=True,
+                       page_size=64)
 
 
 @pytest.mark.device

@@ -222,7 +222,9 @@ def test_two_column_blocks_and_two_row_groups():
 @pytest.mark.parametrize("page", [16, 5, 64])
 def test_paged_matches_the_oracle(page):
     """Pages of 16 and 5 rows: a page-table read a row; 64 (a multiple of the 64-row
-    tile): one read a tile (``tile_row``), its rows consecutive in one page."""
+    tile): one read a tile (``tile_row``), its rows consecutive in one page. The
+    kernel with the page size read at run time, then with it compiled in (the
+    plan's ``page_size``, as ``mla_decode`` plans it): the same bits."""
     from tests.test_mla_paged import assert_hostile, paged_case
 
     # (at 64: a second page of 6 rows, so the simulator runs two tiles, not three)
@@ -243,14 +245,19 @@ def test_paged_matches_the_oracle(page):
     judge(got, ref, base, f"paged P {page}")
     cont, _ = attend(qc, np.ascontiguousarray(c["cont"]), lens, nh, scale, rank, tile=64,
                      n_split=2)
-    for a, b in zip(got, cont):
+    fixed, pl = attend(qc, c["pages"], lens, nh, scale, rank, table=c["table"], paged=True,
+                       tile=64, n_split=2, page_size=page)
+    assert pl["kernel"].py_func.__name__.endswith(f"_paged{page}")
+    for a, b, f in zip(got, cont, fixed):
         np.testing.assert_array_equal(a, b)  # the same sums: the bits of the contiguous cache
+        np.testing.assert_array_equal(f, a)
 
 
 @pytest.mark.device
 def test_paged_whole_tiles_find_each_tiles_page():
-    """Pages of 64 (one page-table read a 64-row tile, ``tile_row``), one split:
-    a block streams four tiles. The case above runs two tiles a block, too few
+    """Pages of 64 (one page-table read a 64-row tile, ``tile_row``; the page
+    size compiled in, as ``mla_decode`` plans it), one split: a block streams
+    four tiles. The case above runs two tiles a block, too few
     for a page looked up for the wrong tile to show past the first (the planted
     check: the loop's copies of tile it + 1 looking up tile it's page fail here)."""
     from tests.test_mla_paged import paged_case
@@ -267,7 +274,7 @@ def test_paged_whole_tiles_find_each_tiles_page():
     ref = oracle(qc, rows, lens, nh, 1, scale, rank)
     base = baseline(qc, rows, lens, nh, 1, scale, rank)
     got, pl = attend(qc, c["pages"], lens, nh, scale, rank, table=c["table"], paged=True,
-                     tile=64, n_split=1)
+                     tile=64, n_split=1, page_size=64)
     assert pl["n_split"] == 1
     judge(got, ref, base, "paged P 64, four tiles a block")
 
@@ -468,6 +475,23 @@ def test_mma_method_checks_its_inputs():
                    method="mma")
 
 
+def test_a_compiled_page_size_is_checked_against_the_cache():
+    """A plan with ``page_size`` refuses a cache of other pages before any launch
+    (the kernel would index it with the wrong page size); a page size needs a
+    paged kernel."""
+    pl = MM.plan(2, 16, 512, 64, 256, "f16", paged=True, page_size=16)
+    assert pl["page_size"] == 16
+    assert pl["kernel"].py_func.__name__.endswith("_paged16")
+    pages = np.zeros((8, 32, 576), F16)
+    with pytest.raises(ValueError, match=r"d_latent: pages of 16 rows.*\(8, 32, 576\)"):
+        MM.launch(pl, np.zeros((2, 16, 576), np.float32), pages, None, None, 16, 1.0, None,
+                  None, None, None)
+    with pytest.raises(ValueError, match="page_size"):
+        MM.mla_mma_kernel("f16", 512, 64, 4, 64, False, None, None, 64)
+    with pytest.raises(ValueError, match="page_size"):
+        MM.mla_mma_kernel("f16", 512, 64, 4, 64, True, None, None, 0)
+
+
 def test_plan_sizes_blocks_and_splits():
     pl = MM.plan(64, 128, 512, 64, 4096, "f16", n_split=1)
     assert pl["grid"] == (1, 2, 64) and pl["block"] == 512 and pl["row_groups"] == 4
@@ -509,22 +533,27 @@ def test_compiles_to_mma_ldmatrix_and_cp_async_without_local_memory(row_groups, 
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("page_size", [None, 64])
 @pytest.mark.parametrize("fp8", [None, "tensor", "token"])
-def test_row_groups_4_keep_the_tile_loop_in_registers(fp8):
+def test_row_groups_4_keep_the_tile_loop_in_registers(fp8, page_size):
     """At RG 4 (512 threads: 128 registers a thread, the kernel's launch bounds)
-    ptxas spills at most 16 bytes over the whole contiguous kernel: the lane
+    ptxas spills at most 16 bytes over the whole kernel, contiguous or paged with
+    the page size compiled in (``page_size`` 64, as ``mla_decode`` plans it): the lane
     offsets are derived again each tile from an opaque zero rather than kept as
     loop invariants. The kernels before that spilled 60 (16-bit), 260 (fp8 per
     tensor) and 704 bytes (per token; ptxas 13.0), most of it refilled on every
     tile, and those refills miss the L1 that shared memory leaves
-    (notes/bench.md). Paged kernels still spill more (not checked here). Needs
+    (notes/bench.md). The paged kernels with the page size read at run time spill
+    124 (16-bit), 172 (fp8 per tensor) and 184 bytes (per token; nvJitLink 13.5),
+    not checked here: ``mla_decode`` no longer plans them. Needs
     nvJitLink through cuda.core (the CI image has it); skipped where it is
     missing."""
     from numba import cuda
 
     from tests.test_prefill_mma import _ptxas_report, spill_bytes
 
-    kern = MM.mla_mma_kernel("f16", 512, 64, 4, 64, False, None, fp8)
+    kern = MM.mla_mma_kernel("f16", 512, 64, 4, 64, page_size is not None, None, fp8,
+                             page_size)
     ptx, _ = cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0), fastmath=True,
                               launch_bounds=(4 * 128,))
     report = _ptxas_report(ptx)
