@@ -263,8 +263,8 @@ def test_registry_entries_share_the_tensor_core_shape():
 
     cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
                            dtypes=["float16"])
-    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma", "mla_fp8",
-                                                                  "mla_fp8_tok"}
+    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {
+        "mla_mma", "mla_fp8", "mla_fp8_tok", "mla_mma_paged64", "mla_fp8_tok_paged3"}
     for name, mode, label in (("mla_fp8", "tensor", "mma16_pc16/after"),
                               ("mla_fp8_tok", "token", "mma16_p16/after")):
         spec = registry.KERNELS_BY_NAME[name]

@@ -74,6 +74,57 @@ def test_entries_resolve_with_rounded_p_baselines():
         assert registry.mutants_of(name) == (("p_bf16",) if name == "decode_mma" else ())
 
 
+@pytest.mark.parametrize("name,page", [("mla_mma_paged64", 64), ("mla_fp8_tok_paged3", 3)])
+def test_paged_mla_entries_hand_the_kernel_shuffled_hostile_pages(name, page):
+    """The paged MLA entries' wrapper (no kernel: ``mla_decode`` replaced by a
+    recorder) lays the case's rows out in pages that are not in order, with NaN
+    (fp8: 0xFF bytes) in every unused row and a huge unused table entry, and
+    gathering the rows back through the table gives the contiguous cache the
+    contiguous entry hands over (per token: the scales too)."""
+    spec = registry.KERNELS_BY_NAME[name]
+    base = registry.KERNELS_BY_NAME[name.rsplit("_paged", 1)[0]]
+    kind_shape = registry.find_shape("mla", "mma_dsv3_nh16_q1_kv1025", False)
+    x = registry.make_inputs("mla", kind_shape, "normal", 0)
+    x = {n: fixtures.cast(a, np.float16) if n in spec.storage else a for n, a in x.items()}
+    if spec.quantize:
+        x = fixtures.mla_fp8_quantize(x, spec.quantize)
+    seen = {}
+
+    def record(tag):
+        def fn(q_nope, q_pe, cache, lengths, w_uk, w_uv, **kw):
+            seen[tag] = (np.asarray(cache), np.asarray(lengths), kw)
+            return np.zeros(q_nope.shape[:-1] + (w_uv.shape[1],), np.float32)
+        return fn
+
+    spec.run(record("paged"), x)
+    base.run(record("cont"), x)
+    pages, lens, kw = seen["paged"]
+    cont, _, kw_cont = seen["cont"]
+    table = kw["page_table"]
+    n = int(lens[0])
+    assert pages.shape[1] == page and n == cont.shape[1] and table.shape[0] == 1
+    used = table[0, :-(-n // page)]
+    assert len(used) > 16 and not np.array_equal(used, np.sort(used))  # shuffled
+    assert table[0, -1] == fixtures.MLA_HUGE_ENTRY
+    rows = np.concatenate([pages[p] for p in used])[:n]
+    np.testing.assert_array_equal(rows.view(np.uint8), cont[0].view(np.uint8))
+    spare = np.setdiff1d(np.arange(pages.shape[0]), used)
+    assert len(spare) >= 2
+    unused = np.concatenate([pages[spare].reshape(-1, pages.shape[2]),
+                             pages[used[-1], n - (len(used) - 1) * page:]])
+    assert len(unused) > 2 * page
+    if pages.dtype == np.uint8:
+        assert (unused == 0xFF).all()
+    else:
+        assert np.isnan(unused).all()
+    if spec.quantize == "token":
+        sc = kw["latent_scale"]
+        assert sc.shape == pages.shape[:2]
+        np.testing.assert_array_equal(np.concatenate([sc[p] for p in used])[:n],
+                                      kw_cont["latent_scale"][0])
+        assert np.isnan(sc[spare]).all()
+
+
 def test_fp8_decode_entries_carry_their_precision_mutants():
     """Per tensor: P in bf16 only; per (token, kv head): also the unnormalised P vs."""
     assert registry.mutants_of("decode_mma_fp8") == ("p_bf16",)
@@ -383,8 +434,8 @@ def test_mla_tensor_core_shape_is_run_by_its_families_only():
     cases = registry.cases(registry.KERNELS, small=True, quick=True, seeds=[0],
                            dtypes=["float16"])
     # the fp8 latent cache's entries (tests/test_mla_fp8.py) share the shape
-    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {"mla_mma", "mla_fp8",
-                                                                  "mla_fp8_tok"}
+    assert {c.kernel for c in cases if c.shape == MLA_SHAPE} == {
+        "mla_mma", "mla_fp8", "mla_fp8_tok", "mla_mma_paged64", "mla_fp8_tok_paged3"}
     mla_shapes = {c.shape for c in cases if c.kernel == "mla_mma"}
     assert mla_shapes == {MLA_SHAPE} | {s.name for s in registry.shapes("mla", True) if s.quick}
     assert MLA_SHAPE not in {s.name for s in registry.shapes("mla", True)}

@@ -356,15 +356,17 @@ def paged_scales(scales, seq_lens, slot_table, page, layout, rng):
 MLA_HUGE_ENTRY = 2 ** 31 - 1  # what an MLA page table holds past a sequence's pages
 
 
-def mla_build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=True, spare=2):
+def mla_build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=True, spare=2,
+                    fill=np.nan):
     """Scatter ``rows[b, :lengths[b]]`` of each sequence into shuffled pages.
 
     rows [B, >= max length, W]. Every non-empty sequence other than the
     longest (the donor) takes the donor's first page as its own first page
     (its rows there must equal the donor's: ``mla_paged_case`` makes them so).
     Returns (pages [num_pages, P, W], table [B, max_pages] int32, used: the
-    page ids in the order they were handed out). Unused rows NaN, unused
-    entries ``MLA_HUGE_ENTRY``, ``spare`` pages nobody uses.
+    page ids in the order they were handed out). Unused rows ``fill`` (NaN;
+    an fp8 cache's uint8 rows: 0xFF, NaN codes and a NaN k_pe), unused entries
+    ``MLA_HUGE_ENTRY``, ``spare`` pages nobody uses.
     """
     from mla.paged import pages_needed
 
@@ -376,7 +378,7 @@ def mla_build_pages(rows, lengths, page_size, max_pages, rng, *, share_first=Tru
     ids = rng.permutation(n_pages)
     while len(need) > 1 and (ids[:len(need)] == np.arange(len(need))).all():
         ids = rng.permutation(n_pages)
-    pages = np.full((n_pages, page_size, width), np.nan, rows.dtype)
+    pages = np.full((n_pages, page_size, width), fill, rows.dtype)
     table = np.full((n_b, max_pages), MLA_HUGE_ENTRY, np.int32)
     for (b, j), page in zip(need, ids):
         table[b, j] = page

@@ -631,6 +631,45 @@ def _run_mla_mma(fn, x, **kw):
     return {"out": np.asarray(out)[0]}
 
 
+def _paged_mla(run, page):
+    """Run wrapper of the paged MLA tensor-core decode: ``run`` (``_run_mla_mma``
+    or ``_run_mla_fp8``) with its sequence's latent rows laid out in shuffled
+    pages of ``page`` rows (``fixtures.mla_build_pages``: NaN in every unused row
+    and in two spare pages, 0xFF bytes for an fp8 cache, which are NaN codes and
+    a NaN k_pe; ``MLA_HUGE_ENTRY`` in the table entry past the sequence's pages)
+    and ``mla_decode(page_table=...)``, which compiles the page size into the
+    kernel. Per-token fp8 scales go into the same pages (NaN where no row
+    lives)."""
+    from mla.paged import pages_needed
+
+    def paged_run(fn, x, **kw):
+        def paged_fn(q_nope, q_pe, cache, lengths, w_uk, w_uv, latent_scale=None, **kw2):
+            rows = np.asarray(cache)  # [1, t_kv, W]
+            n = int(rows.shape[1])
+            max_pages = pages_needed(n, page) + 1
+            seed = [page, n, int(rows.shape[2])]
+            fill = 0xFF if rows.dtype == np.uint8 else np.nan
+            pages, table, used = fixtures.mla_build_pages(
+                rows, [n], page, max_pages, np.random.default_rng(seed), share_first=False,
+                fill=fill)
+            if len(used) > 1 and np.array_equal(used, np.arange(len(used))):
+                raise AssertionError("the page table is the identity")
+            scale = latent_scale
+            if scale is not None and np.asarray(scale).shape != (1,):  # per token [1, t_kv]
+                sp, st, _ = fixtures.mla_build_pages(
+                    np.asarray(scale, np.float32)[..., None], [n], page, max_pages,
+                    np.random.default_rng(seed), share_first=False)
+                assert np.array_equal(st, table)  # the same pages
+                scale = np.ascontiguousarray(sp[..., 0])  # [num_pages, page]
+            if scale is not None:
+                kw2["latent_scale"] = scale
+            return fn(q_nope, q_pe, pages, lengths, w_uk, w_uv, page_table=table, **kw2)
+
+        return run(paged_fn, x, **kw)
+
+    return paged_run
+
+
 def _run_mla_fp8(fn, x, **kw):
     """Run wrapper of the MLA decode over an fp8 latent cache (``mla.fp8``;
     ``mla_decode`` with ``latent_scale``, the tensor-core attention): the case
@@ -810,6 +849,19 @@ KERNELS = (
                ("k_pe",),
                "MLA decode over an fp8 latent cache, one scale a cached row (mla.fp8 "
                "per token; amax / 448)",
+               "mma16_p16/after", quantize="token"),
+    # the same two over a paged latent cache (shuffled pages, NaN rows and spare
+    # pages, a huge unused table entry): FlashMLA's pages of 64 (whole 64-row
+    # tiles, one page-table read a tile), and pages of 3 with per-token scales
+    # (tiles across pages, a read a row; the scales paged beside the rows)
+    KernelSpec("mla_mma_paged64", "mma", "mla", "mla.pipeline", "mla_decode",
+               _paged_mla(_run_mla_mma, 64), ("c_kv", "k_pe"),
+               "mla_mma over a paged latent cache, pages of 64 (shuffled; NaN unused rows)",
+               "mma16_p16/after"),
+    KernelSpec("mla_fp8_tok_paged3", "mla_fp8", "mla", "mla.pipeline", "mla_decode",
+               _paged_mla(_run_mla_fp8, 3), ("k_pe",),
+               "mla_fp8_tok over a paged fp8 latent cache, pages of 3 (shuffled; NaN codes "
+               "and scales in unused rows)",
                "mma16_p16/after", quantize="token"),
     KernelSpec("prefill_fused", "prefill", "prefill", "attention.prefill.kernels",
                "prefill_attention",
