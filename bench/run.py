@@ -43,7 +43,15 @@ never fatal):
      bf16 at T 2048 / 4096, H 32, H_kv 8, D 128, causal, with the oracle check of
      kv group 0 and the issue's ratio target at T 4096
 Outputs: reports/bench/{decode.csv, decode.png, mla.csv, step.csv, host.csv, prefill.csv,
-prefill_mma.csv, paged.csv, summary.md}.
+prefill_mma.csv, paged.csv, summary.md, tables.json}.
+
+One report in two runs (the whole bench outgrew one 10-minute GPU call on the
+H200): ``--skip A,B`` leaves sections out (the summary lists them as skipped and
+``--check-fresh`` reads it as partial); ``--resume`` then reads ``tables.json`` back,
+runs only the sections the report lacks (skipped, cut by an interrupt, not
+reached, or failed) and writes the whole report again, each section judged
+against the ceilings of its own run (the summary names each run's sections and
+ceilings). It refuses a report of other kernel sources or another GPU model.
 
 Timing (bench.gpu.Timer / TorchTimer): CUDA events around the timed work,
 median of the repeats after warm-up; before each repeat the L2 is flushed
@@ -778,6 +786,23 @@ def best(rows, kernel_prefix, dname, b, seq, exact=False):
     return max(sel, key=lambda r: r["GBps"]) if sel else None
 
 
+def parts_lines(parts):
+    """The summary's line for a report measured in more than one run (``--resume``):
+    each part's sections and ceilings; none for a report of one run."""
+    if len(parts) < 2:
+        return []
+
+    def one(i, p):
+        c = p.get("ceilings") or {}
+        return (f"part {i} ({str(p.get('git_commit') or '?')[:7]}, {p.get('timestamp')}): "
+                f"{', '.join(p.get('sections') or ['no section'])}; copy "
+                f"{c.get('copy_GBps') or 0:.0f} GB/s, fp32 FMA {c.get('fma_TFLOPs') or 0:.1f} "
+                "TFLOP/s")
+    return [f"- measured in {len(parts)} runs on this GPU (`--resume`), each section against "
+            "the ceilings of its own run (the ceilings above are the first run's): "
+            + "; ".join(one(i + 1, p) for i, p in enumerate(parts))]
+
+
 def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors,
             host_rows=()):
     copy_gbps, fma_tf = ceilings["copy_GBps"], ceilings["fma_TFLOPs"]
@@ -794,6 +819,7 @@ def summary(path, prov, ceilings, rows, mla_rows, step_rows, checks_log, errors,
                                          ("bf16", tc["bf16_TFLOPs"])))
              + "; tensor-core rows are given as a fraction of these, FMA rows of the "
              "fp32 FMA peak",
+             *parts_lines(prov.get("parts") or []),
              "- torch SDPA rows name the backend that ran (`torch_sdpa[math]` etc.: "
              "bench/sdpa.py); `torch_sdpa` gets K/V unexpanded with `enable_gqa`, "
              "`torch_sdpa_expanded[efficient]` (fp32) gets K/V repeat_interleave'd to all "
@@ -915,6 +941,62 @@ class Tables:
         self.long, self.prefill, self.paged = [], [], []  # mla_long / prefill / paged
         self.mla_multi, self.mla_mma, self.checks = [], [], []  # mla_multi / mla_mma / -
         self.prefill_mma = []  # prefill_mma
+        self.host_checks = []  # the host section's spot checks (summary: before decode's)
+
+
+# the sections in the order main runs them, and the Tables lists each one fills (a
+# section run again by --resume starts its lists empty)
+SECTIONS = ("host", "decode", "mla", "mla_mma", "step", "mla_long", "prefill", "paged",
+            "mla_multi", "prefill_mma")
+SECTION_TABLES = {"host": ("host", "host_checks"), "decode": ("decode", "checks"),
+                  "mla": ("mla",), "mla_mma": ("mla_mma",), "step": ("step",),
+                  "mla_long": ("long",), "prefill": ("prefill",), "paged": ("paged",),
+                  "mla_multi": ("mla_multi",), "prefill_mma": ("prefill_mma",)}
+STATE_FILE = "tables.json"  # what --resume reads back: rows, sections done, parts
+
+
+def _plain(x):
+    # numpy scalars (and anything else json cannot write) as Python numbers or text
+    return x.item() if hasattr(x, "item") else str(x)
+
+
+def save_state(out_dir, prov, ceilings, t, done, errors):
+    """``out_dir/tables.json``: the provenance, header ceilings, every table's rows,
+    the sections finished without error (``done``) and the error lines, for a later
+    ``--resume`` of the same report."""
+    doc = {"provenance": prov, "ceilings": ceilings, "sections_done": list(done),
+           "errors": list(errors),
+           "tables": {a: getattr(t, a) for s in SECTIONS for a in SECTION_TABLES[s]}}
+    (Path(out_dir) / STATE_FILE).write_text(json.dumps(doc, default=_plain) + "\n")
+
+
+def load_state(out_dir, code_hash, device):
+    """What ``--resume`` continues: (Tables holding the finished sections' rows, those
+    sections, the earlier parts' records, their error lines but those of sections
+    still to run, the header ceilings). ValueError, naming the file, when there is
+    no state or it measured other kernel sources (``code_hash``) or another GPU
+    (``device``): ratios from two kernels or two cards do not go in one report."""
+    path = Path(out_dir) / STATE_FILE
+    if not path.exists():
+        raise ValueError(f"{path} not found: nothing to resume (run the bench without "
+                         "--resume first)")
+    doc = json.loads(path.read_text())
+    prov = doc.get("provenance") or {}
+    if prov.get("kernel_source_hash") != code_hash:
+        raise ValueError(f"{path} measured kernel sources {prov.get('kernel_source_hash')}, "
+                         f"the code hashes to {code_hash}: run the whole bench again")
+    if prov.get("device") != device:
+        raise ValueError(f"{path} was measured on {prov.get('device')!r}, this GPU is "
+                         f"{device!r}: run the whole bench here")
+    done = [s for s in SECTIONS if s in doc.get("sections_done", ())]
+    t = Tables()
+    for s in done:
+        for a in SECTION_TABLES[s]:
+            rows = doc["tables"].get(a, [])
+            setattr(t, a, [tuple(r) for r in rows] if a.endswith("checks") else rows)
+    errors = [e for e in doc.get("errors", ())
+              if e.split(":", 1)[0] not in SECTIONS or e.split(":", 1)[0] in done]
+    return t, done, list(prov.get("parts") or []), errors, doc.get("ceilings")
 
 
 def write_reports(out_dir, prov, ceilings, t, errors):
@@ -936,8 +1018,8 @@ def write_reports(out_dir, prov, ceilings, t, errors):
         plot(out_dir / "decode.png", t.decode, ceilings["copy_GBps"])
     except Exception as exc:
         errors.append(f"plot: {type(exc).__name__}: {exc}")
-    summary(out_dir / "summary.md", prov, ceilings, t.decode, t.mla, t.step, t.checks,
-            errors, t.host)
+    summary(out_dir / "summary.md", prov, ceilings, t.decode, t.mla, t.step,
+            t.host_checks + t.checks, errors, t.host)
     parts = []
     if t.long:
         parts.append("\n".join(long_mla_lines(t.long)))
@@ -979,10 +1061,18 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true",
                     help="also time tuning variants of the fast kernel")
     ap.add_argument("--skip", default="",
-                    help="comma list of: host,decode,mla,mla_mma,step,mla_long,prefill,paged,"
-                         "mla_multi,prefill_mma")
+                    help="comma list of: " + ",".join(SECTIONS) + " (the report then "
+                         "lists them as skipped, and --check-fresh reads it as partial)")
+    ap.add_argument("--resume", action="store_true",
+                    help="finish the report in --out: read its tables.json, run only the "
+                         "sections it lacks (skipped, cut, not reached or failed) and write "
+                         "the whole report again; its earlier runs must have measured "
+                         "these kernel sources on this GPU model")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - set(SECTIONS):
+        ap.error(f"--skip: unknown section(s) {','.join(sorted(skip - set(SECTIONS)))}; "
+                 f"expected some of {','.join(SECTIONS)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -992,9 +1082,20 @@ def main(argv=None):
     if not cuda.is_available():
         log("no CUDA GPU: the benchmarks need one (scripts/bench runs on the GPU machine)")
         sys.exit(2)
-    from validation.provenance import provenance
+    from attention.core.device import device_name
+    from validation.provenance import kernel_source_hash, provenance
 
     from .gpu import Timer, copy_bandwidth, fma_peak, torch_matmul_peak
+
+    tables, done, parts, kept_errors, first_ceilings = Tables(), [], [], [], None
+    if args.resume:
+        try:
+            tables, done, parts, kept_errors, first_ceilings = load_state(
+                out_dir, kernel_source_hash(), device_name())
+        except ValueError as exc:
+            log(f"--resume: {exc}")
+            sys.exit(2)
+        log(f"--resume: sections done in {len(parts)} earlier run(s): {', '.join(done)}")
 
     try:
         import torch
@@ -1029,8 +1130,7 @@ def main(argv=None):
     if args.variants:
         variants += [("fast_u4", {"unroll": 4}), ("fast_u8", {"unroll": 8}),
                      ("fast_nosplit", {"n_split": 1})]
-    tables = Tables()
-    sections = (("host", lambda: bench_host(timer, torch, tables.host, tables.checks)),
+    sections = (("host", lambda: bench_host(timer, torch, tables.host, tables.host_checks)),
                 ("decode", lambda: bench_decode(timer, copy_gbps, torch, variants,
                                                 tables.decode, tables.checks, args.quick)),
                 ("mla", lambda: bench_mla(timer, peaks, torch, tables.mla)),
@@ -1047,20 +1147,34 @@ def main(argv=None):
                 # T 4096; a run cut by its limit keeps the sections before it
                 ("prefill_mma", lambda: tables.prefill_mma.extend(bench_prefill_mma(
                     timer, torch, log, reps=20, bf16_tflops=peaks["bf16_tc"]))))
+    assert tuple(name for name, _ in sections) == SECTIONS
     ceilings = {"copy_GBps": copy_gbps, "fma_TFLOPs": fma_tf,
                 "tf32_TFLOPs": peaks["tf32_tc"], "bf16_TFLOPs": peaks["bf16_tc"]}
-    todo = [name for name, _ in sections if name not in skip]
+    header_ceilings = first_ceilings or ceilings  # the first run's, on a resumed report
+    todo = [name for name, _ in sections if name not in skip and name not in done]
+    skipped = [name for name in SECTIONS if name in skip and name not in done]
+    ran = []  # this run's sections that finished without an error
 
     def write(interrupted, cut_in=None):
         # the host cover the timers ended with (bench.gpu.HOLD_US): raised where a
         # launch's host cost outlasted it
         cover = {"hold_us": timer.hold_us, "raised": timer.raised}
         cut = {"section_cut": cut_in} if cut_in else {}  # the section an interrupt cut
-        prov = provenance(bench_seconds=round(time.time() - t_start, 1), ceilings=ceilings,
+        seconds = round(time.time() - t_start, 1)
+        prov = provenance(bench_seconds=seconds, ceilings=header_ceilings,
                           timer_cover=cover, interrupted=interrupted,
-                          sections_not_reached=list(todo), **cut)
-        write_reports(out_dir, prov, ceilings, tables,
-                      errors + [f"{n}: not reached (the run was cut before it)" for n in todo])
+                          sections_not_reached=list(todo), sections_skipped=list(skipped),
+                          **cut)
+        # each run of a resumed report is a part: its sections and its own ceilings
+        prov["parts"] = parts + [{"git_commit": prov["git_commit"],
+                                  "timestamp": prov["timestamp"], "bench_seconds": seconds,
+                                  "ceilings": ceilings, "sections": list(ran)}]
+        errs = list(dict.fromkeys(kept_errors + errors))  # a run-wide line once
+        write_reports(out_dir, prov, header_ceilings, tables,
+                      errs + [f"{n}: not reached (the run was cut before it)" for n in todo]
+                      + [f"{n}: skipped (--skip; `--resume` runs it into this report)"
+                         for n in skipped])
+        save_state(out_dir, prov, header_ceilings, tables, done + ran, errs)
         return cover
 
     # the reports are written again after every section, so a run cut by a time limit
@@ -1068,8 +1182,10 @@ def main(argv=None):
     # provenance saying "interrupted" and which sections it did not reach
     cover = write(interrupted=bool(todo))
     for name, fn in sections:
-        if name in skip:
+        if name not in todo:
             continue
+        for attr in SECTION_TABLES[name]:  # a resumed section's rows start again
+            setattr(tables, attr, [])
         log(f"== {name} ({time.time() - t_start:.0f} s)")
         try:
             fn()
@@ -1083,6 +1199,8 @@ def main(argv=None):
         except Exception as exc:
             traceback.print_exc()
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            ran.append(name)
         todo.remove(name)
         cover = write(interrupted=bool(todo))
     log(f"host cover: {cover}")

@@ -401,3 +401,163 @@ def test_an_interrupt_in_a_section_writes_the_sections_before_it(tmp_path, monke
     for later in ("mla", "mla_mma", "step", "mla_long", "prefill", "paged", "mla_multi"):
         assert f"- {later}: not reached (the run was cut before it)" in text, later
     assert "host: not reached" not in text and (tmp_path / "host.csv").exists()
+
+
+def _fake_gpu_bench(monkeypatch, device="Fake GPU 141GB"):
+    """bench.run.main with its GPU parts replaced: the ceilings, every section
+    (each records that it ran; host adds a row, decode a spot check) and the GPU's
+    name. Returns the list the sections append their names to."""
+    import sys
+
+    from numba import cuda
+
+    import attention.core.device as device_mod
+    from bench import gpu
+
+    class FakeTimer:
+        hold_us, raised = 0.0, []
+
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # torch not importable
+    monkeypatch.setattr(gpu, "Timer", FakeTimer)
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda timer: (3000.0, 2.8))
+    monkeypatch.setattr(gpu, "fma_peak", lambda timer: (58.0, 1.0))
+    monkeypatch.setattr(device_mod, "device_name", lambda: device)
+    calls = []
+
+    def host(timer, torch, rows, checks):
+        calls.append("host")
+        rows.append({"call": "DecodePlan.run (numba device arrays)", "dtype": "float16",
+                     "batch": 32, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                     "seq_len": 4096, "host_us_median": 12.0, "host_us_min": 10.1,
+                     "host_us_back_to_back": 11.0, "kernel_ms": 0.18, "note": ""})
+        checks.append(("DecodePlan.run", "float16", 32, 4096, 1.5e-4))
+
+    def decode(timer, copy_gbps, torch, variants, rows, checks, quick):
+        calls.append("decode")
+        checks.append(("fast", "float16", 1, 32768, 2.5e-4))
+
+    def returns_rows(name):
+        def fn(*a, **k):
+            calls.append(name)
+            return []
+        return fn
+
+    def appends(name):
+        def fn(*a, **k):
+            calls.append(name)
+        return fn
+
+    monkeypatch.setattr(run, "bench_host", host)
+    monkeypatch.setattr(run, "bench_decode", decode)
+    for name, fn in (("bench_mla", appends("mla")), ("bench_mla_mma", returns_rows("mla_mma")),
+                     ("bench_step", appends("step")), ("bench_long_mla", appends("mla_long")),
+                     ("bench_prefill", appends("prefill")), ("bench_paged", appends("paged")),
+                     ("bench_mla_multi", returns_rows("mla_multi")),
+                     ("bench_prefill_mma", returns_rows("prefill_mma"))):
+        monkeypatch.setattr(run, name, fn)
+    return calls
+
+
+def test_skip_then_resume_makes_one_whole_report(tmp_path, monkeypatch):
+    """The whole bench in two runs: ``--skip`` leaves sections out and the report says
+    so (partial for --check-fresh); ``--resume`` runs only those, keeps the first run's
+    rows, names both runs, and the report is then whole (fresh). Controls: a resume
+    refuses a report of other kernel sources or another GPU, before running anything
+    and without touching it; an unknown section name in --skip is an error."""
+    import json
+
+    import pytest
+
+    from validation import gpu_reports, provenance
+    from validation.provenance import criterion_hash, kernel_source_hash
+
+    out = tmp_path / "reports" / "bench"
+    calls = _fake_gpu_bench(monkeypatch)
+    later = ",".join(run.SECTIONS[2:])
+    run.main(["--out", str(out), "--skip", later])
+    assert calls == ["host", "decode"]
+    text = (out / "summary.md").read_text()
+    for name in run.SECTIONS[2:]:
+        assert f"- {name}: skipped (--skip" in text, name
+
+    def state():
+        return {r["path"]: r["state"] for r in gpu_reports.inventory(
+            tmp_path / "reports", kernel_source_hash(), criterion_hash())}
+    assert state() == {"bench/summary.md": "partial"}
+
+    # controls: another GPU model, other kernel sources: refused, report untouched
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls.clear()
+    _fake_gpu_bench(monkeypatch, device="Another GPU")
+    with pytest.raises(SystemExit) as stop:
+        run.main(["--out", str(out), "--resume"])
+    assert stop.value.code == 2
+    monkeypatch.setattr(provenance, "kernel_source_hash", lambda: "0123456789abcdef")
+    calls = _fake_gpu_bench(monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        run.main(["--out", str(out), "--resume"])
+    assert stop.value.code == 2 and calls == []
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+
+    calls = _fake_gpu_bench(monkeypatch)
+    run.main(["--out", str(out), "--resume"])
+    assert calls == list(run.SECTIONS[2:]), "a resume runs only the missing sections"
+    text = (out / "summary.md").read_text()
+    assert "skipped (--skip" not in text and "not reached" not in text
+    assert "| DecodePlan.run (numba device arrays)" in text, "the first run's host row"
+    assert text.index("| DecodePlan.run | float16") < text.index("| fast | float16"), \
+        "the spot checks keep the order of their sections"
+    assert "- measured in 2 runs on this GPU (`--resume`)" in text
+    doc = json.loads((out / "tables.json").read_text())
+    assert doc["sections_done"] == list(run.SECTIONS)
+    parts = doc["provenance"]["parts"]
+    assert [p["sections"] for p in parts] == [["host", "decode"], list(run.SECTIONS[2:])]
+    assert state() == {"bench/summary.md": "fresh"}
+
+    with pytest.raises(SystemExit) as stop:  # a section name not in the bench
+        run.main(["--out", str(out), "--skip", "decode,pagd"])
+    assert stop.value.code == 2
+
+
+def test_resume_runs_a_cut_section_again_without_its_partial_rows(tmp_path, monkeypatch):
+    """A section cut by the time limit may have appended rows before the interrupt;
+    ``--resume`` runs it from an empty table, so its rows are not doubled, and the
+    cut line leaves the report."""
+    import json
+
+    import pytest
+
+    calls = _fake_gpu_bench(monkeypatch)
+
+    row = {"batch": 1, "heads": 128, "latent": 512, "rope": 64, "seq_len": 32768,
+           "dtype": "float16", "method": "auto", "path": "half a section", "chunks": 4,
+           "ms": 1.0, "TFLOPs": 1.0, "GBps": 1.0, "note": ""}
+
+    def cut_long(timer, rows):
+        rows.append(row)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "bench_long_mla", cut_long)
+    with pytest.raises(SystemExit) as stop:
+        run.main(["--out", str(tmp_path)])
+    assert stop.value.code == 130
+    text = (tmp_path / "summary.md").read_text()
+    assert "- mla_long: cut by an interrupt" in text and "| half a section |" in text
+    done = json.loads((tmp_path / "tables.json").read_text())["sections_done"]
+    assert "mla_long" not in done and "step" in done
+
+    seen = []
+
+    def long_mla(timer, rows):
+        seen.append(list(rows))
+
+    calls = _fake_gpu_bench(monkeypatch)
+    monkeypatch.setattr(run, "bench_long_mla", long_mla)
+    run.main(["--out", str(tmp_path), "--resume"])
+    assert seen == [[]], "the resumed section starts from an empty table"
+    assert calls == ["prefill", "paged", "mla_multi", "prefill_mma"]
+    text = (tmp_path / "summary.md").read_text()
+    assert "cut by an interrupt" not in text and "not reached" not in text
+    assert "half a section" not in text, "the cut run's rows are not kept"

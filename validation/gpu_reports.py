@@ -18,7 +18,8 @@ file                                   where its provenance is
 
 A file is **fresh** when it measured the tree's kernel sources (and, for the
 validation, its criterion), **partial** when it did but says its run was cut
-short (``"interrupted": true`` in the report or its provenance; a stage log whose
+short (``"interrupted": true`` in the report or its provenance, or a bench whose
+provenance lists ``sections_skipped``; a stage log whose
 ``<stage>.rc`` is missing, 124 (the time limit's) or 130 (a bench cut by its
 interrupt)), **stale** when it measured others, and
 **unknown** when it states none (a log from before ``scripts/gpu_all`` wrote
@@ -88,7 +89,9 @@ def _provenance_and_cut(path, rc=None):
     prov = read_provenance(path) or {}
     if path.suffix == ".log":
         return prov, rc in CUT_STATUS, ""
-    return prov, bool(prov.get("interrupted")), ""
+    # a bench run with sections skipped (``--skip``) is partial too, until a
+    # ``--resume`` run adds them
+    return prov, bool(prov.get("interrupted") or prov.get("sections_skipped")), ""
 
 
 def read_provenance(path):
@@ -98,7 +101,7 @@ def read_provenance(path):
         if path.suffix == ".json":
             return json.loads(path.read_text()).get("provenance")
         with path.open(errors="replace") as fh:
-            head = [next(fh, "") for _ in range(60)]
+            head = [next(fh, "") for _ in range(400)]  # a resumed bench's is long
     except (OSError, ValueError, AttributeError):
         return None
     if path.suffix == ".log":  # only the header gpu_all writes counts
