@@ -361,48 +361,6 @@ def test_a_cut_bench_leaves_a_report_that_says_so(tmp_path):
     assert rows == {"bench/summary.md": "fresh"}
 
 
-def test_an_interrupt_in_a_section_writes_the_sections_before_it(tmp_path, monkeypatch):
-    """bench.run.main's own loop, its GPU parts replaced: the host section runs, the
-    decode section is interrupted (scripts/gpu_all's time limit sends SIGINT), and
-    the report says so, with the sections after it not reached; exit status 130."""
-    import sys
-
-    import pytest
-    from numba import cuda
-
-    from bench import gpu
-
-    class FakeTimer:
-        hold_us, raised = 0.0, []
-
-    monkeypatch.setattr(cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "torch", None)  # torch not importable
-    monkeypatch.setattr(gpu, "Timer", FakeTimer)
-    monkeypatch.setattr(gpu, "copy_bandwidth", lambda timer: (3000.0, 2.8))
-    monkeypatch.setattr(gpu, "fma_peak", lambda timer: (58.0, 1.0))
-
-    def host(timer, torch, rows, checks):
-        rows.append({"call": "DecodePlan.run (numba device arrays)", "dtype": "float16",
-                     "batch": 32, "heads": 32, "kv_heads": 8, "head_dim": 128,
-                     "seq_len": 4096, "host_us_median": 12.0, "host_us_min": 10.1,
-                     "host_us_back_to_back": 11.0, "kernel_ms": 0.18, "note": ""})
-
-    def decode(*a):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(run, "bench_host", host)
-    monkeypatch.setattr(run, "bench_decode", decode)
-    with pytest.raises(SystemExit) as stop:
-        run.main(["--out", str(tmp_path)])
-    assert stop.value.code == 130
-    text = (tmp_path / "summary.md").read_text()
-    assert '"interrupted": true' in text and '"section_cut": "decode"' in text
-    assert "- decode: cut by an interrupt during this section" in text
-    for later in ("mla", "mla_mma", "step", "mla_long", "prefill", "paged", "mla_multi"):
-        assert f"- {later}: not reached (the run was cut before it)" in text, later
-    assert "host: not reached" not in text and (tmp_path / "host.csv").exists()
-
-
 def _fake_gpu_bench(monkeypatch, device="Fake GPU 141GB"):
     """bench.run.main with its GPU parts replaced: the ceilings, every section
     (each records that it ran; host adds a row, decode a spot check) and the GPU's
@@ -457,6 +415,35 @@ def _fake_gpu_bench(monkeypatch, device="Fake GPU 141GB"):
                      ("bench_prefill_mma", returns_rows("prefill_mma"))):
         monkeypatch.setattr(run, name, fn)
     return calls
+
+
+def _run_cut_by_an_interrupt(out):
+    """bench.run.main into ``out``, which a section's interrupt ends (exit status
+    130, as scripts/gpu_all's time limit leaves it); the summary's text."""
+    import pytest
+
+    with pytest.raises(SystemExit) as stop:
+        run.main(["--out", str(out)])
+    assert stop.value.code == 130
+    return (out / "summary.md").read_text()
+
+
+def test_an_interrupt_in_a_section_writes_the_sections_before_it(tmp_path, monkeypatch):
+    """bench.run.main's own loop, its GPU parts replaced: the host section runs, the
+    decode section is interrupted (scripts/gpu_all's time limit sends SIGINT), and
+    the report says so, with the sections after it not reached; exit status 130."""
+    _fake_gpu_bench(monkeypatch)
+
+    def decode(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "bench_decode", decode)
+    text = _run_cut_by_an_interrupt(tmp_path)
+    assert '"interrupted": true' in text and '"section_cut": "decode"' in text
+    assert "- decode: cut by an interrupt during this section" in text
+    for later in ("mla", "mla_mma", "step", "mla_long", "prefill", "paged", "mla_multi"):
+        assert f"- {later}: not reached (the run was cut before it)" in text, later
+    assert "host: not reached" not in text and (tmp_path / "host.csv").exists()
 
 
 def test_skip_then_resume_makes_one_whole_report(tmp_path, monkeypatch):
@@ -527,7 +514,6 @@ def test_resume_runs_a_cut_section_again_without_its_partial_rows(tmp_path, monk
     cut line leaves the report."""
     import json
 
-    import pytest
 
     calls = _fake_gpu_bench(monkeypatch)
 
@@ -540,10 +526,7 @@ def test_resume_runs_a_cut_section_again_without_its_partial_rows(tmp_path, monk
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "bench_long_mla", cut_long)
-    with pytest.raises(SystemExit) as stop:
-        run.main(["--out", str(tmp_path)])
-    assert stop.value.code == 130
-    text = (tmp_path / "summary.md").read_text()
+    text = _run_cut_by_an_interrupt(tmp_path)
     assert "- mla_long: cut by an interrupt" in text and "| half a section |" in text
     done = json.loads((tmp_path / "tables.json").read_text())["sections_done"]
     assert "mla_long" not in done and "step" in done
