@@ -290,7 +290,7 @@ ARGS_INTERPRETER = """\
 # command line
 case "$*" in
   *--log-header*) echo '# gpu_all stage: {"git_commit": "f00d"}' ;;
-  *validation.gpu_suite*) echo "ARGS: $*" ;;
+  *validation.gpu_suite*|"-m bench"*) echo "ARGS: $*" ;;
   *) exit 3 ;;
 esac
 """
@@ -306,7 +306,7 @@ def _args_copy(tmp_path):
     from validation.provenance import ROOT
 
     (tmp_path / "scripts").mkdir()
-    for name in ("gpu_all", "_env.sh"):
+    for name in ("gpu_all", "_env.sh", "bench"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
     shutil.copytree(ROOT / "tests", tmp_path / "tests",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -355,6 +355,16 @@ def test_gpu_all_tc_stages_take_the_tensor_core_files_alone(tmp_path):
         assert f"--sanitizer {tool}" in lines[f"{tool}_tc"]
         rest = [w for w in lines[tool].split() if w.startswith("tests/")]
         assert set(named) < set(rest) and "tests/test_prefill.py" in rest, tool
+
+
+def test_gpu_all_passes_the_bench_its_own_options(tmp_path):
+    """ATTN_BENCH_ARGS reach the bench's command line word by word (the whole bench in
+    two calls: --skip, then --resume). Control: unset, the bench gets no option."""
+    run = _args_copy(tmp_path)
+    line = run(["bench"], ATTN_BENCH_ARGS="--skip paged,mla_multi,prefill_mma")["bench"]
+    assert line == "ARGS: -m bench --skip paged,mla_multi,prefill_mma", line
+    assert run(["bench"], ATTN_BENCH_ARGS="--resume")["bench"] == "ARGS: -m bench --resume"
+    assert run(["bench"])["bench"] == "ARGS: -m bench"
 
 
 def test_expected_failures_are_recorded_as_such_not_as_skips():
