@@ -1015,7 +1015,10 @@ def write_reports(out_dir, prov, ceilings, t, errors):
     write_csv(out_dir / "prefill_mma.csv", t.prefill_mma, PREFILL_MMA_COLUMNS)
     errors = list(errors)
     try:
-        plot(out_dir / "decode.png", t.decode, ceilings["copy_GBps"])
+        # the copy ceiling of the run that measured the decode rows (a resumed report)
+        copy = next((q["ceilings"]["copy_GBps"] for q in prov.get("parts") or ()
+                     if "decode" in q.get("sections", ())), ceilings["copy_GBps"])
+        plot(out_dir / "decode.png", t.decode, copy)
     except Exception as exc:
         errors.append(f"plot: {type(exc).__name__}: {exc}")
     summary(out_dir / "summary.md", prov, ceilings, t.decode, t.mla, t.step,
