@@ -649,11 +649,10 @@ def _paged_mla(run, page):
             max_pages = pages_needed(n, page) + 1
             seed = [page, n, int(rows.shape[2])]
             fill = 0xFF if rows.dtype == np.uint8 else np.nan
-            pages, table, used = fixtures.mla_build_pages(
+            # (mla_build_pages draws again until the pages are not in order)
+            pages, table, _ = fixtures.mla_build_pages(
                 rows, [n], page, max_pages, np.random.default_rng(seed), share_first=False,
                 fill=fill)
-            if len(used) > 1 and np.array_equal(used, np.arange(len(used))):
-                raise AssertionError("the page table is the identity")
             scale = latent_scale
             if scale is not None and np.asarray(scale).shape != (1,):  # per token [1, t_kv]
                 sp, st, _ = fixtures.mla_build_pages(
