@@ -337,6 +337,56 @@ def test_deadline_reports_units_not_run_and_still_writes_the_report(tmp_path):
     assert rebuilt.returncode == 1 and "deadline" in (out / "summary.md").read_text()
 
 
+def test_resume_runs_what_the_deadline_cut_and_merges(tmp_path, monkeypatch):
+    """End to end: a shard cut by --deadline 0 fails; --resume runs exactly the
+    units no part finished (here the shard's record of one unit is replaced by a
+    finished one) into resume-1.json, and --merge then passes; a second --resume
+    finds nothing left and writes nothing. Refused with exit 2 and nothing
+    written: --resume with other --seeds (naming 'seeds'), on a folder with no
+    parts, and with --shard."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    full = _fake_suite(tmp_path, "full", True)
+    out = tmp_path / "run"
+    common = ["--device", "sim", "--kernels", "none", "--growth", "none", "--defects", "none",
+              "--suite-module", full, "--jobs", "1", "--no-progress", "--out", str(out)]
+    cut = _run_cli(common + ["--shard", "0/1", "--deadline", "0"], tmp_path)
+    assert cut.returncode == 1, cut.stdout + cut.stderr
+    shard_file = out / "shards" / "shard-0-of-1.json"
+    shard = json.loads(shard_file.read_text())
+    assert [u["detail"] for u in shard["defect_units"]] == [NOT_RUN] * 3
+    units, _ = defects.units([full], small=True)
+    assert shard["config"]["plan"] == report.plan_of(u.id for u in units)
+    first = defects.run_unit(units[0])  # this unit finished in the shard
+    shard["defect_units"][0] = first
+    shard_file.write_text(json.dumps(shard))
+
+    refused = _run_cli(common + ["--resume", "--seeds", "1"], tmp_path)
+    assert refused.returncode == 2 and "'seeds' differs" in refused.stderr, refused.stderr
+    empty = _run_cli(common[:-1] + [str(tmp_path / "none"), "--resume"], tmp_path)
+    assert empty.returncode == 2 and "no parts in" in empty.stderr, empty.stderr
+    assert not (tmp_path / "none").exists()
+    both = _run_cli(common + ["--resume", "--shard", "0/1"], tmp_path)
+    assert both.returncode == 2 and "--shard" in both.stderr
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["shard-0-of-1.json"]
+
+    resumed = _run_cli(common + ["--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resume part 1 written" in resumed.stdout and "(2 of 3 units run, 0 failing)" \
+        in resumed.stdout
+    part = json.loads((out / "shards" / "resume-1.json").read_text())
+    assert [u["id"] for u in part["defect_units"]] == [u.id for u in units[1:]]
+    assert all(u["detail"] != NOT_RUN for u in part["defect_units"])
+    assert part["config"]["resumed_from"] == ["shard-0-of-1.json"]
+    assert part["config"]["shard"] is None and part["config"]["plan"] == shard["config"]["plan"]
+    merged = _run_cli(["--merge", "--out", str(out)], tmp_path)
+    assert merged.returncode == 0 and "PASS" in merged.stdout, merged.stdout + merged.stderr
+    rep = json.loads((out / "validation.json").read_text())
+    assert [u["id"] for u in rep["defect_units"]] == [u.id for u in units]
+    again = _run_cli(common + ["--resume"], tmp_path)
+    assert again.returncode == 0 and "nothing remains" in again.stdout, again.stdout
+    assert not (out / "shards" / "resume-2.json").exists()
+
+
 def test_cli_help_and_bad_arguments():
     from validation import cli
 
@@ -513,6 +563,88 @@ def test_shards_partition_the_work_and_merge(tmp_path):
             report.merge(tmp_path)
     (shard_dir / "shard-1-of-2.json").unlink()
     with pytest.raises(ValueError, match="expected 0..1"):
+        report.merge(tmp_path)
+
+
+NOT_RUN = "not run: the --deadline was reached first"
+
+
+def _part(shard_dir, name, cases, quant=(), groups=(), plan_ids=None, **prov):
+    """Write a shard or resume part of synthetic records; its plan covers
+    ``plan_ids`` (default: its own unit records)."""
+    rep = _report(list(cases))
+    ids = plan_ids if plan_ids is not None else [c["id"] for c in cases] + [
+        "growth/batched_decode/float32/s0/8"]
+    shard = [int(x) for x in name[len("shard-"):-len(".json")].split("-of-")] \
+        if name.startswith("shard-") else None
+    part = {k: rep[k] for k in ("cases", "growth", "defect_units")}
+    part.update(provenance=dict(rep["provenance"], criterion_hash="c0", **prov),
+                config=dict(rep["config"], shard=shard, plan=report.plan_of(ids)),
+                wall_seconds=2.0 if shard else 1.0, broken_suites=[], quantization=list(quant),
+                work_groups=list(groups))
+    shard_dir.mkdir(exist_ok=True)
+    (shard_dir / name).write_text(json.dumps(part))
+    return part
+
+
+def test_resume_parts_merge_keeping_each_units_finished_record(tmp_path):
+    """A shard cut by its deadline and the resume part that ran what it cut merge
+    into one report: a unit's finished record is kept over its cut one, in
+    either file order (cases and quantization rows alike; a kernel's
+    not-available record is no unit), and the cut groups of the shard's timings
+    are dropped. Controls: without the resume part the merge fails naming the
+    cut case; a resume part that leaves a unit of the plan unrecorded, one of
+    other kernel sources and one of another plan are refused."""
+    shards = tmp_path / "shards"
+    done_a = _case("batched_decode", "pass", 1.0, 0.2, shape="a")
+    done_b = _case("batched_decode", "pass", 1.1, 0.2, shape="b")
+    cut_b = dict(done_b, status="error", passed=False, ratio=None, detail=NOT_RUN)
+    early = dict(_case("decode_fp8", "pass", 1.0, 0.1), id="decode_fp8/*", shape="*",
+                 seed=None, status="not available", passed=False, detail="no module")
+    q_id = dict(kind="decode", shape="s0", fixture="normal")
+    q_cut, q_done = dict(q_id, detail=NOT_RUN), dict(q_id, max_out=1.0)
+    plan = [done_a["id"], done_b["id"], "growth/batched_decode/float32/s0/8",
+            "fp8_quant/decode/s0/normal"]
+    cut_group = {"group": "b (1 case)", "units": 1, "seconds": None, "state": "not started"}
+    _part(shards, "shard-0-of-1.json", [early, done_a, cut_b], [q_cut], [cut_group], plan)
+    alone = report.merge(tmp_path)  # control: the cut case fails the report
+    assert not alone["verdict"]["passed"]
+    assert any(done_b["id"] in f and "deadline" in f for f in alone["verdict"]["failures"])
+    assert report.work_group_line(alone).endswith("1 not started")
+    _part(shards, "resume-1.json", [early, done_b], [q_done], plan_ids=plan,
+          groups=[{"group": "b (1 case)", "units": 1, "seconds": 3.0, "state": "done"}])
+    merged = report.merge(tmp_path)
+    assert merged["verdict"]["passed"], merged["verdict"]["failures"]
+    assert [c["id"] for c in merged["cases"]] == ["decode_fp8/*", done_a["id"], done_b["id"]]
+    assert merged["cases"][2]["status"] == "pass" and merged["quantization"] == [q_done]
+    assert len(merged["growth"]) == 1  # one growth run, recorded in both parts
+    assert [Path(f).name for f in merged["config"]["merged_from"]] == [
+        "shard-0-of-1.json", "resume-1.json"]
+    assert merged["wall_seconds"] == 2.0 and merged["config"]["shard_wall_seconds"] == [2.0, 1.0]
+    assert "resumed_from" not in merged["config"]
+    assert [g["state"] for g in merged["work_groups"]] == ["done"]
+    assert "the longest of 2 parts (3.0 s in all)" in report.summary_markdown(merged, [])
+    # the other order: the finished record first, a cut one after it
+    _part(shards, "shard-0-of-1.json", [early, done_a, done_b], [q_done], plan_ids=plan)
+    _part(shards, "resume-1.json", [cut_b], [q_cut], plan_ids=plan)
+    merged = report.merge(tmp_path)
+    assert merged["verdict"]["passed"] and merged["quantization"] == [q_done]
+    assert [c["status"] for c in merged["cases"]] == ["not available", "pass", "pass"]
+    # a plan one unit larger than the parts recorded
+    more = plan[:3] + ["defects/suite/clean"]
+    _part(shards, "shard-0-of-1.json", [done_a, cut_b], plan_ids=more)
+    _part(shards, "resume-1.json", [done_b], plan_ids=more)
+    with pytest.raises(ValueError, match="cover 3 of the plan's 4 units; run --resume again"):
+        report.merge(tmp_path)
+    _part(shards, "shard-0-of-1.json", [done_a, cut_b], plan_ids=plan[:3])
+    _part(shards, "resume-1.json", [done_b], plan_ids=plan[:3])
+    assert report.merge(tmp_path)["verdict"]["passed"]  # control: the same, covered
+    _part(shards, "resume-1.json", [done_b], plan_ids=plan[:3], kernel_source_hash="other")
+    with pytest.raises(ValueError, match="different kernel sources: abc123 in shard-0-of-1"
+                                         ".json; other in resume-1.json"):
+        report.merge(tmp_path)
+    _part(shards, "resume-1.json", [done_b], plan_ids=plan[:2])
+    with pytest.raises(ValueError, match="different plans"):
         report.merge(tmp_path)
 
 
@@ -710,6 +842,47 @@ def test_a_sweep_bundle_longer_than_a_fair_share_runs_a_seed_a_bundle(tmp_path):
                 seeds_seen.append(g[0].seed)
                 held += len(g)
     assert sorted(seeds_seen) == [0, 1, 2] and held == len(whole[0])
+
+
+def test_a_bundle_cut_while_running_resumes_a_seed_a_bundle():
+    """--resume runs a sweep bundle that a part reports as running at its deadline
+    (its work-group label, state "running") one bundle a seed, as it does
+    those the parts' runs split: it did not fit once. Controls: the same bundle
+    not started, or finished, stays whole. A shard's config records the whole
+    run's plan, the same in every shard."""
+    from validation import cli
+
+    def build(*extra):
+        args = cli.parser().parse_args(["--seeds", "0,1", "--growth", "none", "--defects",
+                                        "none", "--mutants", "none", "--kernels",
+                                        "batched_decode", *extra])
+        return cli.build_units(args, "sim")
+
+    units, _, _, config = build()
+    groups = [[units[j] for j in b] for b in cli.bundles(units)]
+    target = groups[1]
+    key = list(cli._bundle_key(target[0], 0)[1:])
+    assert {u.seed for u in target} == {0, 1}
+
+    def parts(state, split=()):
+        return [{"config": {"split_by_seed": list(split)},
+                 "work_groups": [{"group": cli.group_label(target), "units": len(target),
+                                  "seconds": None, "state": state}]}]
+
+    by_seed = cli.resume_by_seed(units, [], parts("running"))
+    assert by_seed == [key]
+    split = [[units[j] for j in b] for b in cli.bundles(units, by_seed)]
+    assert len(split) == len(groups) + 1
+    assert sorted(len({u.seed for u in g}) for g in split if g[0].shape == target[0].shape
+                  and g[0].dtype == target[0].dtype) == [1, 1]
+    assert cli.resume_by_seed(units, [], parts("not started")) == []  # control
+    assert cli.resume_by_seed(units, [], parts("done")) == []
+    assert cli.resume_by_seed(units, [], parts("done", [key])) == [key]
+    assert cli.resume_by_seed(units, [["x"]], parts("running")) == [key, ["x"]]
+    for i in (0, 1):
+        shard_units, _, _, shard_config = build("--shard", f"{i}/2")
+        assert len(shard_units) < len(units) and shard_config["plan"] == config["plan"]
+    assert config["plan"] == report.plan_of(u.id for u in units)
 
 
 def test_cost_estimates_fall_back_per_unit_and_shard_greedily():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import os
 import subprocess
 import sys
@@ -68,7 +69,8 @@ def parser():
                     "and the planted-defect score; writes summary.md, validation.json and plots.",
         epilog="Examples: scripts/validate --quick | scripts/validate --kernels 'batched*' "
                "--growth none --defects none | scripts/validate --shard 0/4 --out reports "
-               "(then --merge) | scripts/validate --mark-stale")
+               "(then --resume for what a --deadline cut, and --merge) | scripts/validate "
+               "--mark-stale")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", default=None,
                       help="the quick subset of shapes and fixtures, one seed (default on the "
@@ -119,7 +121,12 @@ def parser():
                          "under reports/gpu/runs: a tenth of the bytes; --rebuild, --costs, "
                          "--index and validation.plot read either); runs nothing")
     ap.add_argument("--merge", action="store_true",
-                    help="merge OUT/shards/*.json into the report and exit")
+                    help="merge OUT/shards/*.json (shard and resume parts) into the report "
+                         "and exit")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run whose parts are in OUT/shards/: run only the units "
+                         "no part finished, into OUT/shards/resume-K.json; combine with "
+                         "--merge")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                     help="stop starting units after this many seconds; units not run are "
                          "reported as errors and the report is still written")
@@ -255,7 +262,7 @@ class Progress:
 def build_units(args, device):
     """(units, early case records, broken suite records, config) for this run."""
     import attention  # noqa: F401
-    from validation import defects, growth, registry, simfast, sweep
+    from validation import defects, growth, registry, report, simfast, sweep
 
     simfast.install()
     small = device == "sim"
@@ -328,6 +335,9 @@ def build_units(args, device):
         "steps": steps, "kernels": [s.name for s in specs],
         "growth": growth_names, "suites": modules, "mutant_seeds": mutant_seeds,
         "shard": list(args.shard) if args.shard else None,
+        # the whole run's units, before a shard is picked: a merge of shard and
+        # resume parts checks that they hold every one (``report.merge``)
+        "plan": report.plan_of(u.id for u in units),
     }
     groups = bundles(units)
     if args.costs:  # longest expected bundle first; shards balanced on the same costs
@@ -619,9 +629,83 @@ def _crashed(unit, exc):
                       "detail": detail, "seconds": 0.0}
 
 
+# ---------------------------------------------------------------------------
+# resuming a run cut by its deadline
+# ---------------------------------------------------------------------------
+
+
+def resume_by_seed(units, by_seed, parts):
+    """The sweep bundles a resumed run runs one bundle a seed, as ``split_by_seed``
+    gives them: ``by_seed`` (this plan's split), those the parts' runs split, and
+    every bundle of ``units`` (the units left to run) that a part reports as
+    running when its deadline struck (a ``work_groups`` entry of state
+    "running" and the bundle's ``group_label``): a bundle that did not fit in
+    one part's time should not be started whole again."""
+    split = {tuple(k) for k in by_seed}
+    split |= {tuple(k) for p in parts for k in p["config"].get("split_by_seed") or []}
+    running = {g["group"] for p in parts for g in p.get("work_groups") or []
+               if g.get("state") == "running"}
+    for b in bundles(units, sorted(split)):
+        group = [units[i] for i in b]
+        if (_case_keys(group) and len({u.seed for u in group}) > 1
+                and group_label(group) in running):
+            split.add(_bundle_key(group[0], 0)[1:])
+    return sorted(list(k) for k in split)
+
+
+def resume_plan(out, units, config):
+    """(units left, by_seed, names of the parts read) for ``--resume``: the plan's
+    ``units`` (``build_units``, no shard) less every unit some part in
+    ``out/shards`` holds a finished record for (``report.finished``: a crash is
+    a result; a unit the deadline cut is run again). Raises ValueError naming
+    what differs when there are no parts or a part is not of this run: other
+    kernel sources or criterion than the tree's, other ``report.MERGE_SAME``
+    settings or another plan than this command's."""
+    from validation import report
+    from validation.provenance import criterion_hash, kernel_source_hash
+
+    files = report.part_files(out)
+    if not files:
+        raise ValueError(f"no parts in {Path(out) / 'shards'}: start the run with --shard 0/N")
+    parts = [report.read_part(f) for f in files]
+    tree = {"provenance": {"kernel_source_hash": kernel_source_hash(),
+                           "criterion_hash": criterion_hash()}, "config": config}
+    report.check_one_run([(f.name, p) for f, p in zip(files, parts)]
+                         + [("this tree and command", tree)])
+    done = report.finished_ids(parts)
+    left = [u for u in units if u.id not in done]
+    by_seed = resume_by_seed(left, config.get("split_by_seed", ()), parts)
+    return left, by_seed, [f.name for f in files]
+
+
+def _resume_conflict(args):
+    """The first option given with --resume that it cannot be combined with, or None."""
+    for flag in ("shard", "merge", "list", "rebuild", "index", "archive", "check_fresh",
+                 "mark_stale"):
+        if getattr(args, flag):
+            return "--" + flag.replace("_", "-")
+    return None
+
+
+def _write_part(path, part):
+    """Write a shard or resume part; returns its failing records (cases, growth
+    runs, defect units, broken suites)."""
+    from validation import report
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(part, indent=1, default=report._json_default))
+    bad = [r for r in part["cases"] if r["status"] in report.FAILING_CASE]
+    bad += [g for g in part["growth"] if g["status"] in report.FAILING_GROWTH]
+    bad += [u for u in part["defect_units"] if u["status"] in ("escaped", "error", "clean-fail")]
+    return bad + part["broken_suites"]
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     from validation import report
+
+    if args.resume and _resume_conflict(args):
+        _usage(f"--resume cannot be combined with {_resume_conflict(args)}")
 
     if args.check_fresh or args.mark_stale:
         out = Path(args.out) if args.out else ROOT / "reports"
@@ -709,6 +793,19 @@ def main(argv=None):
         for r in early:
             print(f"{r['id']}: {r['status']}")
         return 0
+    out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
+    by_seed, plan_units = config.get("split_by_seed", ()), config["plan"]["units"]
+    if args.resume:
+        try:
+            units, by_seed, names = resume_plan(out, units, config)
+        except ValueError as exc:
+            print(f"validate --resume: {exc}", file=sys.stderr)
+            return 2
+        if not units:
+            print(f"validate: nothing remains: every unit of the plan has a finished record "
+                  f"in {out / 'shards'}; combine with --merge --out {out}")
+            return 0
+        config.update(resumed_from=names, **({"split_by_seed": by_seed} if by_seed else {}))
     jobs = args.jobs if args.jobs else default_jobs(device)
     progress = Progress(len(units), enabled=not args.no_progress)
     if not args.no_progress:
@@ -716,8 +813,7 @@ def main(argv=None):
               f"{'s' if jobs > 1 else ''})", file=sys.stderr)
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     timings = []
-    results = execute(units, jobs, progress, deadline, timings,
-                      by_seed=config.get("split_by_seed", ()))
+    results = execute(units, jobs, progress, deadline, timings, by_seed=by_seed)
     cases = early + [r for kind, r in results if kind == "case"]
     growth_recs = [r for kind, r in results if kind == "growth"]
     unit_recs = [r for kind, r in results if kind == "defect"]
@@ -726,23 +822,21 @@ def main(argv=None):
 
     prov = provenance(seeds=config["seeds"], wall_seconds=round(wall, 2))
     quant = [r for kind, r in results if kind == "quant"]
-    out = Path(args.out) if args.out else ROOT / ("reports/sim" if device == "sim" else "reports")
-    if args.shard:
-        import json
-
-        path = report.shard_path(out, *args.shard)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if args.shard or args.resume:
         part = {"schema": report.SCHEMA, "provenance": prov, "config": config,
                 "wall_seconds": wall, "cases": cases, "growth": growth_recs,
                 "defect_units": unit_recs, "broken_suites": broken, "quantization": quant,
                 "work_groups": timings}
-        path.write_text(json.dumps(part, indent=1, default=report._json_default))
-        bad = [r for r in cases if r["status"] in report.FAILING_CASE]
-        bad += [g for g in growth_recs if g["status"] in report.FAILING_GROWTH]
-        bad += [u for u in unit_recs if u["status"] in ("escaped", "error", "clean-fail")]
-        bad += broken
-        print(f"validate: shard {args.shard[0]}/{args.shard[1]} written to {path} "
-              f"({len(bad)} failing unit(s)); combine with --merge --out {out}")
+        if args.shard:
+            path = report.shard_path(out, *args.shard)
+            bad = _write_part(path, part)
+            print(f"validate: shard {args.shard[0]}/{args.shard[1]} written to {path} "
+                  f"({len(bad)} failing unit(s)); combine with --merge --out {out}")
+        else:
+            k, path = report.next_resume(out)
+            bad = _write_part(path, part)
+            print(f"validate: resume part {k} written to {path} ({len(units)} of {plan_units} "
+                  f"units run, {len(bad)} failing); combine with --merge --out {out}")
         return 1 if bad else 0
     rep = report.build(cases=cases, growth=growth_recs, defect_units=unit_recs,
                        broken_suites=broken, config=config, provenance=prov, wall_seconds=wall,

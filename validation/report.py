@@ -22,6 +22,7 @@ says so at the top of ``summary.md`` (and removes it when the hashes agree);
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -372,9 +373,10 @@ def summary_markdown(report, images):
              f"{', quick subset' if cfg.get('quick') else ''} |")
     L.append(f"| growth steps | {cfg.get('steps')} |")
     walls = cfg.get("shard_wall_seconds")
-    if walls:  # a merged run: its shards ran apart, in separate processes or machines
+    if walls:  # a merged run: its parts ran apart, in separate processes or machines
+        resumed = any(RESUME_NAME.fullmatch(Path(f).name) for f in cfg.get("merged_from", []))
         L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s, the longest of "
-                 f"{len(walls)} shards ({sum(walls):.1f} s in all) |")
+                 f"{len(walls)} {'parts' if resumed else 'shards'} ({sum(walls):.1f} s in all) |")
     else:
         L.append(f"| wall time | {report.get('wall_seconds', 0):.1f} s |")
     groups = work_group_line(report)
@@ -731,55 +733,203 @@ def shard_path(out_dir, index, count):
     return Path(out_dir) / "shards" / f"shard-{index}-of-{count}.json"
 
 
+def resume_path(out_dir, index):
+    """The K-th part of ``scripts/validate --resume`` (1-based)."""
+    return Path(out_dir) / "shards" / f"resume-{index}.json"
+
+
+SHARD_NAME = re.compile(r"shard-(\d+)-of-(\d+)\.json")
+RESUME_NAME = re.compile(r"resume-(\d+)\.json")
+
+
+def next_resume(out_dir):
+    """(K, path) of the next resume part: K one past the highest there, from 1."""
+    have = [int(m.group(1)) for f in (Path(out_dir) / "shards").glob("resume-*.json")
+            if (m := RESUME_NAME.fullmatch(f.name))]
+    k = 1 + max(have, default=0)
+    return k, resume_path(out_dir, k)
+
+
+def part_files(out_dir):
+    """The parts of a run in ``<out_dir>/shards``, in the order they ran: the shard
+    files by index, then the resume files by K."""
+    folder = Path(out_dir) / "shards"
+    shards = [(int(m.group(1)), f) for f in folder.glob("shard-*-of-*.json")
+              if (m := SHARD_NAME.fullmatch(f.name))]
+    resumes = [(int(m.group(1)), f) for f in folder.glob("resume-*.json")
+               if (m := RESUME_NAME.fullmatch(f.name))]
+    return [f for _, f in sorted(shards)] + [f for _, f in sorted(resumes)]
+
+
+def read_part(path):
+    """A shard or resume part (a dict); ValueError naming the file when it is not
+    JSON (a part cut while being written)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"{Path(path).name} is not a part: {exc}") from None
+
+
+def plan_of(ids):
+    """A run's plan, which every part records in its config (``"plan"``): the number of
+    units of the whole run and a digest of their sorted ids, so a merge of shard and
+    resume parts can tell whether they hold every unit (``merge``)."""
+    ids = sorted(set(ids))
+    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
+    return {"units": len(ids), "digest": digest}
+
+
 # the settings every shard of one run shares (``merge`` refuses parts that differ)
 MERGE_SAME = ("device", "small", "quick", "seeds", "dtypes", "steps", "kernels", "growth",
               "suites", "mutant_seeds", "costs")
 
 
-def merge(out_dir):
-    """Merge ``<out_dir>/shards/shard-*-of-N.json`` into one report (not written).
-    Raises ValueError when shards are missing, measured different code, were
-    judged under different criteria or ran with different settings."""
-    files = sorted((Path(out_dir) / "shards").glob("shard-*-of-*.json"))
-    if not files:
-        raise ValueError(f"no shard files in {Path(out_dir) / 'shards'}")
-    parts = [json.load(open(f)) for f in files]
-    counts = {p["config"]["shard"][1] for p in parts}
-    if len(counts) != 1:
+def check_one_run(named):
+    """Raise ValueError naming what differs unless the (name, part) pairs are parts
+    of one run: the same kernel sources and criterion, the same ``MERGE_SAME``
+    settings and, among those that record one, the same plan. ``scripts/validate
+    --resume`` passes the tree and its command as one more part."""
+    def differ(get, among=named):
+        values = {}
+        for name, p in among:
+            values.setdefault(get(p), []).append(name)
+        return None if len(values) <= 1 else "; ".join(
+            f"{v} in {', '.join(names)}" for v, names in sorted(values.items()))
+
+    why = differ(lambda p: p["provenance"]["kernel_source_hash"])
+    if why:
+        raise ValueError(f"parts measured different kernel sources: {why}")
+    why = differ(lambda p: str(p["provenance"].get("criterion_hash")))
+    if why:
+        raise ValueError(f"parts were judged under different criteria: {why}")
+    for key in MERGE_SAME:  # one run's settings, split: the same in every part
+        why = differ(lambda p: json.dumps(p["config"].get(key), sort_keys=True))
+        if why:
+            raise ValueError(f"parts of different runs: config {key!r} differs ({why})")
+    why = differ(lambda p: json.dumps(p["config"]["plan"], sort_keys=True),
+                 [(n, p) for n, p in named if p["config"].get("plan")])
+    if why:
+        raise ValueError(f"parts of different plans (their units differ): {why}")
+
+
+def record_id(kind, rec):
+    """A record's unit id (``.id`` of the unit that made it): a quantization row has
+    none of its own, so it is ``fp8_quant.QuantUnit.id``'s form."""
+    if kind == "quantization":
+        return f"fp8_quant/{rec['kind']}/{rec['shape']}/{rec['fixture']}"
+    return rec["id"]
+
+
+RECORD_KINDS = ("cases", "growth", "defect_units", "quantization")
+
+
+def finished(rec):
+    """Whether a record is a result: all are but those of units a --deadline cut
+    (a worker's crash is a result, and is not run again)."""
+    from validation.cli import NOT_RUN_DETAIL
+
+    return rec.get("detail") != NOT_RUN_DETAIL
+
+
+def finished_ids(parts):
+    """The unit ids some part holds a finished record for (``finished``)."""
+    return {record_id(kind, r) for p in parts for kind in RECORD_KINDS
+            for r in p.get(kind) or [] if finished(r)}
+
+
+def unit_ids(parts):
+    """The ids of the units the parts recorded, finished or cut: every record but a
+    kernel's not-available case (``sweep.not_available_record``, shape "*"), which
+    stands for no unit of the plan."""
+    return {record_id(kind, r) for p in parts for kind in RECORD_KINDS
+            for r in p.get(kind) or [] if not (kind == "cases" and r.get("shape") == "*")}
+
+
+def pick_records(kind, records):
+    """One record a unit id, in the order ids first appear: its first finished
+    record, else (every record of it cut) its first. Parts of a resumed run hold
+    a unit cut in one and finished in another, in either file order."""
+    out = {}
+    for r in records:
+        key = record_id(kind, r)
+        if key not in out or (finished(r) and not finished(out[key])):
+            out[key] = r
+    return list(out.values())
+
+
+def _check_shards(parts, resumed):
+    """The shard files among the parts: of one split and, unless the run was
+    resumed (whose resume parts ran what shards lack), all of it."""
+    shards = [p["config"]["shard"] for p in parts if p["config"].get("shard")]
+    counts = {n for _, n in shards}
+    if len(counts) > 1:
         raise ValueError(f"shard files of different splits: {sorted(counts)}")
+    if resumed or not counts:
+        return
     count = counts.pop()
-    have = sorted(p["config"]["shard"][0] for p in parts)
+    have = sorted(i for i, _ in shards)
     if have != list(range(count)):
         raise ValueError(f"shards present {have}, expected 0..{count - 1}")
-    hashes = {p["provenance"]["kernel_source_hash"] for p in parts}
-    if len(hashes) != 1:
-        raise ValueError(f"shards measured different kernel sources: {sorted(hashes)}")
-    rules = {p["provenance"].get("criterion_hash") for p in parts}
-    if len(rules) != 1:
-        raise ValueError(f"shards were judged under different criteria: {sorted(map(str, rules))}")
-    for key in MERGE_SAME:  # one run's settings, split: the same in every part
-        values = {json.dumps(p["config"].get(key), sort_keys=True) for p in parts}
-        if len(values) != 1:
-            raise ValueError(f"shards of different runs: config {key!r} differs "
-                             f"({', '.join(sorted(values))})")
-    cases, seen = [], set()
-    growth, units, broken = [], [], []
+
+
+def _check_cover(parts):
+    """Raise ValueError unless the parts record (finished or cut) every unit of
+    their plan: the sorted ids of their unit records must hash to the plan's
+    digest (``plan_of``), so a missing, extra or renamed unit is caught."""
+    plans = [p["config"]["plan"] for p in parts if p["config"].get("plan")]
+    if not plans:
+        raise ValueError("no part records the run's plan: merge its shards without the "
+                         "resume parts")
+    plan, have = plans[0], unit_ids(parts)
+    if plan_of(have) == plan:
+        return
+    if len(have) < plan["units"]:
+        raise ValueError(f"parts cover {len(have)} of the plan's {plan['units']} units; "
+                         f"run --resume again")
+    raise ValueError(f"parts record {len(have)} units, not the plan's {plan['units']} "
+                     f"(digest {plan_of(have)['digest']}, plan {plan['digest']})")
+
+
+def _work_groups(parts, resumed):
+    """The merged work-group timings: every part's finished and crashed groups;
+    of the groups a deadline cut, a resumed run keeps its last part's alone (it
+    ran every unit unfinished until then: the earlier cuts were run again)."""
+    last = len(parts) - 1
+    return [g for n, p in enumerate(parts) for g in p.get("work_groups") or []
+            if not resumed or n == last or g.get("state") not in ("running", "not started")]
+
+
+def merge(out_dir):
+    """Merge the parts in ``<out_dir>/shards`` into one report (not written): the
+    shard files ``shard-I-of-N.json`` and the parts of ``scripts/validate
+    --resume``, ``resume-K.json``. Without resume parts every shard 0..N-1 must
+    be there; with them the parts must record every unit of the run's plan
+    (``_check_cover``), and a unit's finished record is kept over a cut one.
+    Raises ValueError when parts are missing, measured different code, were
+    judged under different criteria or ran with different settings."""
+    files = part_files(out_dir)
+    if not files:
+        raise ValueError(f"no shard files in {Path(out_dir) / 'shards'}")
+    parts = [read_part(f) for f in files]
+    resumed = any(RESUME_NAME.fullmatch(f.name) for f in files)
+    _check_shards(parts, resumed)
+    check_one_run([(f.name, p) for f, p in zip(files, parts)])
+    if resumed:
+        _check_cover(parts)
+    merged = {kind: pick_records(kind, [r for p in parts for r in p.get(kind) or []])
+              for kind in RECORD_KINDS}
+    broken = []
     for p in parts:
-        for c in p["cases"]:
-            if c["id"] not in seen:
-                seen.add(c["id"])
-                cases.append(c)
-        growth.extend(p["growth"])
-        units.extend(p["defect_units"])
         broken.extend(b for b in p.get("broken_suites", []) if b not in broken)
     config = dict(parts[0]["config"], shard=None, merged_from=[str(f) for f in files],
                   shard_wall_seconds=[p["wall_seconds"] for p in parts])
+    config.pop("resumed_from", None)
     prov = dict(parts[0]["provenance"], devices=sorted({p["provenance"]["device"] for p in parts}))
     wall = max(p["wall_seconds"] for p in parts)
-    return build(cases=cases, growth=growth, defect_units=units, broken_suites=broken,
-                 config=config, provenance=prov, wall_seconds=wall,
-                 quantization=[r for p in parts for r in p.get("quantization") or []],
-                 work_groups=[g for p in parts for g in p.get("work_groups") or []])
+    return build(cases=merged["cases"], growth=merged["growth"],
+                 defect_units=merged["defect_units"], broken_suites=broken, config=config,
+                 provenance=prov, wall_seconds=wall, quantization=merged["quantization"],
+                 work_groups=_work_groups(parts, resumed))
 
 
 # ---------------------------------------------------------------------------
