@@ -648,6 +648,39 @@ def test_resume_parts_merge_keeping_each_units_finished_record(tmp_path):
         report.merge(tmp_path)
 
 
+def test_parts_kept_compressed_merge_as_plain_ones(tmp_path):
+    """Parts kept gzip-compressed between runs (``.json.gz``) are read as the plain
+    ones: the same merged report. Controls: a part both plain and compressed is
+    refused (it would count twice); a truncated ``.gz`` is refused naming it."""
+    import gzip
+
+    shards = tmp_path / "shards"
+    done_a = _case("batched_decode", "pass", 1.0, 0.2, shape="a")
+    done_b = _case("batched_decode", "pass", 1.1, 0.2, shape="b")
+    cut_b = dict(done_b, status="error", passed=False, ratio=None, detail=NOT_RUN)
+    plan = [done_a["id"], done_b["id"], "growth/batched_decode/float32/s0/8"]
+    _part(shards, "shard-0-of-1.json", [done_a, cut_b], plan_ids=plan)
+    _part(shards, "resume-1.json", [done_b], plan_ids=plan)
+    plain = report.merge(tmp_path)
+    assert plain["verdict"]["passed"]
+    for name in ("shard-0-of-1.json", "resume-1.json"):
+        f = shards / name
+        f.with_name(name + ".gz").write_bytes(gzip.compress(f.read_bytes()))
+    with pytest.raises(ValueError, match="both plain and compressed"):
+        report.merge(tmp_path)
+    for name in ("shard-0-of-1.json", "resume-1.json"):
+        (shards / name).unlink()
+    packed = report.merge(tmp_path)
+    assert packed["verdict"]["passed"] and packed["cases"] == plain["cases"]
+    assert [Path(f).name for f in packed["config"]["merged_from"]] == [
+        "shard-0-of-1.json.gz", "resume-1.json.gz"]
+    assert report.next_resume(tmp_path)[0] == 2  # the next part follows a compressed one
+    gz = shards / "resume-1.json.gz"
+    gz.write_bytes(gz.read_bytes()[:20])
+    with pytest.raises(ValueError, match="resume-1.json.gz is not a part"):
+        report.merge(tmp_path)
+
+
 def test_shards_and_workers_take_whole_compile_bundles():
     """A kind's sweep cases of one shape and dtype (every fixture and seed) compile
     the same kernels: they form one bundle, run in one worker process and put in

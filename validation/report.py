@@ -738,13 +738,14 @@ def resume_path(out_dir, index):
     return Path(out_dir) / "shards" / f"resume-{index}.json"
 
 
-SHARD_NAME = re.compile(r"shard-(\d+)-of-(\d+)\.json")
-RESUME_NAME = re.compile(r"resume-(\d+)\.json")
+# a part may be kept gzip-compressed (``.json.gz``, a tenth of the bytes) between runs
+SHARD_NAME = re.compile(r"shard-(\d+)-of-(\d+)\.json(?:\.gz)?")
+RESUME_NAME = re.compile(r"resume-(\d+)\.json(?:\.gz)?")
 
 
 def next_resume(out_dir):
     """(K, path) of the next resume part: K one past the highest there, from 1."""
-    have = [int(m.group(1)) for f in (Path(out_dir) / "shards").glob("resume-*.json")
+    have = [int(m.group(1)) for f in (Path(out_dir) / "shards").glob("resume-*.json*")
             if (m := RESUME_NAME.fullmatch(f.name))]
     k = 1 + max(have, default=0)
     return k, resume_path(out_dir, k)
@@ -754,19 +755,29 @@ def part_files(out_dir):
     """The parts of a run in ``<out_dir>/shards``, in the order they ran: the shard
     files by index, then the resume files by K."""
     folder = Path(out_dir) / "shards"
-    shards = [(int(m.group(1)), f) for f in folder.glob("shard-*-of-*.json")
+    shards = [(int(m.group(1)), f) for f in folder.glob("shard-*-of-*.json*")
               if (m := SHARD_NAME.fullmatch(f.name))]
-    resumes = [(int(m.group(1)), f) for f in folder.glob("resume-*.json")
+    resumes = [(int(m.group(1)), f) for f in folder.glob("resume-*.json*")
                if (m := RESUME_NAME.fullmatch(f.name))]
+    twice = sorted(f.name for _, f in shards + resumes if f.with_name(f.name + ".gz").exists())
+    if twice:
+        raise ValueError(f"parts both plain and compressed in {folder}: "
+                         f"{', '.join(n + '(.gz)' for n in twice)}; keep one of each")
     return [f for _, f in sorted(shards)] + [f for _, f in sorted(resumes)]
 
 
 def read_part(path):
-    """A shard or resume part (a dict); ValueError naming the file when it is not
-    JSON (a part cut while being written)."""
+    """A shard or resume part (a dict; ``.json`` or ``.json.gz``); ValueError naming
+    the file when it is not JSON (a part cut while being written)."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text())
-    except ValueError as exc:
+        raw = path.read_bytes()
+        if path.name.endswith(".gz"):
+            import gzip
+
+            raw = gzip.decompress(raw)
+        return json.loads(raw)
+    except (ValueError, OSError, EOFError) as exc:  # not JSON, not gzip, cut short
         raise ValueError(f"{Path(path).name} is not a part: {exc}") from None
 
 
