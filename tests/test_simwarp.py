@@ -5,6 +5,8 @@ shuffle that mixed lanes of different warps, or assumed 32 threads per block,
 would fail here. Runs in the simulator process only.
 """
 
+import os
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -371,3 +373,32 @@ def test_the_faster_machinery_is_what_runs():
     assert type(float32(1.1)) is np.float32 and float32(1.1) == np.float32(1.1)
     assert type(int32(np.float64(-2.7))) is np.int32 and int32(np.float64(-2.7)) == -2
     assert str(float32(float32, int32)) == "(float32, int32) -> float32"
+
+
+def test_the_mma_stand_in_runs_in_a_process_that_ran_no_kernel_before():
+    """The mma stand-in (``mma16.k_step_sum``) imports ``attention.gemm.tgemm`` on
+    its first call; a module's first import inside a simulated kernel fails (its
+    ``device_fn`` definitions meet the simulator's fake ``cuda``, which has no
+    ``jit``), so ``simfast.install`` imports it first. Checked in a fresh process
+    whose first simulated kernel is a tensor-core one (the fp8 decode's check,
+    which failed so when run alone); control: that process had not imported
+    tgemm before ``install``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys\n"
+        "import attention\n"
+        "before = 'attention.gemm.tgemm' in sys.modules\n"
+        "from validation import simfast\n"
+        "simfast.install()\n"
+        "from validation import suite_decode_fp8 as S\n"
+        "assert all(c.passed for c in S.check_mma_token_head(None))\n"
+        "print('before', before)\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "before False" in run.stdout  # the import came from install, not earlier

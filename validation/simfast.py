@@ -202,6 +202,11 @@ def install():
 
     from attention.core import simwarp, warp
     from attention.gemm import mma16
+    # imported here, outside any simulated kernel: ``mma16.k_step_sum`` (the mma
+    # stand-in) imports tgemm on its first call, and a module's first import inside
+    # a simulated kernel runs its ``device_fn`` definitions while the simulator's
+    # fake ``cuda`` module (which has no ``jit``) stands in for numba.cuda
+    from attention.gemm import tgemm  # noqa: F401
 
     simwarp.install()
     _kernel, _kernelapi, _gather = kernel, kernelapi, simwarp.gather
