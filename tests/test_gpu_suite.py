@@ -2,10 +2,13 @@
 
 A GPU run cut short leaves only its log; these tests make sure that log is read
 faithfully (a failure is never lost, test ids with spaces stay whole) and that a
-sanitizer's summary line is recognised for both tools, hazards included.
+sanitizer's summary line is recognised for both tools, hazards included. A run
+resumed from a cut one (``--resume``) runs only what that report lacks and reports
+the union of both.
 """
 
 import json
+from pathlib import Path
 
 from validation.gpu_suite import main, parse_log, sanitizer_summaries
 
@@ -32,7 +35,8 @@ def test_parse_xdist_and_plain_lines():
                    "tests/test_a.py::test_two[32-8-64-4096]": "failed",
                    "tests/test_b.py::test_three": "skipped"}
     got = {t["test"]: t["outcome"] for t in parse_log(PLAIN_LOG)}
-    assert got == {"tests/test_a.py::test_one": "passed", "tests/test_a.py::test_two[x y]": "passed"}
+    assert got == {"tests/test_a.py::test_one": "passed",
+                   "tests/test_a.py::test_two[x y]": "passed"}
 
 
 def test_sanitizer_summaries_of_both_tools():
@@ -58,7 +62,8 @@ def test_report_from_a_cut_log_keeps_the_failure(tmp_path):
 def test_report_from_a_sanitizer_log_counts_hazards(tmp_path):
     log = tmp_path / "racecheck.log"
     log.write_text(PLAIN_LOG)
-    assert main(["--from-log", str(log), "--name", "sanitizer-racecheck", "--out", str(tmp_path)]) == 1
+    assert main(["--from-log", str(log), "--name", "sanitizer-racecheck",
+                 "--out", str(tmp_path)]) == 1
     rep = json.loads((tmp_path / "sanitizer-racecheck.json").read_text())
     assert rep["interrupted"] is False
     assert rep["sanitizer"]["errors"] == 2
@@ -181,7 +186,7 @@ CONTROL = """\
 =========     at oob_write+0x90
 ========= ERROR SUMMARY: {n} errors
 == end of control
-"""
+"""  # noqa: E501 (the control's command line, as the log holds it)
 
 
 def test_a_sanitizer_log_keeps_its_control_apart_from_the_suite(tmp_path):
@@ -407,3 +412,278 @@ def test_inline_error_records_are_counted_and_the_banner_is_not():
                      "========= Error: Race reported between Write access at k+0x10\n"
                      "========= Warning: Race reported between Read access at k+0x20\n")
     assert inline_errors(dirty) == 3
+
+
+# ---- --resume: a stage cut by its limit continues from its report ----
+
+def _run_report(tests, exit_status=0, interrupted=False, kernel="k", stamp="t0", wall=100.0,
+                sanitizer=None, part=None):
+    """A gpu_suite report of ``tests`` ({node id: outcome})."""
+    rep = {"provenance": {"git_commit": "c", "kernel_source_hash": kernel, "timestamp": stamp,
+                          "wall_seconds": wall},
+           "interrupted": interrupted, "command": "pytest", "exit_status": exit_status,
+           "mode": "gpu", "tests": [{"test": k, "outcome": v} for k, v in tests.items()]}
+    rep["counts"] = {o: list(tests.values()).count(o) for o in set(tests.values())}
+    if sanitizer:
+        rep["sanitizer"] = sanitizer
+    if part:
+        rep["part"] = list(part)
+    return rep
+
+
+def test_resume_union_keeps_both_runs_outcomes_and_an_earlier_failure_fails_it():
+    """The union holds the cut run's tests (its failure too) and the new run's, counted
+    again, with the cut run in ``resumed_from``; the earlier failure makes the union's
+    status non-zero though the new run passed. Control: an earlier run with no failure
+    gives status 0."""
+    from validation.gpu_suite import resume_report
+
+    prev = _run_report({"tests/test_a.py::t1": "passed", "tests/test_a.py::t2": "failed"},
+                       exit_status=2, interrupted=True, stamp="t-prev", wall=590.0)
+    new = _run_report({"tests/test_b.py::t3": "passed", "tests/test_b.py::t4": "skipped"},
+                      stamp="t-new", wall=40.0)
+    rep, status = resume_report([prev], new, ["reports/gpu/suite.json"])
+    assert [t["test"] for t in rep["tests"]] == ["tests/test_a.py::t1", "tests/test_a.py::t2",
+                                                 "tests/test_b.py::t3", "tests/test_b.py::t4"]
+    assert rep["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert status == 1 and rep["exit_status"] == 1
+    assert rep["interrupted"] is False and rep["provenance"]["wall_seconds"] == 40.0
+    assert rep["provenance"]["timestamp"] == "t-new"
+    assert rep["provenance"]["resumed_from"] == [
+        {"path": "reports/gpu/suite.json", "timestamp": "t-prev", "wall_seconds": 590.0,
+         "interrupted": True, "exit_status": 2, "counts": {"passed": 1, "failed": 1}}]
+    # a node id both hold keeps the new run's record, once
+    again = _run_report({"tests/test_a.py::t2": "passed"})
+    rep, _ = resume_report([prev], again, ["p"])
+    assert rep["tests"][-1] == {"test": "tests/test_a.py::t2", "outcome": "passed"}
+    assert rep["counts"] == {"passed": 2}
+    # control: nothing failed in either run
+    clean = _run_report({"tests/test_a.py::t1": "passed"}, exit_status=2, interrupted=True)
+    rep, status = resume_report([clean], new, ["p"])
+    assert status == 0 and rep["exit_status"] == 0 and rep["counts"] == {"passed": 2,
+                                                                         "skipped": 1}
+    # a new run still cut keeps its own status and says interrupted
+    cut = _run_report({"tests/test_b.py::t3": "passed"}, exit_status=2, interrupted=True)
+    rep, status = resume_report([clean], cut, ["p"])
+    assert status == 2 and rep["interrupted"] is True
+
+
+def _san(summaries, errors, inline=0, caught=True, note=None):
+    san = {"tool": "memcheck", "error_summaries": summaries, "errors": errors,
+           "errors_reported_inline": inline,
+           "control": {"errors": 9 if caught else 0, "caught": caught, "command": "ctl"}}
+    if note:
+        san["note"] = note
+    return san
+
+
+def test_resume_union_sums_the_sanitizer_and_catches_the_control_only_if_every_run_did():
+    """Error summaries, errors and inline errors add up over the cut run and the new
+    one; the control counts as caught only if both runs caught theirs; the cut run's
+    note is kept. Controls: both controls caught and no error gives status 0; a new run
+    that finished with no ERROR SUMMARY gives 4."""
+    from validation.gpu_suite import CUT_NOTE, resume_report
+
+    prev = _run_report({"tests/test_a.py::t1": "passed"}, exit_status=2, interrupted=True,
+                       sanitizer=_san(0, 0, inline=2, note=CUT_NOTE))
+    new = _run_report({"tests/test_b.py::t2": "passed"}, sanitizer=_san(1, 1, inline=1))
+    rep, status = resume_report([prev], new, ["reports/gpu/sanitizer-memcheck.json"])
+    san = rep["sanitizer"]
+    assert (san["error_summaries"], san["errors"], san["errors_reported_inline"]) == (1, 1, 3)
+    assert san["control"]["caught"] is True and san["tool"] == "memcheck"
+    assert "sanitizer-memcheck.json: " + CUT_NOTE in san["note"]
+    assert status == 3
+    # a control missed by the cut run: not caught, though the new run caught its own
+    prev["sanitizer"] = _san(0, 0, caught=False, note=CUT_NOTE)
+    new["sanitizer"] = _san(1, 0)
+    rep, status = resume_report([prev], new, ["p"])
+    assert rep["sanitizer"]["control"]["caught"] is False and status == 5
+    # control: every control caught, no error anywhere
+    prev["sanitizer"] = _san(0, 0, note=CUT_NOTE)
+    rep, status = resume_report([prev], new, ["p"])
+    assert rep["sanitizer"]["control"]["caught"] is True and status == 0
+    new["sanitizer"] = _san(0, 0, note="no ERROR SUMMARY line found: did the tool run?")
+    rep, status = resume_report([prev], new, ["p"])
+    assert status == 4 and rep["sanitizer"]["note"].startswith("no ERROR SUMMARY")
+
+
+def test_deselect_args_name_the_earlier_reports_tests_and_no_other(tmp_path):
+    """One ``--deselect`` a test the earlier reports hold, failed ones included, none
+    for a test they lack or outside the files this run names. pytest deselects by
+    prefix: an unparametrized test whose name begins another's in its file is left to
+    run again. Control: with no files named, every recorded test is deselected."""
+    from validation.gpu_suite import deselect_args
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "def test_one():\n    pass\n\n\ndef test_one_more():\n    pass\n\n\n"
+        "def test_two(x):\n    pass\n\n\ndef test_three():\n    pass\n")
+    prev = [_run_report({"tests/test_a.py::test_two[1]": "failed",
+                         "tests/test_a.py::test_three": "passed",
+                         "tests/test_a.py::test_one": "passed"}),
+            _run_report({"tests/test_b.py::test_x": "skipped",
+                         "tests/test_a.py::test_three": "passed"})]
+    args = deselect_args(prev, ["-m", "device", "tests/test_a.py", "-k", "not suite"],
+                         root=tmp_path)
+    assert args == ["--deselect", "tests/test_a.py::test_two[1]",
+                    "--deselect", "tests/test_a.py::test_three"]
+    args = deselect_args(prev, ["-n", "4"], root=tmp_path)
+    assert args[1::2] == ["tests/test_a.py::test_two[1]", "tests/test_a.py::test_three",
+                          "tests/test_b.py::test_x"] and args[::2] == ["--deselect"] * 3
+
+
+class _FakePytest:
+    """Stands in for the pytest process of ``gpu_suite.main``: runs (records as
+    passed) each of ``TESTS`` that no ``--deselect`` prefix drops, as pytest does, and
+    exits 5 when none is left."""
+    TESTS = []
+    calls = []
+
+    def __init__(self, cmd, env=None, **kw):
+        _FakePytest.calls.append(cmd)
+        gone = tuple(cmd[i + 1] for i, a in enumerate(cmd) if a == "--deselect")
+        ran = [t for t in self.TESTS if not t.startswith(gone)]
+        Path(env["ATTN_TEST_REPORT"]).write_text(json.dumps(
+            {"mode": "gpu", "tests": [{"test": t, "outcome": "passed"} for t in ran]}))
+        lines = [f"{t} PASSED\n" for t in ran]
+        if "compute-sanitizer" in cmd:
+            lines = ["========= COMPUTE-SANITIZER\n", *lines, "========= ERROR SUMMARY: 0 errors\n"]
+        self.stdout = iter(lines)
+        self.returncode = 0 if ran else 5
+
+    def wait(self):
+        return self.returncode
+
+
+def _fake_gpu(monkeypatch, tests):
+    """``gpu_suite.main`` on this machine as on a GPU one, its pytest ``_FakePytest``
+    running ``tests`` and its sanitizer control caught."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import attention.core.device
+    import validation.gpu_suite as gs
+
+    monkeypatch.setattr(attention.core.device, "gpu_available", lambda: True)
+    monkeypatch.setattr(gs, "subprocess", SimpleNamespace(  # the module's own only
+        Popen=_FakePytest, PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT))
+    # (the real provenance would ask the absent GPU its name)
+    monkeypatch.setattr(gs, "provenance", lambda **kw: dict(
+        git_commit="c", kernel_source_hash=gs.kernel_source_hash(), timestamp="now", **kw))
+    monkeypatch.setattr(gs.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(gs, "run_control",
+                        lambda tool, env: {"errors": 3, "caught": True, "command": "ctl"})
+    monkeypatch.setattr(_FakePytest, "TESTS", list(tests))
+    monkeypatch.setattr(_FakePytest, "calls", [])
+
+
+def test_resume_refuses_reports_of_other_code_tool_or_part_and_runs_nothing(
+        tmp_path, monkeypatch, capsys):
+    """A missing report, a file that is no report, other kernel sources, another
+    sanitizer tool or another part: exit 2, naming the difference, with no pytest run
+    and nothing written. Control: a report of this tree, tool and part runs."""
+    from validation.provenance import kernel_source_hash
+
+    _fake_gpu(monkeypatch, ["tests/test_a.py::t1"])
+    mine = kernel_source_hash()
+
+    def prev(name, **kw):
+        path = tmp_path / name
+        path.write_text(json.dumps(_run_report({"tests/test_a.py::t0": "passed"}, **kw)))
+        return str(path)
+
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"hello": 1}')
+    out = tmp_path / "out"
+    cases = [
+        (["--resume", str(tmp_path / "gone.json")], "cannot read"),
+        (["--resume", str(junk)], "not a report"),
+        (["--resume", prev("k.json", kernel="0" * 16)], "other kernel sources"),
+        (["--resume", prev("s.json", kernel=mine, sanitizer=_san(1, 0)),
+          "--sanitizer", "racecheck"], "sanitizer memcheck, this run under racecheck"),
+        (["--resume", prev("n.json", kernel=mine), "--sanitizer", "memcheck"],
+         "sanitizer (none), this run under memcheck"),
+        (["--resume", prev("p.json", kernel=mine, part=(0, 2)), "--part", "1/2"],
+         "ran part 0/2, this run 1/2"),
+        (["--resume", prev("w.json", kernel=mine), "--part", "0/2"],
+         "ran part (whole), this run 0/2"),
+    ]
+    for argv, why in cases:
+        capsys.readouterr()
+        assert main([*argv, "--out", str(out), "--", "tests/test_a.py"]) == 2, argv
+        assert why in capsys.readouterr().err, argv
+        assert _FakePytest.calls == [] and not out.exists(), argv
+    # control: the same tree, tool and part
+    assert main(["--resume", prev("ok.json", kernel=mine, sanitizer=_san(1, 0)), "--sanitizer",
+                 "memcheck", "--out", str(out), "--", "tests/test_a.py"]) == 0
+    assert len(_FakePytest.calls) == 1 and (out / "sanitizer-memcheck.json").exists()
+
+
+def test_resume_runs_only_what_the_reports_lack_and_writes_the_union(tmp_path, monkeypatch):
+    """A resumed run deselects the cut run's tests (its failure included), runs the
+    others and writes the union, failing on the earlier failure. When nothing is left
+    (pytest exits 5) the union is still written, with status 0 and a note. Control:
+    without --resume every test runs."""
+    from validation.gpu_suite import NOTHING_LEFT
+    from validation.provenance import kernel_source_hash
+
+    every = ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3[x]"]
+    _fake_gpu(monkeypatch, every)
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--", "-m", "device"]) == 0  # control: a whole run
+    assert json.loads((out / "suite.json").read_text())["counts"] == {"passed": 3}
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps(_run_report(
+        {"tests/test_a.py::t1": "passed", "tests/test_a.py::t2": "failed"}, exit_status=2,
+        interrupted=True, kernel=kernel_source_hash())))
+    assert main(["--resume", str(prev), "--out", str(out), "--", "-m", "device"]) == 1
+    cmd = _FakePytest.calls[-1]
+    assert cmd[cmd.index("-m", 3):][:2] == ["-m", "device"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--deselect"] == every[:2]
+    rep = json.loads((out / "suite.json").read_text())
+    assert rep["counts"] == {"passed": 2, "failed": 1} and rep["exit_status"] == 1
+    assert rep["tests"][-1]["test"] == "tests/test_b.py::t3[x]"
+    assert rep["provenance"]["resumed_from"][0]["path"] == str(prev)
+    assert "--deselect (2 tests of the resumed reports)" in rep["command"]
+    # resumed again from the union: nothing left, the union stands with a note
+    union = tmp_path / "union.json"
+    union.write_text(json.dumps(rep))
+    assert main(["--resume", str(union), "--name", "again", "--out", str(out), "--",
+                 "-m", "device"]) == 1  # the first run's failure still fails it
+    again = json.loads((out / "again.json").read_text())
+    assert again["note"] == NOTHING_LEFT and again["counts"] == rep["counts"]
+    assert again["provenance"]["resumed_from"][0]["resumed_from"][0]["path"] == str(prev)
+    prev.write_text(json.dumps(_run_report({t: "passed" for t in every},
+                                           kernel=kernel_source_hash())))
+    assert main(["--resume", str(prev), "--out", str(out), "--", "-m", "device"]) == 0
+    rep = json.loads((out / "suite.json").read_text())
+    assert rep["exit_status"] == 0 and rep["note"] == NOTHING_LEFT
+    assert rep["counts"] == {"passed": 3}
+
+
+def test_report_from_a_log_with_resume_is_the_union(tmp_path):
+    """A resumed run its limit killed: the report rebuilt from its log holds the
+    earlier report's tests and the log's, with the earlier failure. Control: without
+    --resume the rebuilt report holds the log's tests alone."""
+    from validation.provenance import kernel_source_hash
+
+    prev = tmp_path / "sanitizer-memcheck.json"
+    prev.write_text(json.dumps(_run_report(
+        {"tests/test_c.py::t0": "failed"}, exit_status=2, interrupted=True,
+        kernel=kernel_source_hash(), sanitizer=_san(0, 0, inline=1))))
+    log = tmp_path / "memcheck.log"
+    log.write_text(CONTROL.format(n=4) + "========= COMPUTE-SANITIZER\n" + XDIST_LOG)
+    argv = ["--from-log", str(log), "--name", "sanitizer-memcheck", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--resume", str(prev)]) == 1
+    rep = json.loads((tmp_path / "o" / "sanitizer-memcheck.json").read_text())
+    assert rep["counts"] == {"passed": 1, "failed": 2, "skipped": 1}
+    assert rep["tests"][0]["test"] == "tests/test_c.py::t0" and rep["interrupted"] is True
+    assert rep["provenance"]["resumed_from"][0]["path"] == str(prev)
+    assert rep["sanitizer"]["errors_reported_inline"] == 1
+    assert rep["sanitizer"]["control"]["caught"] is True
+    main(argv)  # control
+    rep = json.loads((tmp_path / "o" / "sanitizer-memcheck.json").read_text())
+    assert rep["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert "resumed_from" not in rep["provenance"]
+    # and it refuses as the run does: another tool than its name's
+    assert main([*argv[:3], "sanitizer-racecheck", *argv[4:], "--resume", str(prev)]) == 2

@@ -5,6 +5,7 @@
     python -m validation.gpu_suite --part i/n [--out reports/gpu/parts] [-- pytest args...]
     python -m validation.gpu_suite --merge PART.json... [--name suite] [--out reports/gpu]
     python -m validation.gpu_suite --from-log LOG [--provenance-from JSON] --name NAME [--part i/n]
+    python -m validation.gpu_suite --resume PREV.json... [the run's options] [-- pytest args...]
 
 The report (``reports/gpu/<name>.json``) holds the provenance of
 ``validation.provenance`` (git commit, kernel-source hash, GPU name, package
@@ -28,6 +29,17 @@ provenance comes from the log's first line where ``scripts/gpu_all`` wrote it
 same run on the same machine (e.g. ``reports/validation.json``). With ``--part`` the
 report records the part its log ran, so ``--merge`` takes it. ``scripts/gpu_all``
 rebuilds a test stage's report so when its time limit had to kill the stage.
+
+``--resume PREV.json...`` continues a run that its time limit cut: pytest runs with
+one ``--deselect`` a test the earlier reports hold (whatever its outcome: a failure
+is a result, not rerun), and the report written is the union of theirs and this
+run's (``resume_report``; ``provenance.resumed_from`` lists them). Reports of other
+kernel sources than the tree's, of another sanitizer tool or of another part are
+refused (exit 2, nothing run or written). When nothing is left (pytest deselected
+every test and exits 5), the run still writes the union, with exit status 0 and a
+``note`` saying so: one path for every resumed run, and a report that says the stage
+is whole. ``--from-log LOG --resume PREV.json...`` writes the same union for a
+resumed run its limit killed.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import time
 from pathlib import Path
 
 from validation.cli import _shard
-from validation.provenance import ROOT, provenance
+from validation.provenance import ROOT, kernel_source_hash, provenance
 
 
 def main(argv=None):
@@ -61,12 +73,21 @@ def main(argv=None):
                          "the n reports into one")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="join the reports of one run's parts (--part) into OUT/NAME.json")
+    ap.add_argument("--resume", nargs="+", metavar="JSON",
+                    help="continue the run these reports (of this tool and part) record: run "
+                         "only the tests none of them holds, and write the union")
     ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = ap.parse_args(argv)
     if args.from_log:
         return from_log(args)
     if args.merge:
         return merge(args)
+    prevs = None
+    if args.resume:
+        prevs, why = read_resumed(args.resume, args.sanitizer, args.part)
+        if why:
+            print(f"gpu_suite --resume: {why}", file=sys.stderr)
+            return 2
 
     from attention.core.device import gpu_available
 
@@ -93,6 +114,11 @@ def main(argv=None):
            *pytest_args]
     if args.sanitizer:
         cmd = [*sanitizer_prefix(args.sanitizer), "--target-processes", "all", *cmd]
+    done = deselect_args(prevs, pytest_args) if prevs else []
+    # the report names the deselected tests by their count (they are the earlier reports')
+    shown = " ".join(cmd) + (f" --deselect ({len(done) // 2} tests of the resumed reports)"
+                             if done else "")
+    cmd = [*cmd, *done]
     env = dict(os.environ, ATTN_TEST_REPORT=outcomes_path)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     control = run_control(args.sanitizer, env) if args.sanitizer else None
@@ -120,7 +146,7 @@ def main(argv=None):
     report = {
         "provenance": provenance(wall_seconds=round(wall, 1)),
         "interrupted": proc.returncode == 2 or proc.returncode < 0,
-        "command": " ".join(cmd),
+        "command": shown,
         "exit_status": proc.returncode,
         "mode": outcomes.get("mode"),
         "counts": counts,
@@ -128,28 +154,191 @@ def main(argv=None):
     }
     if args.part:
         report["part"] = list(args.part)
-    status = proc.returncode
+    if done and proc.returncode == 5:  # pytest ran nothing: every test was deselected
+        report["exit_status"] = 0
+        report["note"] = NOTHING_LEFT
     if args.sanitizer:
         summaries = sanitizer_summaries(text)
-        errors = sum(summaries)
-        inline = inline_errors(text)
         report["sanitizer"] = {"tool": args.sanitizer, "error_summaries": len(summaries),
-                               "errors": errors, "errors_reported_inline": inline,
-                               "control": control}
-        if errors or inline:
-            status = status or 3
-        if control is not None and not control["caught"]:
-            status = status or 5
+                               "errors": sum(summaries), "errors_reported_inline":
+                               inline_errors(text), "control": control}
         if not summaries:
             report["sanitizer"]["note"] = (
                 CUT_NOTE if report["interrupted"] and "COMPUTE-SANITIZER" in text
                 else "no ERROR SUMMARY line found: did the tool run?")
-            status = status or 4
+    if prevs:
+        report, status = resume_report(prevs, report, args.resume)
+        counts = report["counts"]
+    else:
+        status = report_status(report)
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"gpu_suite: {counts} -> {path}" + (
         f" (sanitizer errors: {report['sanitizer']['errors']})" if args.sanitizer else ""))
     return status
+
+
+def report_status(report, last=None):
+    """A run's exit status from its report: pytest's (or 1 where it is 0 or unknown and
+    a test failed or erred), else 3 for sanitizer errors (summed or printed inline), 5
+    for a positive control the tool missed, 4 when the run that ran last (``last``,
+    default the report's own) finished with no ERROR SUMMARY line (did the tool
+    run?). A cut run is not held to that line: it ends before the tool prints it,
+    and the errors it printed count inline."""
+    last = last if last is not None else report
+    counts = report.get("counts") or {}
+    status = report.get("exit_status") or (1 if counts.get("failed") or counts.get("error")
+                                           else 0)
+    san = report.get("sanitizer")
+    if san:
+        if san.get("errors") or san.get("errors_reported_inline"):
+            status = status or 3
+        control = san.get("control")
+        if control is not None and not control.get("caught"):
+            status = status or 5
+        if not (last.get("sanitizer") or {}).get("error_summaries") and not last.get(
+                "interrupted"):
+            status = status or 4
+    return status
+
+
+# the note of a resumed run whose pytest had nothing left to run (its exit status 5)
+NOTHING_LEFT = ("nothing left to run: pytest deselected every test (all in the resumed "
+                "reports) and exited 5; this report is their union")
+
+
+def read_resumed(paths, tool, part, kernel_hash=None):
+    """(the reports ``--resume`` names, None), or (None, why this run cannot continue
+    them): a file missing or not a report, other kernel sources than the tree's
+    (their results would not be this code's), another sanitizer tool (``tool``, None
+    without one) or another part (``part``, None for the whole run) than this run's."""
+    kernel_hash = kernel_hash or kernel_source_hash()
+    this_part = list(part) if part else None
+    reports = []
+    for p in paths:
+        try:
+            rep = json.loads(Path(p).read_text())
+        except OSError as e:
+            return None, f"cannot read {p}: {e.strerror or e}"
+        except ValueError:
+            return None, f"{p} is not a report (not JSON)"
+        if not (isinstance(rep, dict) and isinstance(rep.get("provenance"), dict)
+                and isinstance(rep.get("tests"), list)
+                and all(isinstance(t, dict) and "test" in t and "outcome" in t
+                        for t in rep["tests"])):
+            return None, f"{p} is not a report (no provenance or per-test outcomes)"
+        theirs = rep["provenance"].get("kernel_source_hash")
+        if theirs != kernel_hash:
+            return None, (f"{p} measured other kernel sources ({theirs}) than the tree's "
+                          f"({kernel_hash})")
+        their_tool = (rep.get("sanitizer") or {}).get("tool")
+        if their_tool != tool:
+            return None, (f"{p} ran under sanitizer {their_tool or '(none)'}, this run under "
+                          f"{tool or '(none)'}")
+        their_part = list(rep.get("part") or ()) or None
+        if their_part != this_part:
+            return None, f"{p} ran part {_part_name(their_part)}, this run {_part_name(this_part)}"
+        reports.append(rep)
+    return reports, None
+
+
+def _part_name(part):
+    """A part as "i/n", or "(whole)" for none."""
+    return f"{part[0]}/{part[1]}" if part else "(whole)"
+
+
+def deselect_args(prev_reports, pytest_args=(), root=ROOT):
+    """``--deselect NODEID`` for each test the earlier reports hold, once, whatever its
+    outcome; only those of the test files ``pytest_args`` names (all, if they name
+    none). pytest deselects by node-id prefix, so an unparametrized test whose name
+    begins another test's name in its file (test_one and test_one_more) is left to
+    run again: deselecting it would drop the other, never run."""
+    named = {os.path.normpath(a) for a in pytest_args if a.endswith(".py")}
+    out, seen = [], set()
+    for rep in prev_reports:
+        for t in rep.get("tests", []):
+            nodeid = t["test"]
+            path = os.path.normpath(nodeid.split("::")[0])
+            if nodeid in seen or (named and path not in named):
+                continue
+            seen.add(nodeid)
+            if nodeid.endswith("]") or not _prefix_of_another(nodeid, root):
+                out += ["--deselect", nodeid]
+    return out
+
+
+def _prefix_of_another(nodeid, root=ROOT):
+    """Whether the function an unparametrized node id names begins the name of another
+    function defined in its file (so its id is a prefix of that test's)."""
+    path, _, rest = nodeid.partition("::")
+    func = rest.rsplit("::", 1)[-1]
+    try:
+        text = (Path(root) / path).read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(rf"\bdef {re.escape(func)}\w", text) is not None
+
+
+def resume_report(prev_reports, new_report, prev_paths):
+    """(the union of a resumed run's report with the reports it continued, its exit
+    status). Tests: theirs, then the new run's (one record a node id, the new run's
+    where both hold one), counts recounted. The new run's provenance, wall seconds,
+    ``interrupted``, command and part, with ``provenance.resumed_from`` recording each
+    earlier report (path, timestamp, wall seconds, interrupted, exit status, counts,
+    and its own ``resumed_from``). Exit status: the new run's, 1 where it is 0 and a
+    test of the union failed or erred. Sanitizer: error summaries, errors and inline
+    errors summed; the new run's control, caught only if every run's was; the new
+    run's note, plus one naming the earlier reports' notes. The status follows
+    ``report_status``, the ERROR SUMMARY judged on the new run (the earlier ones were
+    cut: their errors count inline)."""
+    tests = {}
+    for rep in [*prev_reports, new_report]:
+        for t in rep.get("tests", []):
+            tests.pop(t["test"], None)
+            tests[t["test"]] = t
+    tests = list(tests.values())
+    counts = outcome_counts(tests)
+    report = dict(new_report, tests=tests, counts=counts)
+    report["provenance"] = dict(new_report.get("provenance") or {}, resumed_from=[
+        _resumed_entry(p, r) for p, r in zip(prev_paths, prev_reports)])
+    if report.get("exit_status") == 0 and (counts.get("failed") or counts.get("error")):
+        report["exit_status"] = 1
+    runs = [*prev_reports, new_report]
+    sans = [r["sanitizer"] for r in runs if r.get("sanitizer")]
+    if sans:
+        report["sanitizer"] = _sanitizer_union(sans, new_report, prev_reports, prev_paths)
+    return report, report_status(report, last=new_report)
+
+
+def _resumed_entry(path, rep):
+    """What a resumed report's union records of one earlier report."""
+    prov = rep.get("provenance") or {}
+    entry = {"path": str(path), "timestamp": prov.get("timestamp") or prov.get("timestamps"),
+             "wall_seconds": prov.get("wall_seconds"), "interrupted": rep.get("interrupted"),
+             "exit_status": rep.get("exit_status"), "counts": rep.get("counts")}
+    if prov.get("resumed_from"):  # itself a union: the runs before it
+        entry["resumed_from"] = prov["resumed_from"]
+    return entry
+
+
+def _sanitizer_union(sans, new_report, prev_reports, prev_paths):
+    """The sanitizer record of a resumed report's union (``resume_report``)."""
+    san = dict(new_report.get("sanitizer") or {"tool": sans[0].get("tool")})
+    for key in ("error_summaries", "errors", "errors_reported_inline"):
+        san[key] = sum(x.get(key) or 0 for x in sans)
+    controls = [x["control"] for x in sans if x.get("control") is not None]
+    if controls:
+        mine = (new_report.get("sanitizer") or {}).get("control") or controls[-1]
+        san["control"] = dict(mine, caught=all(c.get("caught") for c in controls))
+    notes = [san["note"]] if san.get("note") else []
+    theirs = [f"{p}: {r['sanitizer']['note']}" for p, r in zip(prev_paths, prev_reports)
+              if (r.get("sanitizer") or {}).get("note")]
+    if theirs:
+        notes.append("a resumed report has a note (" + "; ".join(theirs) + ")")
+    san.pop("note", None)
+    if notes:
+        san["note"] = "; ".join(notes)
+    return san
 
 
 def outcome_counts(tests):
@@ -343,6 +532,16 @@ def split_control(text):
 
 
 def from_log(args):
+    """Write the report of a cut run from its streamed log (with ``--resume``, its
+    union with the reports that run continued); returns its exit status."""
+    prevs = None
+    if args.resume:  # the run's tool: its option, else its report's name (gpu_all's form)
+        name_tool = (args.name.replace("sanitizer-", "").split("-")[0]
+                     if (args.name or "").startswith("sanitizer-") else None)
+        prevs, why = read_resumed(args.resume, args.sanitizer or name_tool, args.part)
+        if why:
+            print(f"gpu_suite --from-log --resume: {why}", file=sys.stderr)
+            return 2
     text, control = split_control(Path(args.from_log).read_text(errors="replace"))
     tests = parse_log(text)
     counts = outcome_counts(tests)
@@ -377,6 +576,9 @@ def from_log(args):
             "error_summaries": len(summaries), "errors": sum(summaries),
             "errors_reported_inline": inline_errors(text), "control": control,
             "note": "" if summaries else CUT_NOTE}
+    if prevs:
+        report, status = resume_report(prevs, report, args.resume)
+        counts = report["counts"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name or 'suite'}.json"
