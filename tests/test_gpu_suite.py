@@ -325,8 +325,10 @@ def _args_copy(tmp_path):
         env.update(ATTN_PYTHON=str(fake), PYTHONPATH=str(ROOT), **extra)
         subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), *stages], env=env,
                        capture_output=True, text=True, timeout=60)
-        return {stage: next(line for line in (logs / f"{stage}.log").read_text().splitlines()
-                            if line.startswith("ARGS: "))
+        part = extra.get("ATTN_PART")  # a part's log: <stage>-part-i-of-n.log
+        sfx = "-part-{}-of-{}".format(*part.split("/")) if part else ""
+        return {stage: next(line for line in (logs / f"{stage}{sfx}.log").read_text()
+                            .splitlines() if line.startswith("ARGS: "))
                 for stage in stages}
 
     return run
@@ -687,3 +689,63 @@ def test_report_from_a_log_with_resume_is_the_union(tmp_path):
     assert "resumed_from" not in rep["provenance"]
     # and it refuses as the run does: another tool than its name's
     assert main([*argv[:3], "sanitizer-racecheck", *argv[4:], "--resume", str(prev)]) == 2
+
+
+def test_gpu_all_resumes_a_stage_from_its_report_when_asked(tmp_path):
+    """ATTN_RESUME=1 gives a test stage ``--resume`` of its report where there is one
+    (a part's: the part's report), and none where there is none. Control: without
+    ATTN_RESUME the report's presence changes nothing."""
+    run = _args_copy(tmp_path)
+    gpu = tmp_path / "reports" / "gpu"
+    (gpu / "parts").mkdir(parents=True)
+    (gpu / "suite.json").write_text("{}")
+    (gpu / "sanitizer-racecheck.json").write_text("{}")
+    (gpu / "parts" / "suite-part-0-of-2.json").write_text("{}")
+    lines = run(["suite", "memcheck", "racecheck"], ATTN_RESUME="1")
+    assert "--name suite --resume reports/gpu/suite.json -- " in lines["suite"], lines["suite"]
+    assert ("--resume reports/gpu/sanitizer-racecheck.json --sanitizer racecheck -- "
+            in lines["racecheck"]), lines["racecheck"]
+    assert "--resume" not in lines["memcheck"]  # no report yet: the stage runs whole
+    line = run(["suite"], ATTN_RESUME="1", ATTN_PART="0/2")["suite"]
+    assert "--resume reports/gpu/parts/suite-part-0-of-2.json -- " in line, line
+    assert "--resume" not in run(["suite"], ATTN_RESUME="1", ATTN_PART="1/2")["suite"]
+    # control: the reports are there, ATTN_RESUME is not
+    for stage, line in run(["suite", "racecheck"]).items():
+        assert "--resume" not in line, (stage, line)
+    assert "--resume" not in run(["suite"], ATTN_PART="0/2")["suite"]
+
+
+def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path):
+    """With ATTN_RESUME=1 the rebuild of a stage its limit killed continues the stage's
+    report too: the rebuilt report holds that report's tests and the log's. Control:
+    without ATTN_RESUME it holds the log's alone."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from validation.provenance import ROOT, kernel_source_hash
+
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu_all", "_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_INTERPRETER.replace("{real}", sys.executable))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
+    env.update(ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1", ATTN_MEMCHECK_SECONDS="1",
+               PYTHONPATH=str(ROOT))
+    report = tmp_path / "reports" / "gpu" / "sanitizer-memcheck.json"
+    report.parent.mkdir(parents=True)
+    prev = _run_report({"tests/test_z.py::t9": "failed"}, exit_status=2, interrupted=True,
+                       kernel=kernel_source_hash(), sanitizer=_san(0, 0, inline=1))
+    for resume, want in (("1", {"passed": 1, "failed": 1}), ("", {"passed": 1})):
+        report.write_text(json.dumps(prev))
+        done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],
+                              env=dict(env, ATTN_RESUME=resume), capture_output=True,
+                              text=True, timeout=60)
+        log = (tmp_path / "reports" / "gpu" / "logs" / "memcheck.log").read_text()
+        assert "report rebuilt from this log" in log, done.stdout + done.stderr + log
+        rebuilt = json.loads(report.read_text())
+        assert rebuilt["counts"] == want, (resume, log)
+        assert ("resumed_from" in rebuilt["provenance"]) is bool(resume)
