@@ -10,6 +10,8 @@ the union of both.
 import json
 from pathlib import Path
 
+import pytest
+
 from validation.gpu_suite import main, parse_log, sanitizer_summaries
 
 XDIST_LOG = """\
@@ -715,10 +717,11 @@ def test_gpu_all_resumes_a_stage_from_its_report_when_asked(tmp_path):
     assert "--resume" not in run(["suite"], ATTN_PART="0/2")["suite"]
 
 
-def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path):
-    """With ATTN_RESUME=1 the rebuild of a stage its limit killed continues the stage's
-    report too: the rebuilt report holds that report's tests and the log's. Control:
-    without ATTN_RESUME it holds the log's alone."""
+@pytest.mark.parametrize("part", ["", "0/1"])
+def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path, part):
+    """With ATTN_RESUME=1 the rebuild of a stage (or part) its limit killed continues
+    the stage's report too: the rebuilt report holds that report's tests and the
+    log's. Control: without ATTN_RESUME it holds the log's alone."""
     import os
     import shutil
     import subprocess
@@ -734,17 +737,20 @@ def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path):
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
     env.update(ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1", ATTN_MEMCHECK_SECONDS="1",
-               PYTHONPATH=str(ROOT))
-    report = tmp_path / "reports" / "gpu" / "sanitizer-memcheck.json"
+               PYTHONPATH=str(ROOT), ATTN_PART=part)
+    sfx = "-part-0-of-1" if part else ""
+    report = tmp_path / "reports" / "gpu" / ("parts" if part else "") / (
+        f"sanitizer-memcheck{sfx}.json")
     report.parent.mkdir(parents=True)
     prev = _run_report({"tests/test_z.py::t9": "failed"}, exit_status=2, interrupted=True,
-                       kernel=kernel_source_hash(), sanitizer=_san(0, 0, inline=1))
+                       kernel=kernel_source_hash(), sanitizer=_san(0, 0, inline=1),
+                       part=(0, 1) if part else None)
     for resume, want in (("1", {"passed": 1, "failed": 1}), ("", {"passed": 1})):
         report.write_text(json.dumps(prev))
         done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],
                               env=dict(env, ATTN_RESUME=resume), capture_output=True,
                               text=True, timeout=60)
-        log = (tmp_path / "reports" / "gpu" / "logs" / "memcheck.log").read_text()
+        log = (tmp_path / "reports" / "gpu" / "logs" / f"memcheck{sfx}.log").read_text()
         assert "report rebuilt from this log" in log, done.stdout + done.stderr + log
         rebuilt = json.loads(report.read_text())
         assert rebuilt["counts"] == want, (resume, log)
