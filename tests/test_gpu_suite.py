@@ -250,13 +250,15 @@ esac
 """
 
 
-def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
-    """A test stage that ignores the limit's SIGINT is killed (137) without writing
-    its report; gpu_all then rebuilds the report from the stage's log. Control: a
-    stage that ends by itself within its limit is left alone (no rebuild)."""
+
+def _gpu_all_copy(tmp_path):
+    """A copy of scripts/gpu_all in ``tmp_path`` whose interpreter is the fake one
+    (``FAKE_INTERPRETER``), killed 1 s past a 1-s memcheck limit; returns the
+    environment to run it with. The caller's ATTN_* settings do not reach the copy:
+    ATTN_PART (set when gpu_all runs the suite in parts) would rename the stage's log
+    and .rc files."""
     import os
     import shutil
-    import subprocess
     import sys
 
     from validation.provenance import ROOT
@@ -267,11 +269,18 @@ def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_INTERPRETER.replace("{real}", sys.executable))
     fake.chmod(0o755)
-    # the caller's ATTN_* settings must not reach the copy: ATTN_PART (set when
-    # gpu_all runs the suite in parts) would rename the stage's log and .rc files
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
     env.update(ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1", ATTN_MEMCHECK_SECONDS="1",
                PYTHONPATH=str(ROOT))
+    return env
+
+def test_gpu_all_rebuilds_the_report_of_a_stage_its_limit_killed(tmp_path):
+    """A test stage that ignores the limit's SIGINT is killed (137) without writing
+    its report; gpu_all then rebuilds the report from the stage's log. Control: a
+    stage that ends by itself within its limit is left alone (no rebuild)."""
+    import subprocess
+
+    env = _gpu_all_copy(tmp_path)
     logs = tmp_path / "reports" / "gpu" / "logs"
     report = tmp_path / "reports" / "gpu" / "sanitizer-memcheck.json"
     done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_all"), "memcheck"],
@@ -722,22 +731,11 @@ def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path, part):
     """With ATTN_RESUME=1 the rebuild of a stage (or part) its limit killed continues
     the stage's report too: the rebuilt report holds that report's tests and the
     log's. Control: without ATTN_RESUME it holds the log's alone."""
-    import os
-    import shutil
     import subprocess
-    import sys
 
-    from validation.provenance import ROOT, kernel_source_hash
+    from validation.provenance import kernel_source_hash
 
-    (tmp_path / "scripts").mkdir()
-    for name in ("gpu_all", "_env.sh"):
-        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_INTERPRETER.replace("{real}", sys.executable))
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
-    env.update(ATTN_PYTHON=str(fake), ATTN_KILL_AFTER="1", ATTN_MEMCHECK_SECONDS="1",
-               PYTHONPATH=str(ROOT), ATTN_PART=part)
+    env = dict(_gpu_all_copy(tmp_path), ATTN_PART=part)
     sfx = "-part-0-of-1" if part else ""
     report = tmp_path / "reports" / "gpu" / ("parts" if part else "") / (
         f"sanitizer-memcheck{sfx}.json")
