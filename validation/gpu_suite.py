@@ -45,6 +45,7 @@ resumed run its limit killed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -272,11 +273,18 @@ def _prefix_of_another(nodeid, root=ROOT):
     function defined in its file (so its id is a prefix of that test's)."""
     path, _, rest = nodeid.partition("::")
     func = rest.rsplit("::", 1)[-1]
+    text = _source(str(Path(root) / path))
+    return text is not None and re.search(rf"\bdef {re.escape(func)}\w", text) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _source(path):
+    """A test file's text (None when it cannot be read), read once however many of
+    its tests ``deselect_args`` looks up."""
     try:
-        text = (Path(root) / path).read_text(errors="replace")
+        return Path(path).read_text(errors="replace")
     except OSError:
-        return False
-    return re.search(rf"\bdef {re.escape(func)}\w", text) is not None
+        return None
 
 
 def resume_report(prev_reports, new_report, prev_paths):

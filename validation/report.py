@@ -692,8 +692,14 @@ def read_bytes(path):
     f = report_file(path)
     if f is None:
         raise FileNotFoundError(f"no {JSON_NAME} or {JSON_GZ_NAME} at {path}")
-    raw = f.read_bytes()
-    if f.name.endswith(".gz"):
+    return file_bytes(f)
+
+
+def file_bytes(path):
+    """A file's bytes, gzip-decompressed when its name ends in ``.gz`` (a kept
+    report, a kept shard or resume part)."""
+    raw = Path(path).read_bytes()
+    if Path(path).name.endswith(".gz"):
         import gzip
 
         raw = gzip.decompress(raw)
@@ -769,14 +775,8 @@ def part_files(out_dir):
 def read_part(path):
     """A shard or resume part (a dict; ``.json`` or ``.json.gz``); ValueError naming
     the file when it is not JSON (a part cut while being written)."""
-    path = Path(path)
     try:
-        raw = path.read_bytes()
-        if path.name.endswith(".gz"):
-            import gzip
-
-            raw = gzip.decompress(raw)
-        return json.loads(raw)
+        return json.loads(file_bytes(path))
     except (ValueError, OSError, EOFError) as exc:  # not JSON, not gzip, cut short
         raise ValueError(f"{Path(path).name} is not a part: {exc}") from None
 
