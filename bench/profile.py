@@ -39,6 +39,15 @@ H_kv 8, D 128, causal): ``attention.prefill.mma`` for float16 / bfloat16,
 ``attention.prefill.tf32`` for float32 (skip 1, count 1: the second launch).
 The seventh runs the prepared tensor-core MLA call (``mla.mma``) three times at
 the MLA benchmark's shape over the fp16 latent cache or its fp8 quantization.
+The eighth runs the tensor-core decode (``attention.decode.mma``, its plan at H 32,
+H_kv 8, D 128, T_q 1, a pooled cache of fp8 codes with per-tensor scales or of
+float16) three times at B ``batch`` and length L, and with ``empty`` over
+lengths 0 (no K/V read: the launch, the blocks' set-up and their writes, the
+fixed cost ``bench.mma_decode --splits`` times as "empty main"); ncu's default
+cache control flushes the caches before the profiled launch, as the bench does:
+
+    ncu --clock-control none --set full --import-source yes -k regex:decode_mma \
+        --launch-skip 2 --launch-count 1 python3 -m bench.profile mma_decode fp8 1 32768 empty
 """
 
 import math
@@ -170,7 +179,51 @@ def mla_mma(mode="fp16", heads=128):
     print("mla_mma", mode, heads, {k_: v_ for k_, v_ in p["plan"].items() if k_ != "kernel"})
 
 
+def mma_decode(cache="fp8", b=1, seq=32768, empty=False, heads=32, kv_heads=8, head_dim=128):
+    """The tensor-core decode's plan three times at B ``b`` / L ``seq`` (H 32, H_kv 8,
+    D 128 unless given, T_q 1), over an fp8 (per-tensor scales) or float16 pooled
+    cache; with ``empty`` every length is 0. The combine of a split plan is launched too.
+    Returns the last call's (out [B, 1, H, D], lse [B, 1, H]) on the host."""
+    from attention.decode import mma
+
+    from .mma_decode import fp8_cache, fp8_scales
+
+    h, kv, d = int(heads), int(kv_heads), int(head_dim)
+    shape = (b, h, kv, d, seq)
+    rng = np.random.default_rng(9)
+    if cache == "fp8":
+        k, v, lens, slots = fp8_cache(shape, rng)
+        ks, vs = fp8_scales(shape, "tensor", rng)
+        kind = mma.FP8_KIND
+    else:  # drawn on the host (a simulated random_array launch takes minutes)
+        k, v = (cuda.to_device(rng.standard_normal((b, kv, seq, d)).astype(np.float16))
+                for _ in range(2))
+        lens = cuda.to_device(np.full(b, seq, np.int32))
+        slots = cuda.to_device(np.arange(b, dtype=np.int32))
+        ks = vs = None
+        kind = "f16"
+    if empty:
+        lens = cuda.to_device(np.zeros(b, np.int32))
+    q = cuda.to_device(rng.standard_normal((b, 1, h, d)).astype(np.float16))
+    out, lse = cuda.device_array((b, 1, h, d), np.float32), cuda.device_array((b, 1, h),
+                                                                              np.float32)
+    pl = mma.plan(b, h, kv, d, seq, kind)
+    pa, pm = F.scratch(b, h, d, pl["n_split"])
+    for _ in range(3):
+        mma.launch(pl, q, k, v, lens, slots, np.float32(1 / math.sqrt(d)), out, lse, pa, pm,
+                   0, d_k_scale=ks, d_v_scale=vs)
+    cuda.synchronize()
+    print("mma_decode", cache, "B", b, "L", seq, "empty" if empty else "",
+          {k_: v_ for k_, v_ in pl.items() if k_ != "kernel"})
+    return out.copy_to_host(), lse.copy_to_host()
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "mma_decode":  # mma_decode fp8|f16 B L [empty]
+        return mma_decode(sys.argv[2] if len(sys.argv) > 2 else "fp8",
+                          int(sys.argv[3]) if len(sys.argv) > 3 else 1,
+                          int(sys.argv[4]) if len(sys.argv) > 4 else 32768,
+                          len(sys.argv) > 5 and sys.argv[5] == "empty")
     if len(sys.argv) > 1 and sys.argv[1] == "mla_mma":  # mla_mma fp16|tensor|token [heads]
         return mla_mma(sys.argv[2] if len(sys.argv) > 2 else "fp16",
                        int(sys.argv[3]) if len(sys.argv) > 3 else 128)

@@ -1006,8 +1006,15 @@ def test_cost_estimates_for_other_seeds_count_each_compile_once():
         assert 0.95 <= priced / measured <= 1.05, label
         grown = [u for u in group if u.kernel in kernels]
         est = table.estimate("unmeasured/x", len(grown), cli._case_keys(grown))
-        assert measured * 0.95 <= est < measured * (len(seeds) + 1) / len(seeds), label
-        checked += 1
+        scaled = measured * (len(seeds) + 1) / len(seeds)  # every second times 4 / 3
+        if any(table.case_costs[c[:3]][0] > 0 for c in cli._case_keys(own)):
+            # a kernel compiled: paid once, so the further seed costs less than a third
+            assert measured * 0.95 <= est < scaled, label
+            checked += 1
+        else:
+            # no kernel ran (every case a dtype the kernels reject): the inputs and
+            # oracles of each (fixture, seed), a third more
+            assert est == pytest.approx(scaled), label
     assert checked >= 10, checked
 
 
