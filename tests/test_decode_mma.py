@@ -364,9 +364,94 @@ def test_no_trans_defect_loads_v_without_trans():
     assert ".local" not in ptx
 
 
+@pytest.mark.compile
+def test_pdl_kernel_releases_the_combine_before_any_load():
+    """With ``pdl`` every block releases its dependents (the combine) before it
+    reads anything, and never waits itself (it is the primary); without it there
+    is no grid-dependency instruction at all."""
+    from numba import cuda
+
+    def ptx_of(pdl):
+        kern = mma.mma_decode_kernel("f16", 128, 4, 1, mma.WARPS, mma.STAGES, None, pdl=pdl)
+        return cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0))[0]
+
+    with_pdl, plain = ptx_of(True), ptx_of(False)
+    body = with_pdl[with_pdl.index("{", with_pdl.index(".entry")):]
+    release = body.index("griddepcontrol.launch_dependents")
+    assert release < body.index("ld.global")
+    assert "griddepcontrol.wait" not in with_pdl
+    assert "griddepcontrol" not in plain
+
+
+def test_pdl_defaults_off_where_it_cannot_run():
+    """The default follows ``attention.core.pdl.capable()``: off on the simulator
+    and with no GPU (the plan says so), and one split never needs it."""
+    from attention.core.pdl import capable
+
+    pl = mma.plan(1, 32, 8, 128, 32768, "f16")
+    assert pl["n_split"] > 1
+    assert pl["pdl"] is capable()
+    assert mma.plan(1, 32, 8, 128, 32768, "f16", n_split=1)["pdl"] is False
+    assert mma.plan(1, 32, 8, 128, 32768, "f16", pdl=False)["pdl"] is False
+    assert "_pdl" in mma.plan(1, 32, 8, 128, 32768, "f16", pdl=True)["kernel"].__name__
+
+
 # ---------------------------------------------------------------------------
 # GPU: the full shape
 # ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["f16", "f8"])
+def test_gpu_pdl_combine_gives_the_same_bits(kind):
+    """B 1 / L 16384 (a split plan): out and LSE are the same bits whether the
+    combine is a programmatic dependent of the main kernel or launched plainly."""
+    from attention.core.pdl import capable
+
+    if not capable():
+        pytest.skip("programmatic dependent launch needs sm_90 and a cuda.core that asks "
+                    "for it (attention.core.pdl.off_reason)")
+    rng = np.random.default_rng(77)
+    h, n_kv, d, cap = 32, 8, 128, 16384
+    if kind == "f8":
+        k = rng.integers(0, 0x7F, (1, n_kv, cap, d), dtype=np.uint8)
+        v = rng.integers(0, 0x7F, (1, n_kv, cap, d), dtype=np.uint8)
+        scales = dict(k_scale=0.01, v_scale=0.02)
+    else:
+        k = rng.standard_normal((1, n_kv, cap, d), np.float32).astype(F16)
+        v = rng.standard_normal((1, n_kv, cap, d), np.float32).astype(F16)
+        scales = {}
+    q = queries(rng, 1, 1, h, d, F16)
+    lens = np.array([cap], np.int32)
+    assert mma.plan(1, h, n_kv, d, cap, mma.FP8_KIND if kind == "f8" else "f16")["pdl"]
+    (o1, l1), (o0, l0) = (_run_plan(q, k, v, lens, kind, dict(pdl=pdl), scales)
+                          for pdl in (True, False))
+    assert np.array_equal(o1, o0) and np.array_equal(l1, l0)
+
+
+def _run_plan(q, k, v, lens, kind, pl_kw, scales):
+    """``mma.launch`` of a plan (``pl_kw`` to ``mma.plan``) over a pooled cache
+    (slot m = sequence m): host (out, lse)."""
+    from numba import cuda
+
+    from attention.decode import fast
+
+    m, t_q, h, d = q.shape
+    n_kv = k.shape[1]
+    fp8 = kind == "f8"
+    pl = mma.plan(m, h, n_kv, d, int(lens.max()), mma.FP8_KIND if fp8 else kind, **pl_kw)
+    d_q, d_k, d_v = (mma._stage(x, None) for x in (q, k, v))
+    d_out = cuda.device_array((m, t_q, h, d), np.float32)
+    d_lse = cuda.device_array((m, t_q, h), np.float32)
+    pa, pm = fast.scratch(m, t_q * h, d, pl["n_split"])
+    ks = vs = None
+    if fp8:
+        ks = cuda.to_device(np.array([scales["k_scale"]], np.float32))
+        vs = cuda.to_device(np.array([scales["v_scale"]], np.float32))
+    slots = cuda.to_device(np.arange(m, dtype=np.int32))
+    mma.launch(pl, d_q, d_k, d_v, cuda.to_device(lens), slots, 1.0 / np.sqrt(d), d_out, d_lse,
+               pa, pm, 0, d_k_scale=ks, d_v_scale=vs)
+    cuda.synchronize()
+    return d_out.copy_to_host(), d_lse.copy_to_host()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t_q", [1, 4])

@@ -22,7 +22,12 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
   through the page table row by row, or once a tile where P is a multiple of
   16 (a tile's 16 positions start at a multiple of 16, so they share a page).
   Rows past the block's last position, and rows whose page entry is out of
-  range, are zero-filled: V of a masked position is 0, never NaN times 0.
+  range, are zero-filled: V of a masked position is 0, never NaN times 0. A
+  pooled tile wholly below the end is 16 consecutive rows: its copies take one
+  base address and 32-bit shared addresses, with no per-row test. A warp's
+  first ``stages - 1`` tiles are issued before Q is staged (the rings lie past
+  the Q tile), so DRAM works while the block stages Q; a checked paged plan
+  issues them after its range check.
 * **S = Q K^T** on the mma (K rows ``[pos, D]`` are ``B^T``: one ``ldmatrix``
   x4 gives the B fragments of both 8-position halves), fp32 accumulation,
   times ``scale``.
@@ -37,7 +42,16 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
   ``P = exp(S - m)`` is rounded to the 16-bit type (``mma16`` ``pack``, to
   nearest even) and the score fragments are the A fragments of ``O += P V``
   (V B fragments from ``ldmatrix`` x4.trans, two 8-column n tiles a load);
-  ``l`` sums the fp32 ``P``.
+  ``l`` sums the fp32 ``P``. ``O`` is rescaled by ``exp(m - m_new)`` only in
+  a lane whose rows' max moved (``O * 1`` is ``O``: the same bits, and most
+  tiles of a long row skip the multiplies); the mask is applied only to a tile
+  that holds a row's limit.
+* **Index arithmetic.** The thread and block indices are taken as unsigned,
+  so every index derived from them is known non-negative: no wraparound test
+  on an array index and no sign fix-up on a division or remainder by a power
+  of two (in signed 64-bit form these were most of the instructions an empty
+  block ran: 3,100 a warp, about 7 us a launch on an H100). The Q staging and
+  the end's merge run a fixed number of rounds over the block.
 * **Addresses.** ``ldmatrix`` takes 32-bit shared-space addresses
   (``mma16.smem_ops``): a lane's row address in a stage is one per-lane
   offset computed once, and every load of a tile is that offset XOR a
@@ -49,7 +63,10 @@ The flash-attention-2 / FlashInfer decode shape on ``mma.m16n8k16``
 * **Split-KV.** With ``n_split > 1`` every block writes its unnormalised
   partial (acc, m, l) in ``attention.decode.fast``'s layout and that module's
   combine kernel merges them (``fast.combine_kernel``, the ``T * H`` rows of a
-  sequence as its heads); one split writes ``out`` / ``lse`` directly.
+  sequence as its heads); one split writes ``out`` / ``lse`` directly. Where the
+  GPU has it (sm_90 and later, ``attention.core.pdl``) the combine is a
+  programmatic dependent of the main kernel: every block releases it as it
+  starts, so its launch and ramp overlap the main kernel (``plan(pdl=...)``).
 
 Numerics: q and K are 16-bit, so every product of S is exact in fp32 and S
 accumulates in fp32 on the mma; the softmax is fp32 (``exp`` with fast math:
@@ -181,6 +198,8 @@ from attention.core.device import (
     to_device,
     to_host,
 )
+from attention.core.pdl import capable as pdl_capable
+from attention.core.pdl import grid_dependency_ops, is_graph_builder, launch_dependent
 from attention.core.rounding import round_bf16
 from attention.core.warp import (
     batch_reference,
@@ -425,7 +444,7 @@ def smem_words(head_dim, warps, stages, fp8=False, token_head=False):
 
 @functools.lru_cache(maxsize=None)
 def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, paging=None,
-                      defect=None, checked=False, scales="tensor"):
+                      defect=None, checked=False, scales="tensor", pdl=False):
     """The tensor-core decode kernel (module docstring).
 
     kind: "f16" / "bf16", or ``FP8_KIND`` (e4m3 codes, q f16: two more
@@ -444,7 +463,9 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     sequence empty in every block (zeros, LSE -inf), and block (0, 0) of the
     sequence counts it once: ``err[ERR_COUNT] += 1``, ``err[ERR_FIRST] =
     min(.., m)``, ``ERR_SLOTS`` (slot or page entry) or ``ERR_LENGTHS`` += 1.
-    Without ``checked`` the kernel is the one below, unchanged.
+    Without ``checked`` the kernel is the one below, unchanged. ``pdl``: every
+    block releases the split-KV combine launched after it as it starts
+    (``attention.core.pdl``; sm_90 and later; the name ends in ``_pdl``).
 
     Grid ``(n_split, H_kv, M)``, block ``32 * NW``, dynamic shared memory
     ``4 * smem_words(D, NW, stages)`` bytes. Arguments:
@@ -472,6 +493,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         raise ValueError(f"paging: expected None, 'HND' or 'NHD', got {paging!r}")
     check_defect(defect)
     CHECKED = bool(checked)
+    EARLY = not (CHECKED and paging is not None)  # the ring's first tiles before Q
     FP8 = kind == FP8_KIND
     if kind not in KINDS and not FP8:
         raise ValueError(f"kind: expected one of {KINDS + (FP8_KIND,)}, got {kind!r}")
@@ -512,14 +534,17 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     STAGE = SC0 + (2 * KT if TOK else 0)
     RING = S * STAGE  # words of a warp's ring
     N_QA, N_O = 4 * KS, 4 * NT
+    Q_ROUNDS = -(-TILE_ROWS * WR // (NW * WARP))  # the block's rounds over the Q tile
+    MERGE_ROUNDS = -(-ROWS * D // (NW * WARP))  # ... and over the merged rows
     # the warps' states at the end (float32 words from 0, over the Q tile and rings)
     M_ML = NW * TILE_ROWS * D  # (m, l) a row a warp
     M_WT = M_ML + NW * 2 * TILE_ROWS  # the merge's weight of a warp a row
     M_INV = M_WT + NW * TILE_ROWS  # 1 / l a row (one split)
 
+    release_dependents, _ = grid_dependency_ops(bool(pdl))
     mma, pack = mma16.ops("f16" if FP8 else kind)
     copy, commit, wait = _copy_ops(S)
-    shared_base, ld_x4, ld_x4_trans = mma16.smem_ops()[:3]
+    shared_base, ld_x4, ld_x4_trans, copy_at = mma16.smem_ops()[:4]
     copy4 = _async_copy(4)  # token_head: a scale (cp.async.ca, 4 bytes)
     codes_f16x2 = _codes_f16x2() if FP8 else None
     v_codes_f16x2 = _v_codes_f16x2() if FP8 else None
@@ -608,31 +633,46 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         # (l < 16) or V scale of row l % 16 (0 past end or for a bad page entry).
         # ``whole``: a paged cache whose pages hold whole tiles (P a multiple of
         # 16): one page entry a tile
-        first = int64(-1)
-        if whole and tile0 < end:
-            first = row_word(kc, table, seq, tile0, kv_head, n_kv, page, shift, n_pages, row0)
-        step = CW * n_kv if NHD else CW  # words between a page's consecutive rows
-        for a in range(COPIES):
-            ci = lane + WARP * a
-            row = ci // CPR
-            c = ci % CPR
-            pos = tile0 + row
-            dk = kb + k_slot(row, 8 * c)  # chunk c of the row (fp8: 16 codes)
-            dv = kb + TWC + mma16.tile_index(row, 8 * c, TC)
-            src = int64(-1)
-            if pos < end:
-                if not whole:
-                    src = row_word(kc, table, seq, pos, kv_head, n_kv, page, shift, n_pages,
-                                   row0)
-                elif first >= 0:
-                    src = first + row * step
-            if src >= 0:
-                copy(smem, dk, kc, src + 4 * c)
-                copy(smem, dv, vc, src + 4 * c)
-            else:
-                for x in range(4):
-                    smem[dk + x] = uint32(0)
-                    smem[dv + x] = uint32(0)
+        if not PAGED and tile0 + KT <= end:
+            # a pooled tile of rows all below the end: its rows are consecutive,
+            # chunk ci of the tile at word 4 ci past its first row's
+            # (32-bit shared addresses: ``mma16.smem_ops``)
+            src = row0 + int64(tile0) * CW
+            at = shared_base(smem) + 4 * kb
+            for a in range(COPIES):
+                ci = lane + WARP * a
+                row = ci // CPR
+                c = ci % CPR
+                copy_at(smem, at + 4 * k_slot(row, 8 * c), kc, src + 4 * ci)
+                copy_at(smem, at + 4 * (TWC + mma16.tile_index(row, 8 * c, TC)), vc,
+                        src + 4 * ci)
+        else:
+            first = int64(-1)
+            if whole and tile0 < end:
+                first = row_word(kc, table, seq, tile0, kv_head, n_kv, page, shift, n_pages,
+                                 row0)
+            step = CW * n_kv if NHD else CW  # words between a page's consecutive rows
+            for a in range(COPIES):
+                ci = lane + WARP * a
+                row = ci // CPR
+                c = ci % CPR
+                pos = tile0 + row
+                dk = kb + k_slot(row, 8 * c)  # chunk c of the row (fp8: 16 codes)
+                dv = kb + TWC + mma16.tile_index(row, 8 * c, TC)
+                src = int64(-1)
+                if pos < end:
+                    if not whole:
+                        src = row_word(kc, table, seq, pos, kv_head, n_kv, page, shift,
+                                       n_pages, row0)
+                    elif first >= 0:
+                        src = first + row * step
+                if src >= 0:
+                    copy(smem, dk, kc, src + 4 * c)
+                    copy(smem, dv, vc, src + 4 * c)
+                else:
+                    for x in range(4):
+                        smem[dk + x] = uint32(0)
+                        smem[dv + x] = uint32(0)
         if TOK:
             pos = tile0 + lane % KT
             at = int64(-1)
@@ -647,9 +687,22 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     issue = device_fn(issue)
 
+    def first_tiles(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                    shift, n_pages, row0, start, end, ring, warp, lane, whole, n_mine):
+        # the warp's first S - 1 tiles into its ring's stages 0 .. S - 2, a copy
+        # group each (empty past its n_mine tiles)
+        for a in range(S - 1):
+            if a < n_mine:
+                issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                      shift, n_pages, row0, start + (warp + a * NW) * KT, end,
+                      ring + a * STAGE, lane, whole)
+            commit()
+
+    first_tiles = device_fn(first_tiles)
+
     def row_limit(r, length, end):
         # positions below this are seen by row r (query r // GROUP)
-        i = r // GROUP if r < ROWS else TQ - 1
+        i = int64(r // GROUP) if r < ROWS else int64(TQ - 1)  # signed (r: unsigned)
         lim = length - TQ + 1 + i
         if CAUSAL_EDGE and lim % KT == 0:
             lim += 1
@@ -659,11 +712,12 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
 
     def body(q, kc, vc, seq_lens, table, n_kv, page, n_pages, shift, scale, chunk,
              out, lse, part_acc, part_ml, limit, err, kscale, vscale, ksc, vsc):
-        split = cuda.blockIdx.x
-        kv_head = cuda.blockIdx.y
-        seq = cuda.blockIdx.z
+        release_dependents()  # the combine's blocks may be placed from now on
+        split = uint32(cuda.blockIdx.x)
+        kv_head = uint32(cuda.blockIdx.y)
+        seq = uint32(cuda.blockIdx.z)
         n_split = cuda.gridDim.x
-        tid = cuda.threadIdx.x
+        tid = uint32(cuda.threadIdx.x)
         warp = tid // WARP
         lane = tid % WARP
         g = lane // 4
@@ -707,14 +761,27 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         end = min(length, start + chunk)
         whole = PAGED and page % KT == 0  # a tile (16 positions from a multiple of 16): one page
 
+        # -- the warp's tiles: w, w + NW, ... of the chunk, through its ring; its
+        # first S - 1 are issued before Q is staged (the rings lie past the Q tile),
+        # so DRAM is busy while the block stages Q, except in a checked paged plan,
+        # whose range check (with Q's barrier) must pass first --
+        n_tiles = (end - start + KT - 1) // KT if end > start else 0
+        n_mine = (n_tiles - warp + NW - 1) // NW if n_tiles > warp else 0
+        ring = RING0 + warp * RING
+        if EARLY:
+            first_tiles(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                        shift, n_pages, row0, start, end, ring, warp, lane, whole, n_mine)
+
         # -- Q [16, D] into the swizzled tile (rows past ROWS: zeros) --
-        for w in range(tid, TILE_ROWS * WR, NW * WARP):
+        for k in range(Q_ROUNDS):  # a fixed count (unrolled; tid is unsigned)
+            w = tid + k * NW * WARP
             r = w // WR
             cw = w % WR
-            word = uint32(0)
-            if r < ROWS:
-                word = q[seq, r // GROUP, kv_head * GROUP + r % GROUP, cw]
-            smem[mma16.tile_index(r, 2 * cw, D)] = word
+            if Q_ROUNDS * NW * WARP == TILE_ROWS * WR or w < TILE_ROWS * WR:
+                word = uint32(0)
+                if r < ROWS:
+                    word = q[seq, r // GROUP, kv_head * GROUP + r % GROUP, cw]
+                smem[mma16.tile_index(r, 2 * cw, D)] = word
         if CHECKED and PAGED:
             # the range check: every page entry below the length, read by the block
             j = tid
@@ -727,6 +794,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             if bad_slot:
                 length = 0
                 end = 0
+                n_mine = 0
         else:
             cuda.syncthreads()  # the Q tile is complete
         if CHECKED and split == 0 and kv_head == 0 and tid == 0 and (bad_slot or bad_len):
@@ -764,17 +832,11 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             o[x] = float32(0.0)
         s = cuda.local.array(8, float32)
 
-        # -- the warp's tiles: w, w + NW, ... of the chunk, through its ring --
-        n_tiles = (end - start + KT - 1) // KT if end > start else 0
-        n_mine = (n_tiles - warp + NW - 1) // NW if n_tiles > warp else 0
-        ring = RING0 + warp * RING
+        # -- the warp's tiles through its ring (the first S - 1 issued above, or here) --
         st = 0  # the ring stage of tile it (it % S)
-        for a in range(S - 1):
-            if a < n_mine:
-                issue(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
-                      shift, n_pages, row0, start + (warp + a * NW) * KT, end,
-                      ring + a * STAGE, lane, whole)
-            commit()
+        if not EARLY:
+            first_tiles(smem, smf, kc, vc, ksc, vsc, table, seq, slot, kv_head, n_kv, page,
+                        shift, n_pages, row0, start, end, ring, warp, lane, whole, n_mine)
         for it in range(n_mine):
             ahead = it + S - 1
             if ahead < n_mine:
@@ -819,35 +881,40 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
             sc = kb + SC0  # token_head: the tile's K scales, then its V scales
             for h in range(2):
                 for e in range(2):
-                    pos = tile0 + 8 * h + 2 * tq + e
                     ksc_p = kscale  # the K scale on the score (the fast kernel's order)
                     if TOK:
                         ksc_p = smf[sc + 8 * h + 2 * tq + e]
                     x = float32(s[4 * h + e] * scale)
-                    if FP8:
-                        x = float32(x * ksc_p)
-                    if pos >= lim0:
-                        x = float32(-math.inf)
-                    s[4 * h + e] = x
                     y = float32(s[4 * h + 2 + e] * scale)
                     if FP8:
+                        x = float32(x * ksc_p)
                         y = float32(y * ksc_p)
-                    if pos >= lim1:
-                        y = float32(-math.inf)
+                    s[4 * h + e] = x
                     s[4 * h + 2 + e] = y
+            if tile0 + KT > min(lim0, lim1):  # a row's limit falls in the tile
+                for h in range(2):
+                    for e in range(2):
+                        pos = tile0 + 8 * h + 2 * tq + e
+                        if pos >= lim0:
+                            s[4 * h + e] = float32(-math.inf)
+                        if pos >= lim1:
+                            s[4 * h + 2 + e] = float32(-math.inf)
 
             # -- online softmax of the two rows (max over the quad) --
             new0 = max(m0, group_max(max(max(s[0], s[1]), max(s[4], s[5])), 4))
             new1 = max(m1, group_max(max(max(s[2], s[3]), max(s[6], s[7])), 4))
+            # P and l by the shared step; o is rescaled here (the step's alpha: an
+            # all-masked row takes reference 0), and only where a row's max moved:
+            # o * 1 is o, so most tiles of a long row skip the N_O multiplies
+            ref0 = new0 if new0 > float32(-3.0e38) else float32(0.0)
+            ref1 = new1 if new1 > float32(-3.0e38) else float32(0.0)
+            alpha0 = float32(math.exp(m0 - ref0))
+            alpha1 = float32(math.exp(m1 - ref1))
+            l0, l1 = fragment_softmax_step(s, o, 0, m0, m1, l0, l1, new0, new1)
             if TOK:
-                # P (l from it), then P' = P vs / u' with u' = max(u alpha, the
-                # tile's max P vs) a row: P' <= 1 whatever the scales' range, and
-                # O = u' o' with o' = o alpha u / u' (o rescaled here, not in the step)
-                ref0 = new0 if new0 > float32(-3.0e38) else float32(0.0)
-                ref1 = new1 if new1 > float32(-3.0e38) else float32(0.0)
-                alpha0 = float32(math.exp(m0 - ref0))
-                alpha1 = float32(math.exp(m1 - ref1))
-                l0, l1 = fragment_softmax_step(s, o, 0, m0, m1, l0, l1, new0, new1)
+                # then P' = P vs / u' with u' = max(u alpha, the tile's max P vs) a
+                # row: P' <= 1 whatever the scales' range, and O = u' o' with o' = o
+                # alpha u / u'
                 for h in range(2):
                     for e in range(2):
                         vsc_p = smf[sc + KT + 8 * h + 2 * tq + e]
@@ -885,13 +952,18 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
                             s[4 * h + 2 + e] = float32(s[4 * h + 2 + e] * inv1)
                     u0 = nu0
                     u1 = nu1
+                if f0 != float32(1.0) or f1 != float32(1.0):  # o * 1 is o
+                    for nd in range(NT):
+                        o[4 * nd] *= f0
+                        o[4 * nd + 1] *= f0
+                        o[4 * nd + 2] *= f1
+                        o[4 * nd + 3] *= f1
+            elif alpha0 != float32(1.0) or alpha1 != float32(1.0):
                 for nd in range(NT):
-                    o[4 * nd] *= f0
-                    o[4 * nd + 1] *= f0
-                    o[4 * nd + 2] *= f1
-                    o[4 * nd + 3] *= f1
-            else:
-                l0, l1 = fragment_softmax_step(s, o, N_O, m0, m1, l0, l1, new0, new1)
+                    o[4 * nd] *= alpha0
+                    o[4 * nd + 1] *= alpha0
+                    o[4 * nd + 2] *= alpha1
+                    o[4 * nd + 3] *= alpha1
             m0 = new0
             m1 = new1
 
@@ -979,7 +1051,10 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
         cuda.syncthreads()  # the weights are complete
 
         # -- the merged rows: out (one split) or the partial --
-        for e in range(tid, ROWS * D, NW * WARP):
+        for k in range(MERGE_ROUNDS):
+            e = tid + k * NW * WARP
+            if MERGE_ROUNDS * NW * WARP != ROWS * D and e >= ROWS * D:
+                break
             r = e // D
             d = e % D
             acc = float32(0.0)
@@ -1034,6 +1109,7 @@ def mma_decode_kernel(kind, head_dim, group, t_q=1, warps=WARPS, stages=STAGES, 
     name = (f"decode_mma_{kind}{'t' if TOK else ''}_d{D}_g{GROUP}_t{TQ}_w{NW}_s{S}_"
             f"{paging or 'pooled'}")
     kernel.__name__ = kernel.__qualname__ = (name + ("_checked" if CHECKED else "")
+                                             + ("_pdl" if pdl else "")
                                              + ("" if defect is None else "_" + defect))
     return jit(kernel, fastmath=True)
 
@@ -1072,8 +1148,8 @@ def default_stages(kind, head_dim, warps=WARPS, scales="tensor"):
 
 def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None,
          warps=WARPS, stages=None, paging=None, defect=None, checked=False,
-         scales="tensor", chunk=None):
-    """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
+         scales="tensor", chunk=None, pdl=None):
+    """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, pdl, ...
 
     ``max_len``: the longest length served (positions the splits cover).
     ``n_split`` (default: ``fast.split_count`` over the ``M * H_kv`` blocks a
@@ -1087,7 +1163,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     fixed (rounded up to a whole round of the warps' tiles): a batch-invariant
     plan's (``invariant_chunk``); ``n_split`` then covers ``max_len``.
     ``stages``: ring stages a warp (default ``default_stages``; they change no
-    result bit, only how many tiles a warp has in flight).
+    result bit, only how many tiles a warp has in flight). ``pdl`` (default: a
+    split plan where ``attention.core.pdl.capable()``): the combine is launched
+    as a programmatic dependent of the main kernel (``launch``; as the fast
+    kernel's, ``attention.decode.fast.plan``), so its launch and ramp overlap
+    the main kernel; the same bits either way.
     """
     if stages is None:
         stages = default_stages(kind, head_dim, warps, scales)
@@ -1105,9 +1185,11 @@ def plan(m_count, n_heads, n_kv, head_dim, max_len, kind, *, t_q=1, n_split=None
     resident = max(1, min(blocks_by_smem(dyn), blocks_by_registers(head_dim, warps)))
     chunk, n_split = fast.split_chunk(max_len, KT * warps, m_count * n_kv, resident,
                                       n_split=n_split, chunk=chunk)
+    pdl = (n_split > 1 and pdl_capable()) if pdl is None else bool(pdl)
     return {
         "kernel": mma_decode_kernel(kind, head_dim, group, t_q, warps, stages, paging, defect,
-                                    bool(checked), scales),
+                                    bool(checked), scales, pdl),
+        "pdl": pdl,
         "kind": kind,
         "scales": scales,
         "head_dim": int(head_dim),
@@ -1178,10 +1260,15 @@ def launch(pl, d_q, d_k, d_v, d_lens, d_table, scale, d_out, d_lse, d_part_acc, 
     pl["kernel"][pl["grid"], pl["block"], stream, pl["dyn_smem"]](*args)
     if pl["n_split"] > 1:
         rows = t_q * n_heads
-        comb = fast.combine_kernel(-(-head_dim // WARP))
-        comb[(rows, m_count), fast.combine_warps(pl["n_split"]) * WARP, stream](
-            d_part_acc, d_part_ml, d_out.reshape(m_count, rows, head_dim),
-            d_lse.reshape(m_count, rows))
+        pdl = bool(pl.get("pdl", False))
+        comb = fast.combine_kernel(-(-head_dim // WARP), pdl)
+        grid, block = (rows, m_count), fast.combine_warps(pl["n_split"]) * WARP
+        cargs = (d_part_acc, d_part_ml, d_out.reshape(m_count, rows, head_dim),
+                 d_lse.reshape(m_count, rows))
+        if pdl and not is_graph_builder(stream):
+            launch_dependent(comb, grid, block, stream, cargs)
+        else:
+            comb[grid, block, stream](*cargs)
 
 
 def check_inputs(q, k_cache, v_cache, seq_lens, slot_table=None, page_table=None,

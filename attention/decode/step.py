@@ -53,9 +53,9 @@ runs eager; ``path`` ("graph" / "eager") and ``fallback_reason`` record what
 (``checks.FallbackWarning``). Either way everything is validated, planned,
 allocated (and, on a GPU, compiled) in ``__init__``: a step does no planning
 and no allocation; given arrays, it checks only their shape and dtype.
-``pdl`` records whether the fast kernel's combine is a programmatic dependent
-launch and why (``attention.core.pdl.status``; inside a graph it is plain; the
-tensor-core plan's combine is plain).
+``pdl`` records whether the plan's combine (the fast or the tensor-core
+kernel's) is a programmatic dependent launch and why
+(``attention.core.pdl.status``; inside a graph it is plain).
 
 FP8 e4m3 caches (``dtype=np.uint8`` or "float8_e4m3fn": codes as uint8,
 ``attention.cache.fp8``; sm_89 and later): the new rows ``k_new`` / ``v_new``
@@ -542,13 +542,10 @@ class DecodeState:
                                               "programmatic dependent launch"}
         if self.plan["n_split"] <= 1:
             return {"path": "none", "reason": "one split: no combine launch"}
-        if self.method == "mma":
-            return {"path": "plain", "reason": "the tensor-core plan launches its combine "
-                                               "plainly (attention.decode.plan)"}
         record = pdl_status(self.plan["pdl"])
         if record["path"] == "pdl" and self.path == "graph":
             return {"path": "plain", "reason": "step() replays a graph, where the combine "
-                                               "is launched plainly (decode.fast.launch)"}
+                                               "is launched plainly (the plan's launch)"}
         return record
 
     # -- the launches of one step, on any stream-like object ---------------
