@@ -38,7 +38,10 @@ and P is rounded to the 16-bit type before P.V.
   32-bit offsets (``mma16.smem_ops``): one lane offset serves every ldmatrix,
   the k step an XOR of a constant (``mla_mma_kernel``); integer address
   arithmetic in the loops made the first version issue-bound (notes/bench.md
-  run 22).
+  run 22). The thread and block indices are taken as unsigned, so indices
+  derived from them need no wraparound test and no sign fix-up on a division
+  by a power of two (4,360 -> 2,800 SASS instructions at RG 4, 138 -> 128
+  registers; notes/bench.md run 42).
 * **End.** The row sums are added over the quad and the 4 warps (in that fixed
   order); one split writes ``o_lat = O / l`` and ``lse = m + log l``; more
   splits write the unnormalised partial (acc, m, l) in
@@ -618,7 +621,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # positions below this are seen by query row `row` (0 for a padded row)
         if row >= n_rows:
             return 0
-        lim = length - s_q + 1 + row // nh
+        lim = length - s_q + 1 + int64(row // nh)  # signed (row: unsigned)
         if CAUSAL_EDGE and lim % 16 == 0:
             lim += 1
         return min(lim, end)
@@ -627,11 +630,11 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     def kernel(qc, lat, sc, lens, table, page, n_pages, shift, nh, s_q, scale, chunk,
                o_lat, lse, part_acc, part_ml):
-        split = cuda.blockIdx.x
-        rb = cuda.blockIdx.y
-        seq = cuda.blockIdx.z
+        split = uint32(cuda.blockIdx.x)
+        rb = uint32(cuda.blockIdx.y)
+        seq = uint32(cuda.blockIdx.z)
         n_split = cuda.gridDim.x
-        tid = cuda.threadIdx.x
+        tid = uint32(cuda.threadIdx.x)
         warp = tid // WARP
         lane = tid % WARP
         tq = lane % 4
