@@ -753,3 +753,57 @@ def test_gpu_all_rebuilds_a_killed_resumed_stage_as_the_union(tmp_path, part):
         rebuilt = json.loads(report.read_text())
         assert rebuilt["counts"] == want, (resume, log)
         assert ("resumed_from" in rebuilt["provenance"]) is bool(resume)
+
+
+def test_a_plain_sigterm_interrupts_pytest_and_the_report_is_still_written(
+        tmp_path, monkeypatch):
+    """A plain ``timeout`` (SIGTERM, to the whole group) used to kill the writer with
+    pytest, and no report was left. Now the SIGTERM is passed on as the limit's SIGINT
+    and, where pytest died before writing its outcomes, the report is read from its
+    -v lines and says it was interrupted. Control: the same run, not cut, reports
+    pytest's own outcomes and no note."""
+    import signal
+
+    import validation.gpu_suite as gs
+
+    _fake_gpu(monkeypatch, ["tests/test_a.py::t1"])
+    handlers = {}
+    monkeypatch.setattr(gs.signal, "signal", lambda sig, h: handlers.__setitem__(sig, h))
+
+    class _CutPytest:
+        """pytest -v that gets the SIGTERM after its first test and dies (-15) before
+        writing its outcomes."""
+        def __init__(self, cmd, env=None, **kw):
+            self.returncode, self.sent = None, []
+            _CutPytest.last = self
+            self.stdout = self._lines()
+
+        def _lines(self):
+            yield "tests/test_a.py::t1 PASSED\n"
+            yield "tests/test_a.py::t2 FAILED\n"
+            handlers[signal.SIGTERM](signal.SIGTERM, None)
+            self.returncode = -15
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, sig):
+            self.sent.append(sig)
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(gs.subprocess, "Popen", _CutPytest)
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--name", "cut", "--", "tests/test_a.py"]) != 0
+    report = json.loads((out / "cut.json").read_text())
+    assert _CutPytest.last.sent == [signal.SIGINT]
+    assert report["interrupted"] is True and "SIGTERM" in report["note"]
+    assert {t["test"]: t["outcome"] for t in report["tests"]} == {
+        "tests/test_a.py::t1": "passed", "tests/test_a.py::t2": "failed"}
+    # control: a run that finishes
+    monkeypatch.setattr(gs.subprocess, "Popen", _FakePytest)
+    assert main(["--out", str(out), "--name", "whole", "--", "tests/test_a.py"]) == 0
+    whole = json.loads((out / "whole.json").read_text())
+    assert whole["interrupted"] is False and "note" not in whole
+    assert [t["test"] for t in whole["tests"]] == ["tests/test_a.py::t1"]

@@ -16,6 +16,11 @@ out-of-bounds write or shared-memory race, run under the same tool first, which
 the tool must flag). Exit status: pytest's (or non-zero when the sanitizer
 reports errors, or misses its control).
 
+A time limit may cut the run with SIGINT (``scripts/gpu_all``) or with a plain
+``timeout``'s SIGTERM: either way pytest is interrupted and the report is still
+written, ``"interrupted": true``; where pytest died before writing its outcomes
+they are read from its streamed ``-v`` lines (and the report's ``note`` says so).
+
 ``--part i/n`` runs one of n parts of the test files (a machine held in slices
 shorter than the whole suite); ``--merge`` joins the parts' reports into one.
 
@@ -131,6 +136,19 @@ def main(argv=None):
     # outcomes; this process ignores the interrupt (after the child started, so the
     # child does not inherit it) to still write the report.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A plain ``timeout`` sends SIGTERM (to this process and, from GNU timeout, to
+    # the whole group): it is taken as the limit's SIGINT. pytest is interrupted
+    # (if the group's SIGTERM has not ended it already) and this process goes on to
+    # write the report, from pytest's outcomes or, where pytest died before writing
+    # them, from the streamed -v lines (``parse_log``).
+    terminated = []
+
+    def on_term(signum, frame):
+        terminated.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_term)
     lines = []
     for line in proc.stdout:
         sys.stdout.write(line)
@@ -143,16 +161,22 @@ def main(argv=None):
         outcomes = json.load(open(outcomes_path))
     except (OSError, ValueError):
         outcomes = {"tests": [], "mode": "unknown"}
+    if not outcomes.get("tests") and parse_log(text):
+        outcomes = {"tests": parse_log(text), "mode": outcomes.get("mode"),
+                    "from_log": True}
     counts = outcome_counts(outcomes.get("tests", []))
     report = {
         "provenance": provenance(wall_seconds=round(wall, 1)),
-        "interrupted": proc.returncode == 2 or proc.returncode < 0,
+        "interrupted": proc.returncode == 2 or proc.returncode < 0 or bool(terminated),
         "command": shown,
         "exit_status": proc.returncode,
         "mode": outcomes.get("mode"),
         "counts": counts,
         "tests": outcomes.get("tests", []),
     }
+    if outcomes.get("from_log"):
+        report["note"] = ("pytest ended before writing its outcomes (a SIGTERM): the tests "
+                          "are read from its -v lines")
     if args.part:
         report["part"] = list(args.part)
     if done and proc.returncode == 5:  # pytest ran nothing: every test was deselected
