@@ -448,6 +448,7 @@ def _run_plan(q, k, v, lens, kind, pl_kw, scales):
     cuda.synchronize()
     return d_out.copy_to_host(), d_lse.copy_to_host()
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t_q", [1, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
