@@ -418,35 +418,8 @@ def test_gpu_pdl_combine_gives_the_same_bits(kind):
     q = queries(rng, 1, 1, h, d, F16)
     lens = np.array([cap], np.int32)
     assert mma.plan(1, h, n_kv, d, cap, mma.FP8_KIND if kind == "f8" else "f16")["pdl"]
-    (o1, l1), (o0, l0) = (_run_plan(q, k, v, lens, kind, dict(pdl=pdl), scales)
-                          for pdl in (True, False))
+    (o1, l1), (o0, l0) = (run(q, k, v, lens, pdl=pdl, **scales) for pdl in (True, False))
     assert np.array_equal(o1, o0) and np.array_equal(l1, l0)
-
-
-def _run_plan(q, k, v, lens, kind, pl_kw, scales):
-    """``mma.launch`` of a plan (``pl_kw`` to ``mma.plan``) over a pooled cache
-    (slot m = sequence m): host (out, lse)."""
-    from numba import cuda
-
-    from attention.decode import fast
-
-    m, t_q, h, d = q.shape
-    n_kv = k.shape[1]
-    fp8 = kind == "f8"
-    pl = mma.plan(m, h, n_kv, d, int(lens.max()), mma.FP8_KIND if fp8 else kind, **pl_kw)
-    d_q, d_k, d_v = (mma._stage(x, None) for x in (q, k, v))
-    d_out = cuda.device_array((m, t_q, h, d), np.float32)
-    d_lse = cuda.device_array((m, t_q, h), np.float32)
-    pa, pm = fast.scratch(m, t_q * h, d, pl["n_split"])
-    ks = vs = None
-    if fp8:
-        ks = cuda.to_device(np.array([scales["k_scale"]], np.float32))
-        vs = cuda.to_device(np.array([scales["v_scale"]], np.float32))
-    slots = cuda.to_device(np.arange(m, dtype=np.int32))
-    mma.launch(pl, d_q, d_k, d_v, cuda.to_device(lens), slots, 1.0 / np.sqrt(d), d_out, d_lse,
-               pa, pm, 0, d_k_scale=ks, d_v_scale=vs)
-    cuda.synchronize()
-    return d_out.copy_to_host(), d_lse.copy_to_host()
 
 
 @pytest.mark.gpu

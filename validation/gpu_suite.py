@@ -161,9 +161,9 @@ def main(argv=None):
         outcomes = json.load(open(outcomes_path))
     except (OSError, ValueError):
         outcomes = {"tests": [], "mode": "unknown"}
-    if not outcomes.get("tests") and parse_log(text):
-        outcomes = {"tests": parse_log(text), "mode": outcomes.get("mode"),
-                    "from_log": True}
+    logged = [] if outcomes.get("tests") else parse_log(text)
+    if logged:
+        outcomes = {"tests": logged, "mode": outcomes.get("mode"), "from_log": True}
     counts = outcome_counts(outcomes.get("tests", []))
     report = {
         "provenance": provenance(wall_seconds=round(wall, 1)),

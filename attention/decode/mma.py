@@ -1444,7 +1444,7 @@ def _fp8_scales(k_scale, v_scale, k_cache, geo):
 def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=None,
                layout="HND", t_q=None, n_split=None, out=None, lse=None, scale=None,
                stream=None, warps=WARPS, stages=None, defect=None, k_scale=None,
-               v_scale=None):
+               v_scale=None, pdl=None):
     """Tensor-core decode attention over a pooled or paged 16-bit or fp8 cache.
 
     q:          [M, T, H, D] (or [M, H, D]: T = 1) float16 / bfloat16, the cache's
@@ -1473,6 +1473,8 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     warps, stages: the kernel's warps a block and ring stages a warp (default
                 ``default_stages``)
     defect:     None or a planted switch of ``DEFECTS`` (tests only)
+    pdl:        the split combine as a programmatic dependent launch (``plan``;
+                default where ``attention.core.pdl.capable()``); the same bits
     k_scale, v_scale: fp8 caches only: per tensor, a positive float or a float32
                 [1] array (numpy or device); per (token, kv head), float32 arrays
                 in the cache's layout without D (``k_cache.shape[:3]``: pooled
@@ -1506,7 +1508,7 @@ def mma_decode(q, k_cache, v_cache, seq_lens, slot_table=None, *, page_table=Non
     max_len = int(geo["lens"].max())
     pl = plan(m_count, n_heads, geo["H_kv"], head_dim, max_len, geo["kind"], t_q=tq,
               n_split=n_split, warps=warps, stages=stages, paging=geo["paging"],
-              defect=defect, scales=scales)
+              defect=defect, scales=scales, pdl=pdl)
     d_ks, d_vs = (to_device(np.ascontiguousarray(x), stream) if is_host_array(x) else x
                   for x in pair)
     d_q, d_k, d_v = (_stage(x, stream) for x in (q, k_cache, v_cache))
