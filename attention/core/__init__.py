@@ -11,4 +11,10 @@ precision mutants.
     graph     launches captured once as a CUDA graph, then replayed
     pointers  caches read through a table of device pointers
     rounding  roundings the precision mutants apply
+    inline_copy  linear-time IR copies for numba's inlining (compile time only;
+              installed on import of this package)
 """
+
+from attention.core import inline_copy as _inline_copy
+
+_inline_copy.install()
