@@ -3,7 +3,7 @@
     python -m validation.inline_copy_check [--names a,b] [--time]
 
 Compiles kernels that inline many device functions (the fast decode's three
-forms, the tensor-core decode (pooled fp16, paged bf16), the tf32 and 16-bit
+forms, the tensor-core decode (pooled fp16 and fp8, paged bf16), the tf32 and 16-bit
 prefills, the MLA tensor-core kernel) for sm_90 in two processes, one with the shared-memo
 IR copies installed and one with ``ATTN_INLINE_COPY=0``, and compares the PTX
 text of each kernel. Exit status 1 if any differs (or the copies were not
@@ -50,6 +50,14 @@ def _kernels():
                            i32, i32, i32, f32, i32, arr(f32, 4, "C"), arr(f32, 3, "C"),
                            arr(f32, 4, "C"), arr(f32, 4, "C"))
 
+    def decode_mma_fp8():
+        from attention.decode import mma
+
+        k = mma.mma_decode_kernel("f8", 128, 4, 1, mma.WARPS, mma.STAGES, None)
+        return k.py_func, (arr(u32, 4, "C"), w1, w1, arr(i32, 1, "C"), arr(i32, 2, "C"), i32,
+                           i32, i32, i32, f32, i32, arr(f32, 4, "C"), arr(f32, 3, "C"),
+                           arr(f32, 4, "C"), arr(f32, 4, "C"), a1, a1)
+
     def prefill_tf32(d):
         from attention.prefill import tf32
 
@@ -76,6 +84,7 @@ def _kernels():
                                   ("fast_scalar", (2, 6, 2, 40, 1024, "f32"), {}))]
     out += [("decode_mma_f16", lambda: decode_mma("f16", None)),
             ("decode_mma_bf16_nhd", lambda: decode_mma("bf16", "NHD")),
+            ("decode_mma_fp8", decode_mma_fp8),
             ("prefill_tf32_d128", lambda: prefill_tf32(128)),
             ("prefill_tf32_d64", lambda: prefill_tf32(64)),
             ("prefill_f16_d128", lambda: prefill_mma("f16", 128)),
