@@ -112,20 +112,22 @@ def _dump(path, names):
         json.dump({"active": on, "seconds": time.perf_counter() - t0, "ptx": ptx}, f)
 
 
-def compare(names=(), env=None):
-    """Compile ``names`` (default: all) in two processes; returns ``(lines,
-    n_differ, seconds_with, seconds_without)``. Raises RuntimeError if the copies
-    were not installed in the first process or were in the second."""
-    runs = {}
+def compare(names=(), modes=("1", "0")):
+    """Compile ``names`` (default: all) in two processes, the first with
+    ``ATTN_INLINE_COPY=modes[0]``, the second with ``modes[1]``; returns ``(lines,
+    n_differ, seconds_with, seconds_without)``. Raises RuntimeError unless the copies
+    were installed in the first process and not in the second (``modes`` other than
+    the default exist for the tests' control)."""
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("1", "0"):
-            path = os.path.join(tmp, f"ptx{mode}.json")
-            child_env = dict(os.environ if env is None else env, ATTN_INLINE_COPY=mode)
+        for n, mode in enumerate(modes):
+            path = os.path.join(tmp, f"ptx{n}.json")
+            env = dict(os.environ, ATTN_INLINE_COPY=mode)
             subprocess.run([sys.executable, "-m", "validation.inline_copy_check", "--dump", path,
-                            "--names", ",".join(names)], check=True, env=child_env)
+                            "--names", ",".join(names)], check=True, env=env)
             with open(path) as f:
-                runs[mode] = json.load(f)
-    on, off = runs["1"], runs["0"]
+                runs.append(json.load(f))
+    on, off = runs
     if not on["active"] or off["active"]:
         raise RuntimeError(f"shared-memo copies active: {on['active']} with, {off['active']} "
                            "without (ATTN_INLINE_COPY=0): nothing to compare")
