@@ -175,7 +175,8 @@ def main(argv=None):
         "tests": outcomes.get("tests", []),
     }
     if outcomes.get("from_log"):
-        report["note"] = ("pytest ended before writing its outcomes (a SIGTERM): the tests "
+        cause = "a SIGTERM" if terminated else "interrupted or killed"
+        report["note"] = (f"pytest ended before writing its outcomes ({cause}): the tests "
                           "are read from its -v lines")
     if args.part:
         report["part"] = list(args.part)
