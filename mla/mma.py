@@ -90,6 +90,19 @@ exact) and the scale ``s`` goes on the c_kv part of S (the c_kv column blocks'
 sums times ``s``, one rounding, before k_pe's k steps are added) and on O
 (times ``s`` before ``1 / l``, or before a split's partial is written): one
 conversion instruction a code pair, against three through fp32 (notes/bench.md).
+Per tensor at a rank that is a power of two (128 and up: ``DIRECT``, DeepSeek's
+512) there is no f16 c_kv tile and no conversion pass: the code buffers are
+stored swizzled (chunk ``c ^ (row & 7)`` of each 8, as the tiles) and the
+fragments are read from them. S's K by ``ldmatrix`` x4 of the codes (a lane's
+word is codes ``4 t .. 4 t + 3`` of a k step's 16, converted into its two B
+registers; Q's tile holds its c_kv columns in that order, pairs ``(2 L, 2 L +
+1)`` for ``L < 8`` else ``(2 L - 14, 2 L - 13)``, which changes no bit: the mma
+sums a k step's 16 products in one go). P.V's V by ``ldmatrix`` x4 ``.trans``
+of byte pairs (a word: positions ``2 t, 2 t + 1`` of columns ``2 g, 2 g + 1``;
+a ``prmt`` pairs each column's positions): one load covers 32 output columns
+as n tiles of the even and the odd columns of each 16, which the end writes
+back in place. Per tile the block moves about a third fewer shared-memory
+bytes than the 16-bit kernel and has no conversion barrier (notes/bench.md).
 Per token the tile holds ``fp16(fl32(e4m3(c) s))``, s the code's row's (its
 scale varies along P.V's k, so it cannot leave the tile). A thread converts
 units of 8 codes (a uint64 load, a 16-byte chunk of the tile stored as two
@@ -99,8 +112,8 @@ its addresses a base plus a constant a unit. Per token, threads below KT load
 their row's scale when the tile's copy is issued and store it to shared
 memory (``KT`` more words) once the tile has landed. k_pe is copied straight
 into two f16 buffers of its ``d_rope`` columns. One more ``__syncthreads`` a
-tile. A zero-filled row (past the end, a bad page entry) converts to zeros
-(its scale taken as 0, never read).
+tile (not with ``DIRECT``). A zero-filled row (past the end, a bad page entry)
+converts to zeros (its scale taken as 0, never read).
 
 Planted defects (``defect=``, compile-time switches for the tests and the
 defect catalogue; without one the kernel is unchanged, its name has no suffix):
@@ -142,7 +155,7 @@ from attention.core.device import (
 )
 from attention.core.warp import fragment_softmax_step, group_max, group_sum, softmax_finish
 from attention.decode import fast
-from attention.decode.mma import _codes_f16x2
+from attention.decode.mma import _codes_f16x2, _swap_middle_bytes
 from attention.gemm import mma16
 
 from . import attn_gemm as G
@@ -298,6 +311,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     # per tensor: the tile holds the codes' values, the scale goes on the c_kv part
     # of S and on O (module docstring, "fp8 cache")
     TENSOR = fp8 == "tensor"
+    # per tensor at a rank that is a power of two >= 128: no f16 tile. S's K and
+    # P.V's V fragments are read from the staged codes by ldmatrix (plain and
+    # .trans) and converted in registers (module docstring, "fp8 cache")
+    DIRECT = TENSOR and RANK >= 128 and RANK & (RANK - 1) == 0
     # times a dequantized value (per tensor: the c_kv part of S, O) is multiplied
     # by its scale (once; the planted fp8_no_scale / fp8_scale_twice: 0 / 2)
     SCALINGS = {"fp8_no_scale": 0, "fp8_scale_twice": 2}.get(defect, 1)
@@ -369,10 +386,22 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     if FP8:
         assert STG0B + 2 * STGB == P0B
 
+    NC16 = NCOL // 16  # DIRECT: 16-code chunks of a warp's output columns
+    # DIRECT, the planted v_block_stride: V's chunk bits past a 64-column block dropped
+    VMASK = 3 if defect == "v_block_stride" else 0x7FFFFFFF
+
     mma, pack = mma16.ops(kind)
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
     codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
+    swap_bytes = _swap_middle_bytes()
+
+    def v_codes_f16x2(word):
+        # an ldmatrix .trans word of byte pairs (positions p, p + 1 of columns c,
+        # c + 1) as the f16x2 pairs (p, p + 1) of column c and of column c + 1
+        return codes_f16x2(swap_bytes(word))
+
+    v_codes_f16x2 = device_fn(v_codes_f16x2)
 
     def chunk_at(row, c):
         # byte offset of 16-byte chunk c of row `row` in a tile stored as 64-column
@@ -384,6 +413,20 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         return (c >> 3) * KBLK + row * 128 + (((c & 7) ^ key) << 4)
 
     chunk_at = device_fn(chunk_at)
+
+    def code_at(row, c):
+        # byte offset of 16-byte chunk c of row `row` in a code buffer [KT, r]: with
+        # DIRECT swizzled as the tiles (chunk c ^ (row & 7) within each 8; the planted
+        # swizzle_off_by_one: the next row's key), so ldmatrix reads 8 rows of one
+        # chunk from 8 bank groups; else row-major
+        if DIRECT:
+            key = row & 7
+            if SWIZZLE_OFF:
+                key = (row + 1) & 7
+            return row * RANK + ((c ^ key) << 4)
+        return row * RANK + 16 * c
+
+    code_at = device_fn(code_at)
 
     def tile_row(table, seq, tile0, end, page, shift, n_pages, slot_row):
         # cache row of position tile0 when the tile's KT positions are KT consecutive
@@ -492,7 +535,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 src = (tb + row) * WRB + 4 * c
                 for a in range(FULL_N):
                     if KT % RSN == 0 or row < KT:
-                        copy(smem, sbase + STG0B + nb * STGB + row * RANK + 16 * c, lat, src)
+                        copy(smem, sbase + STG0B + nb * STGB + code_at(row, c), lat, src)
                     row += RSN
                     src += RSN * WRB
             row = tid // CPRR
@@ -509,7 +552,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         c = tid % CPRN
         for a in range(COPIES_N):
             if KT * CPRN % NTH == 0 or row < KT:
-                dst = STG0B + nb * STGB + row * RANK + 16 * c
+                dst = STG0B + nb * STGB + code_at(row, c)
                 pos = tile0 + row
                 ri = pos_row(tb, row, table, seq, pos, end, page, shift, n_pages)
                 if ri >= 0:
@@ -617,6 +660,90 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     lane_offsets = device_fn(lane_offsets)
 
+    def code_offsets(t):
+        # DIRECT: thread t's byte offsets in a code buffer for ldmatrix x4 at its
+        # lane's row (lane & 7) | (lane & 8) and chunk lane >> 4 of a chunk pair,
+        # swizzled (code_at; the key is lane & 7): K's, rows its warp's 16
+        # positions (a chunk pair 2 j: XOR 2 j << 4), and V's, rows a k step's 16
+        # positions, chunks from its warp's first output column (NC16 a power of
+        # two, so the warp's chunk bits and a chunk pair's are apart: XOR 2 q << 4)
+        lane = t % WARP
+        cq = (t // WARP) % CQ
+        r16 = (lane & 7) | (lane & 8)
+        sw = (lane >> 4) ^ (lane & 7)
+        k8 = (cq * 16 + r16) * RANK + (sw << 4)
+        v8 = r16 * RANK + ((((cq * NC16) & VMASK) ^ sw) << 4)
+        return k8, v8
+
+    code_offsets = device_fn(code_offsets)
+
+    def s_codes(smem, qa, ka, c0, c1, c2, c3, d0, d1, d2, d3):
+        # DIRECT: S's k steps 2 j, 2 j + 1 of a c_kv column block (qa: Q's first at
+        # the lane's shared address; ka: the codes', from k8_lane). Code words 0,
+        # 1 are the warp's two 8-position halves at the first k step, 2, 3 at the
+        # second (codes 4 t .. 4 t + 3 of a 16: b0 = 4 t, 4 t + 1, b1 = the next
+        # two; Q's tile holds its columns in that order, see the kernel's Q)
+        a0, a1, a2, a3 = ld_x4(smem, qa)
+        e0, e1, e2, e3 = ld_x4(smem, qa ^ 32)
+        w0, w1, w2, w3 = ld_x4(smem, ka)
+        b0, b1 = codes_f16x2(w0)
+        b2, b3 = codes_f16x2(w1)
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, d0, d1, d2, d3)
+        b0, b1 = codes_f16x2(w2)
+        b2, b3 = codes_f16x2(w3)
+        c0, c1, c2, c3 = mma(e0, e1, e2, e3, b0, b1, c0, c1, c2, c3)
+        d0, d1, d2, d3 = mma(e0, e1, e2, e3, b2, b3, d0, d1, d2, d3)
+        return c0, c1, c2, c3, d0, d1, d2, d3
+
+    s_codes = device_fn(s_codes)
+
+    def pv_codes(smem, va, p0, p1, p2, p3, o, n):
+        # DIRECT: O += P V over 32 output columns of one k step, V's fragments by
+        # ldmatrix .trans of the codes at va (a word: positions 2 t, 2 t + 1 of
+        # columns 2 g, 2 g + 1; v_codes_f16x2): o[n ..] the even columns of the
+        # first 16, o[n + 4 ..] the odd, o[n + 8 ..], o[n + 12 ..] the second 16's
+        if NO_TRANS:
+            w0, w1, w2, w3 = ld_x4(smem, va)
+        else:
+            w0, w1, w2, w3 = ld_x4_trans(smem, va)
+        e0, f0 = v_codes_f16x2(w0)
+        e1, f1 = v_codes_f16x2(w1)
+        o[n], o[n + 1], o[n + 2], o[n + 3] = mma(
+            p0, p1, p2, p3, e0, e1, o[n], o[n + 1], o[n + 2], o[n + 3])
+        o[n + 4], o[n + 5], o[n + 6], o[n + 7] = mma(
+            p0, p1, p2, p3, f0, f1, o[n + 4], o[n + 5], o[n + 6], o[n + 7])
+        e0, f0 = v_codes_f16x2(w2)
+        e1, f1 = v_codes_f16x2(w3)
+        o[n + 8], o[n + 9], o[n + 10], o[n + 11] = mma(
+            p0, p1, p2, p3, e0, e1, o[n + 8], o[n + 9], o[n + 10], o[n + 11])
+        o[n + 12], o[n + 13], o[n + 14], o[n + 15] = mma(
+            p0, p1, p2, p3, f0, f1, o[n + 12], o[n + 13], o[n + 14], o[n + 15])
+
+    pv_codes = device_fn(pv_codes)
+
+    # DIRECT: the c_kv part of S and the tile's P V written out (generated source,
+    # every offset a constant: as loops the compiler kept them rolled)
+    s_nope = pv_all = None
+    lines = ["def s_nope(smem, sbase, q_lane, kbase, k8, c0, c1, c2, c3, d0, d1, d2, d3):"]
+    for cb in range(NCBN):
+        for j in range(2):
+            lines.append(f"    c0, c1, c2, c3, d0, d1, d2, d3 = s_codes(smem, sbase + "
+                         f"((q_lane + {cb * QBLK}) ^ {64 * j}), kbase + (k8 ^ "
+                         f"{(4 * cb + 2 * j) << 4}), c0, c1, c2, c3, d0, d1, d2, d3)")
+    lines.append("    return c0, c1, c2, c3, d0, d1, d2, d3")
+    lines.append("def pv_all(smem, sbase, p_lane, vbase, v8, o):")
+    for kk in range(KT // 16):
+        lines.append(f"    p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ {32 * kk}))")
+        for q in range(NT // 4):
+            lines.append(f"    pv_codes(smem, vbase + {kk * 16 * RANK} + (v8 ^ "
+                         f"{((2 * q) & VMASK) << 4}), p0, p1, p2, p3, o, {16 * q})")
+    space = {"s_codes": s_codes, "pv_codes": pv_codes, "ld_x4": ld_x4}
+    if DIRECT:
+        exec("\n".join(lines), space)  # noqa: S102 - fixed text built above
+        s_nope = device_fn(space["s_nope"])
+        pv_all = device_fn(space["pv_all"])
+
     def row_limit(row, n_rows, nh, s_q, length, end):
         # positions below this are seen by query row `row` (0 for a padded row)
         if row >= n_rows:
@@ -688,11 +815,22 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             col = 2 * (w % WR)
             word = uint32(0)
             if first + r < n_rows:
-                word = pack(qc[seq, first + r, col], qc[seq, first + r, col + 1])
+                src = col
+                if DIRECT and col < RANK:
+                    # c_kv's k step holds columns 4 t .. 4 t + 3 of its 16 where the
+                    # mma reads 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (a code word's four,
+                    # ldmatrix's lane t): Q's pair (L, L + 1) of the 16 is the
+                    # codes' (2 L, 2 L + 1) for L < 8, else (2 L - 14, 2 L - 13)
+                    lo = col & 15
+                    src = col - lo + (2 * lo if lo < 8 else 2 * lo - 14)
+                word = pack(qc[seq, first + r, src], qc[seq, first + r, src + 1])
             smem[Q0B // 4 + sub_word(ROWS, r, col)] = word
 
         # -- the lane's ldmatrix offsets (docstring) and its P tile words --
         a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid)
+        k8_lane = v8_lane = uint32(0)
+        if DIRECT:
+            k8_lane, v8_lane = code_offsets(tid)
 
         # -- the lane's rows (g, g + 8 of its row group): limits, running state --
         lim0 = row_limit(first + lrow, n_rows, nh, s_q, length, end)
@@ -718,6 +856,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             if REMAT:
                 tid_z = tid + (it & 0x40000000)
                 a_lane, q_lane, k_lane, p_lane, lrow, p_word, p_key = lane_offsets(tid_z)
+                if DIRECT:
+                    k8_lane, v8_lane = code_offsets(tid_z)
             wait_all()  # this thread's copies of tile it have landed
             if PER_TOKEN and tid < KT:
                 smf[SCL + tid] = s_next  # (the last tile's conversion read them)
@@ -728,13 +868,16 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     s_next = issue8(smem, sbase, lat, sc, table, seq, page, shift, n_pages,
                                     slot_row, start + (it + 1) * KT, end, (it + 1) % 2, tid_z)
                 commit()
-                convert8(smem64, smf, it % 2, tid_z)
-                cuda.syncthreads()  # the f16 c_kv tile is complete
+                if not DIRECT:
+                    convert8(smem64, smf, it % 2, tid_z)
+                    cuda.syncthreads()  # the f16 c_kv tile is complete
                 # (kb opaque to the compiler, it & 2^30 being 0: a constant kb let it
                 # hoist every V fragment's address out of the tile loop, and spill them)
                 kb = NOPE0B + (it & 0x40000000)
                 kdelta = ROPE0B + (it % 2) * ROPEB - NOPE0B - NCBN * KBLK
+                cbuf = STG0B + (it % 2) * STGB  # DIRECT: tile it's codes
             else:
+                cbuf = 0
                 if it + 1 < n_tiles:
                     issue(smem, sbase, lat, table, seq, page, shift, n_pages, slot_row,
                           start + (it + 1) * KT, end, LAT0B + ((it + 1) % 2) * LATB,
@@ -747,7 +890,13 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             if active:
                 c0 = c1 = c2 = c3 = float32(0.0)
                 d0 = d1 = d2 = d3 = float32(0.0)
-                for cb in range(NCB):
+                cb0 = 0  # the first column block of the loop below
+                if DIRECT:  # c_kv from the codes (s_nope)
+                    c0, c1, c2, c3, d0, d1, d2, d3 = s_nope(
+                        smem, sbase, q_lane, sbase + cbuf, k8_lane, c0, c1, c2, c3, d0, d1,
+                        d2, d3)
+                    cb0 = NCBN
+                for cb in range(cb0, NCB):
                     if TENSOR and cb == NCBN:  # the c_kv part times the tensor's scale
                         c0, c1, c2, c3, d0, d1, d2, d3 = scale8(
                             s_all, c0, c1, c2, c3, d0, d1, d2, d3)
@@ -804,7 +953,13 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             cuda.syncthreads()  # the P tile is complete
 
             # -- O += P V over the warp's columns NCOL cq .. (two n tiles a load) --
-            if active:
+            if active and DIRECT:
+                # V straight from the codes (pv_all, pv_codes): a load covers 32
+                # columns, n tiles of the even and the odd columns of each 16
+                # (o[16 q + 4 (2 b + odd) ..]: the warp's columns 32 q + 16 b + 4 tq
+                # + odd and + 2; the end writes them so)
+                pv_all(smem, sbase, p_lane, sbase + cbuf, v8_lane, o)
+            elif active:
                 for kk in range(KT // 16):
                     p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ (32 * kk)))
                     for nd2 in range(NT // 2):
@@ -851,6 +1006,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         part_ml[seq, row, split, 1] = tot
                 for nd in range(NT):
                     col = cq * NCOL + nd * 8 + 2 * tq
+                    step = 1  # x0, x1: columns col, col + step
+                    if DIRECT:  # (the P.V loop's n tiles of even and odd columns)
+                        col = cq * NCOL + (nd >> 1) * 16 + 4 * tq + (nd & 1)
+                        step = 2
                     x0 = o[4 * nd + 2 * half]
                     x1 = o[4 * nd + 2 * half + 1]
                     if TENSOR:  # O over the codes' values, times the tensor's scale
@@ -859,10 +1018,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                             x1 = float32(x1 * s_all)
                     if single:
                         o_lat[seq, row, col] = x0 * inv
-                        o_lat[seq, row, col + 1] = x1 * inv
+                        o_lat[seq, row, col + step] = x1 * inv
                     else:
                         part_acc[seq, row, split, col] = x0
-                        part_acc[seq, row, split, col + 1] = x1
+                        part_acc[seq, row, split, col + step] = x1
 
     name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
             + (f"{PAGE}" if PAGE else "") + ("" if fp8 is None else "_fp8" + fp8))

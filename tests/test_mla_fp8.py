@@ -68,8 +68,8 @@ def _paged(codes, scales, fp16, lens, page, rng):
     n_pages = n_b * per + 1
     order = rng.permutation(n_pages)
     table = order[:n_b * per].reshape(n_b, per).astype(np.int32)
-    pc = np.full((n_pages, page, RB), 0x7F, np.uint8)
-    pf = np.full((n_pages, page, W), np.nan, np.float16)
+    pc = np.full((n_pages, page, codes.shape[2]), 0x7F, np.uint8)
+    pf = np.full((n_pages, page, fp16.shape[2]), np.nan, np.float16)
     ps = np.full((n_pages, page), np.nan, np.float32) if scales.ndim == 2 else scales
     for b in range(n_b):
         for p in range(cap):
@@ -140,27 +140,94 @@ def test_fp8_kernel_gives_the_fp16_kernel_bits(mode, rank, row_groups, length):
 
 
 def _kernel_bits_match(codes, scales, fp16, table, lens, qc, mode, rank, row_groups, cap,
-                       paged=False, page_size=None):
-    """``mla.mma`` launched alone (one split) over the fp8 cache and over its fp16
+                       paged=False, page_size=None, n_split=1, defect=None):
+    """``mla.mma`` launched alone over the fp8 cache and over its fp16
     dequantization (``table``: slots or the page table; ``page_size``: the
-    plan's): the same bits."""
+    plan's; ``n_split`` > 1: the splits' partials compared; ``defect``: planted
+    in the fp8 kernel): the same bits (with a defect: returns whether they are)."""
     from attention.core.device import device_empty, to_device
     from mla import mma as MM
 
+    n_b, n_rows = qc.shape[0], qc.shape[1]
     results = []
-    for lat, fp8_mode, sc in ((codes, mode, scales), (fp16, None, None)):
-        pl = MM.plan(1, NH, rank, D_ROPE, cap, "f16", row_groups=row_groups, n_split=1,
-                     paged=paged, fp8=fp8_mode, page_size=page_size)
-        o = device_empty((1, NH, rank), np.float32)
-        lse = device_empty((1, NH), np.float32)
-        pa, pm = MM.scratch(pl, 1, NH)
-        MM.launch(pl, to_device(qc), to_device(lat), to_device(lens), to_device(table), NH,
-                  0.125, o, lse, pa, pm, 0, d_scale=None if sc is None else to_device(sc))
-        results.append((o.copy_to_host(), lse.copy_to_host()))
+    for lat, fp8_mode, sc, d in ((codes, mode, scales, defect), (fp16, None, None, None)):
+        pl = MM.plan(n_b, n_rows, rank, D_ROPE, cap, "f16", row_groups=row_groups,
+                     n_split=n_split, paged=paged, fp8=fp8_mode, page_size=page_size,
+                     defect=d)
+        o = device_empty((n_b, n_rows, rank), np.float32)
+        lse = device_empty((n_b, n_rows), np.float32)
+        pa, pm = MM.scratch(pl, n_b, n_rows)
+        try:
+            MM.launch(pl, to_device(qc), to_device(lat), to_device(lens), to_device(table),
+                      NH, 0.125, o, lse, pa, pm, 0,
+                      d_scale=None if sc is None else to_device(sc))
+        except OverflowError:
+            # the simulator's math.exp raises where a GPU gives inf (fp8_as_e5m2's
+            # values reach 57344): the planted kernel did not give the same bits
+            if d is None:
+                raise
+            return False
+        if pl["n_split"] > 1:
+            results.append((pa.copy_to_host(), pm.copy_to_host()))
+        else:
+            results.append((o.copy_to_host(), lse.copy_to_host()))
     (o8, l8), (o16, l16) = results
+    if defect is not None:
+        return np.array_equal(o8, o16, equal_nan=True) and np.array_equal(l8, l16,
+                                                                           equal_nan=True)
     np.testing.assert_array_equal(o8, o16)
     np.testing.assert_array_equal(l8, l16)
     assert np.isfinite(o8).all() and np.abs(o8).max() > 0
+    return True
+
+
+def _direct_case(rank, lens, cap, paged, seed):
+    """Per tensor at ``rank`` (a power of two >= 128: ``mla.mma`` reads the codes
+    straight into S's and P.V's fragments, ``DIRECT``): the fp8 cache, its fp16
+    dequantization, the table (slots, or pages of 64 shuffled) and qc [B, NH, W]."""
+    rng = np.random.default_rng(seed)
+    c = _case(rng, lens, mode="tensor", cap=cap, rank=rank)
+    codes, scales, fp16 = c["codes"], c["scales"], c["fp16"]
+    table = np.arange(len(lens), dtype=np.int32)[:, None]
+    if paged:
+        codes, scales, fp16, table = _paged(codes, scales, fp16, c["lens"], 64, rng)
+    qc = rng.standard_normal((len(lens), NH, rank + D_ROPE)).astype(np.float32)
+    return codes, scales, fp16, table, c["lens"], qc
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("rank,row_groups,paged,n_split", [
+    (128, 1, False, 1), (128, 1, False, 2), (128, 4, True, 2), (256, 2, False, 1)])
+def test_codes_read_in_registers_give_the_fp16_kernel_bits(rank, row_groups, paged, n_split):
+    """Per tensor at ranks 128 and 256 the kernel keeps no f16 tile: K's and V's
+    fragments come from the staged codes (swizzled; ldmatrix, ``.trans`` for V),
+    converted in registers, Q's c_kv columns permuted to match, O's columns of
+    even and odd n tiles put back at the end. The same bits as the fp16 kernel
+    (the mma sums a k step's 16 products in one go, so their order within it
+    does not count): two sequences (lengths 150 and 70: whole tiles and a
+    partial one), contiguous and pages of 64 (shuffled), one split (O / l
+    written) and two (the partials compared: their columns too), RG 1, 2, 4
+    (RG 4 derives the lane offsets again each tile)."""
+    codes, scales, fp16, table, lens, qc = _direct_case(rank, [150, 70], 192, paged, 21)
+    _kernel_bits_match(codes, scales, fp16, table, lens, qc, "tensor", rank, row_groups, 192,
+                       paged=paged, page_size=64 if paged else None, n_split=n_split)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("defect", ["ldmatrix_no_trans", "swizzle_off_by_one",
+                                    "v_block_stride", "fp8_as_e5m2", "fp8_no_scale"])
+def test_codes_read_in_registers_planted_defects_change_the_bits(defect):
+    """Positive controls of the test above at rank 128 (RG 1, two splits): each
+    planted switch acts on the codes' path (V loaded without ``.trans``; the
+    codes stored with the next row's swizzle; V's chunks all from the first 64
+    columns; e5m2 decoding; no scale on S's c_kv part and O) and the bits
+    differ from the fp16 kernel's."""
+    codes, scales, fp16, table, lens, qc = _direct_case(128, [150, 70], 192, False, 21)
+    assert scales[0] != 1  # (so that fp8_no_scale shows)
+    assert _kernel_bits_match(codes, scales, fp16, table, lens, qc, "tensor", 128, 1, 192,
+                              n_split=2) is True  # the control: clean, the same bits
+    assert not _kernel_bits_match(codes, scales, fp16, table, lens, qc, "tensor", 128, 1, 192,
+                                  n_split=2, defect=defect)
 
 
 @pytest.mark.device
@@ -350,20 +417,24 @@ def test_suite_clean_run_passes():
     from validation.suite import caught
 
     checks_ = suite_mla_fp8.run_suite(None)
-    assert [c.name for c in checks_] == ["out[tensor_s2]", "out[token_s2]", "append[token]",
-                                        "append[tensor]"]
+    assert [c.name for c in checks_] == ["out[tensor_s2]", "out[token_s2]", "out[tensor_r128]",
+                                        "append[token]", "append[tensor]"]
     assert not caught(checks_), [c for c in checks_ if not c.passed]
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("defect", ["fp8_scale_twice", "fp8_no_scale", "fp8_scale_wrong_token",
-                                    "fp8_as_e5m2", "append_round_to_zero"])
+                                    "fp8_as_e5m2", "codes_no_trans", "codes_swizzle_off",
+                                    "codes_v_block", "append_round_to_zero"])
 def test_suite_catches_each_defect(defect):
     from validation import suite_mla_fp8
     from validation.suite import caught
 
     assert defect in suite_mla_fp8.DEFECTS
-    assert caught(suite_mla_fp8.run_suite(defect))
+    checks_ = suite_mla_fp8.run_suite(defect)
+    assert caught(checks_)
+    if defect.startswith("codes_"):  # caught on the direct path's case, which it acts on
+        assert [c.name for c in checks_] == ["out[tensor_r128]"]
 
 
 # ---------------------------------------------------------------------------
@@ -423,28 +494,41 @@ def test_defects_are_checked_by_mode():
 # ---------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("mode,row_groups,paged", [("token", 2, True), ("tensor", 4, False)])
-def test_fp8_kernel_compiles_without_local_memory(mode, row_groups, paged):
+@pytest.mark.parametrize("mode,rank,row_groups,paged", [
+    ("token", 512, 2, True), ("tensor", 192, 4, False), ("tensor", 512, 4, False),
+    ("tensor", 512, 4, True)])
+def test_fp8_kernel_compiles_without_local_memory(mode, rank, row_groups, paged):
+    """Per token, and per tensor at a rank that is not a power of two (192), the
+    tile is converted into f16 in shared memory; per tensor at 512 (``DIRECT``)
+    the codes go from their staging buffers straight into the fragments."""
     from numba import cuda
 
     from mla import mma as MM
     from tests.test_mla_mma import _signature
 
-    kern = MM.mla_mma_kernel("f16", 512, 64, row_groups, 64, paged, None, mode)
+    kern = MM.mla_mma_kernel("f16", rank, 64, row_groups, 64, paged, None, mode)
     ptx, _ = cuda.compile_ptx(kern.py_func, _signature(), cc=(9, 0), fastmath=True)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.f16x2.f32" in ptx
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 576 // 16 * 2 + 4 * 16
+    n_t = rank // 4 // 8  # n tiles of a warp's O
+    assert ptx.count("mma.sync.aligned.m16n8k16") == (rank + 64) // 16 * 2 + 4 * n_t
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx and "ld.local" not in ptx
-    # the conversion's units: a uint64 of codes in, a 16-byte f16 chunk out as two
-    # uint64 (a warp's loads and stores free of bank conflicts: mla.mma's
-    # docstring); the compiler unrolls the units' loop (all 8 at RG 4), so count the
-    # pairs
-    loads = ptx.count("ld.shared.u64")
-    assert loads >= 1 and ptx.count("st.shared.u64") == 2 * loads
-    # per tensor the codes' f16 values go straight to the tile; per token through
-    # fp32, times the row's scale
+    # per tensor the codes' f16 values (no fp32); per token through fp32, times the
+    # row's scale
     assert ("cvt.ftz.f32.f16" in ptx) == (mode == "token")
+    trans = ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans")
+    loads = ptx.count("ld.shared.u64")
+    if mode == "tensor" and rank == 512:
+        # no conversion units; V by ldmatrix .trans of the codes (32 columns a
+        # load, then prmt to pair each column's positions): 4 k steps x n_t / 4
+        assert loads == 0 and ptx.count("st.shared.u64") == 0
+        assert trans == 4 * n_t // 4 and "prmt.b32" in ptx
+    else:
+        # the conversion's units: a uint64 of codes in, a 16-byte f16 chunk out as
+        # two uint64 (a warp's loads and stores free of bank conflicts: mla.mma's
+        # docstring); the compiler unrolls the units' loop, so count the pairs
+        assert loads >= 1 and ptx.count("st.shared.u64") == 2 * loads
+        assert trans == 4 * n_t // 2
 
 
 # ---------------------------------------------------------------------------
