@@ -184,20 +184,21 @@ def _kernel_bits_match(codes, scales, fp16, table, lens, qc, mode, rank, row_gro
 def _direct_case(rank, lens, cap, paged, seed):
     """Per tensor at ``rank`` (a power of two >= 128: ``mla.mma`` reads the codes
     straight into S's and P.V's fragments, ``DIRECT``): the fp8 cache, its fp16
-    dequantization, the table (slots, or pages of 64 shuffled) and qc [B, NH, W]."""
+    dequantization, the table (slots, or shuffled pages of ``paged`` rows) and qc
+    [B, NH, W]."""
     rng = np.random.default_rng(seed)
     c = _case(rng, lens, mode="tensor", cap=cap, rank=rank)
     codes, scales, fp16 = c["codes"], c["scales"], c["fp16"]
     table = np.arange(len(lens), dtype=np.int32)[:, None]
     if paged:
-        codes, scales, fp16, table = _paged(codes, scales, fp16, c["lens"], 64, rng)
+        codes, scales, fp16, table = _paged(codes, scales, fp16, c["lens"], paged, rng)
     qc = rng.standard_normal((len(lens), NH, rank + D_ROPE)).astype(np.float32)
     return codes, scales, fp16, table, c["lens"], qc
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("rank,row_groups,paged,n_split", [
-    (128, 1, False, 1), (128, 1, False, 2), (128, 4, True, 2), (256, 2, False, 1)])
+    (128, 1, None, 1), (128, 1, None, 2), (128, 4, 64, 2), (128, 2, 16, 1), (256, 2, None, 1)])
 def test_codes_read_in_registers_give_the_fp16_kernel_bits(rank, row_groups, paged, n_split):
     """Per tensor at ranks 128 and 256 the kernel keeps no f16 tile: K's and V's
     fragments come from the staged codes (swizzled; ldmatrix, ``.trans`` for V),
@@ -205,12 +206,13 @@ def test_codes_read_in_registers_give_the_fp16_kernel_bits(rank, row_groups, pag
     even and odd n tiles put back at the end. The same bits as the fp16 kernel
     (the mma sums a k step's 16 products in one go, so their order within it
     does not count): two sequences (lengths 150 and 70: whole tiles and a
-    partial one), contiguous and pages of 64 (shuffled), one split (O / l
-    written) and two (the partials compared: their columns too), RG 1, 2, 4
-    (RG 4 derives the lane offsets again each tile)."""
+    partial one), contiguous, pages of 64 (one page-table read a tile) and of
+    16 (a read a row, rows past the end zero-filled; shuffled pages), one split
+    (O / l written) and two (the partials compared: their columns too), RG 1,
+    2, 4 (RG 4 derives the lane offsets again each tile)."""
     codes, scales, fp16, table, lens, qc = _direct_case(rank, [150, 70], 192, paged, 21)
     _kernel_bits_match(codes, scales, fp16, table, lens, qc, "tensor", rank, row_groups, 192,
-                       paged=paged, page_size=64 if paged else None, n_split=n_split)
+                       paged=paged is not None, page_size=paged, n_split=n_split)
 
 
 @pytest.mark.device
@@ -222,7 +224,7 @@ def test_codes_read_in_registers_planted_defects_change_the_bits(defect):
     codes stored with the next row's swizzle; V's chunks all from the first 64
     columns; e5m2 decoding; no scale on S's c_kv part and O) and the bits
     differ from the fp16 kernel's."""
-    codes, scales, fp16, table, lens, qc = _direct_case(128, [150, 70], 192, False, 21)
+    codes, scales, fp16, table, lens, qc = _direct_case(128, [150, 70], 192, None, 21)
     assert scales[0] != 1  # (so that fp8_no_scale shows)
     assert _kernel_bits_match(codes, scales, fp16, table, lens, qc, "tensor", 128, 1, 192,
                               n_split=2) is True  # the control: clean, the same bits
