@@ -1062,13 +1062,19 @@ def test_an_archived_report_reads_as_the_plain_one(tmp_path, monkeypatch):
     (run / "validation.json").unlink()
     (run / "validation.json").write_text(json.dumps(rep, indent=1))
     assert report.archive(run).read_bytes() == gz  # deterministic
-    # an archived run stays archived through --rebuild (its summary and plots
-    # stubbed: this report is too small to draw)
-    monkeypatch.setattr(report, "write", lambda r, out: (Path(out) / "validation.json")
-                        .write_text(json.dumps(r, indent=1)))
+    # an archived run stays archived through --rebuild (report.write keeps a
+    # compressed folder compressed; its summary and plots stubbed: this report is
+    # too small to draw)
+    monkeypatch.setattr(report.plot, "plot_all", lambda r, out: [])
+    monkeypatch.setattr(report, "summary_markdown", lambda r, images: "stub")
     monkeypatch.setattr(cli, "_print_verdict", lambda r, out: None)
     assert cli.main(["--rebuild", "--out", str(run)]) == 0
     assert not (run / "validation.json").exists() and report.read(run) == rep
+    assert (run / "validation.json.gz").read_bytes() == gz
+    # the control: a folder holding only the plain file keeps it plain
+    plain = tmp_path / "plain"
+    report.write(rep, plain)
+    assert (plain / "validation.json").exists() and not (plain / "validation.json.gz").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.freshness(empty)["state"] == "missing"

@@ -766,10 +766,7 @@ def main(argv=None):
         except OSError as exc:
             print(f"validate --rebuild: {exc}", file=sys.stderr)
             return 2
-        archived = report.report_file(out).name == report.JSON_GZ_NAME
         report.write(rep, out)  # the same results; plots and summary.md written anew
-        if archived:  # a kept run stays compressed
-            report.archive(out)
         _print_verdict(rep, out)
         return 0 if rep["verdict"]["passed"] else 1
 

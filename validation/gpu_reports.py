@@ -76,10 +76,10 @@ def _provenance_and_cut(path, rc=None):
     (``CUT_STATUS``); the note
     names a sanitizer report whose positive control the tool did not flag (its
     0 errors then say nothing). A JSON report is read once."""
-    if path.suffix == ".json":
+    if path.suffix == ".json" or path.name.endswith(".json.gz"):
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+            doc = _json_doc(path)
+        except (OSError, ValueError, EOFError):
             return {}, False, ""
         prov = doc.get("provenance") or {}
         control = (doc.get("sanitizer") or {}).get("control")
@@ -94,15 +94,22 @@ def _provenance_and_cut(path, rc=None):
     return prov, bool(prov.get("interrupted") or prov.get("sections_skipped")), ""
 
 
+def _json_doc(path):
+    """A JSON report's document (``.json``, or ``.json.gz`` compressed)."""
+    from validation.report import file_bytes
+
+    return json.loads(file_bytes(path))
+
+
 def read_provenance(path):
     """The provenance dict ``path`` states, or None."""
     path = Path(path)
     try:
-        if path.suffix == ".json":
-            return json.loads(path.read_text()).get("provenance")
+        if path.suffix == ".json" or path.name.endswith(".json.gz"):
+            return _json_doc(path).get("provenance")
         with path.open(errors="replace") as fh:
             head = [next(fh, "") for _ in range(400)]  # a resumed bench's is long
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, EOFError):
         return None
     if path.suffix == ".log":  # only the header gpu_all writes counts
         first = head[0]
@@ -116,10 +123,12 @@ def read_provenance(path):
 
 
 def _files(reports):
+    from validation.report import report_file
+
     r = Path(reports)
     out = []
-    if (r / "validation.json").exists():
-        out.append(("validation", r / "validation.json"))
+    if r.is_dir() and report_file(r) is not None:  # validation.json or its .gz
+        out.append(("validation", report_file(r)))
     out += [("gpu report", p) for p in sorted((r / "gpu").glob("*.json"))]
     if (r / "bench" / "summary.md").exists():
         out.append(("bench", r / "bench" / "summary.md"))

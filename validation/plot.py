@@ -1,6 +1,6 @@
 """Plots of a validation report, rebuilt from its JSON alone.
 
-    python -m validation.plot [--json reports/validation.json] [--out DIR]
+    python -m validation.plot [--json reports] [--out DIR]
 
 * ``growth.png``: one panel per (growth run kernel, dtype): max abs error of
   the output against the float64 recompute at every decode step, log scale,
@@ -143,8 +143,9 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(prog="scripts/plot",
                                  description="Rebuild the validation plots from the JSON report.")
-    ap.add_argument("--json", default=str(ROOT / "reports" / "validation.json"),
-                    help="report JSON (default: reports/validation.json)")
+    ap.add_argument("--json", default=str(ROOT / "reports"),
+                    help="a report: its folder, validation.json or validation.json.gz "
+                         "(default: reports)")
     ap.add_argument("--out", help="folder for the PNGs (default: the JSON's folder)")
     args = ap.parse_args(argv)
     path = Path(args.json)
@@ -154,7 +155,7 @@ def main(argv=None):
     from validation.report import read
 
     report = read(path)
-    out = Path(args.out) if args.out else path.parent
+    out = Path(args.out) if args.out else (path if path.is_dir() else path.parent)
     out.mkdir(parents=True, exist_ok=True)
     for name in plot_all(report, out):
         print(out / name)

@@ -648,13 +648,19 @@ def findings_section(report):
 
 
 def write(report, out_dir):
-    """Write validation.json, the plots and summary.md into ``out_dir``."""
+    """Write validation.json, the plots and summary.md into ``out_dir``. A folder
+    that keeps its report compressed (``validation.json.gz``: a kept run, and the
+    report of record under ``reports/``, whose plain JSON is most of the tree's
+    bytes) gets it compressed again (``archive``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    compressed = (out / JSON_GZ_NAME).exists()
     with open(out / JSON_NAME, "w") as fh:
         json.dump(report, fh, indent=1, default=_json_default)
     images = plot.plot_all(report, out)
     (out / SUMMARY_NAME).write_text(summary_markdown(report, images) + "\n")
+    if compressed:
+        archive(out)
     return out
 
 
