@@ -127,8 +127,9 @@ def _files(reports):
 
     r = Path(reports)
     out = []
-    if r.is_dir() and report_file(r) is not None:  # validation.json or its .gz
-        out.append(("validation", report_file(r)))
+    rep = report_file(r) if r.is_dir() else None  # validation.json or its .gz
+    if rep is not None:
+        out.append(("validation", rep))
     out += [("gpu report", p) for p in sorted((r / "gpu").glob("*.json"))]
     if (r / "bench" / "summary.md").exists():
         out.append(("bench", r / "bench" / "summary.md"))
