@@ -57,6 +57,16 @@ in (``plan(page_size=)``, one kernel a page size, as ``prepare`` plans it):
 read at run time, its division and shift paths spilled 124 to 184 bytes a
 thread at RG 4, against 16 with it a constant.
 
+S on wgmma (``wgmma=True``; a 16-bit cache at RG 4; GPU only, sm_90a): the 4
+warps of a warp group are the 4 row groups of one column quarter, and the group
+multiplies the block's 64 Q rows by its quarter's 16 positions with 36
+``wgmma.m64n16k16`` a tile (``attention.gemm.wgmma.tile_product``), reading Q and
+K from their tiles, whose layout is the 128-byte swizzle the instruction
+expects; each warp's accumulators are then its S fragments as the mma.sync loop
+leaves them, and the rest is unchanged. Q's shared bytes a tile fall fourfold
+(one read a warp group, not one a warp). After its copies land and before the
+barrier, each thread fences its shared stores for the async proxy.
+
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
 ``8 RG KT`` and ``64 RG`` floats of row maxima: 230,400 bytes at RG 4, KT 64, W
@@ -252,7 +262,7 @@ sub_word = device_fn(sub_word)
 
 @functools.lru_cache(maxsize=None)
 def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None,
-                   fp8=None, page_size=None):
+                   fp8=None, page_size=None, wgmma=False):
     """The tensor-core MLA attention kernel (module docstring).
 
     kind: "f16" / "bf16" (the cache's type; "f16" for an fp8 cache); rank: r;
@@ -300,6 +310,15 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         raise ValueError(f"kind: an fp8 cache is attended in f16, got {kind!r}")
     check_defect(defect, fp8)
     RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
+    # S = Q K^T on wgmma (attention.gemm.wgmma; GPU only): warp group cq (warps 4 cq
+    # .. 4 cq + 3, one a row group) multiplies the block's 64 Q rows by its 16
+    # positions, 4 W / 64 instructions m64n16k16 a tile reading both operands from
+    # their swizzled tiles; its accumulators are each warp's S fragments as mma.sync
+    # leaves them. A 16-bit cache at RG 4 only
+    WGS = bool(wgmma)
+    if WGS and (RG != 4 or fp8 is not None):
+        raise ValueError(f"wgmma: a 16-bit cache at row_groups 4, got row_groups {RG}, "
+                         f"fp8 {fp8!r}")
     PAGED = bool(paged)
     if page_size is not None and (not PAGED or int(page_size) < 1):
         raise ValueError(f"page_size: a page size >= 1 of a paged kernel, got {page_size!r} "
@@ -391,6 +410,12 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     VMASK = 3 if defect == "v_block_stride" else 0x7FFFFFFF
 
     mma, pack = mma16.ops(kind)
+    if WGS:
+        from attention.gemm import wgmma as WG
+
+        wdesc = WG.descriptor()
+        fence_async = WG.fence_async()
+        s_tile = WG.tile_product(kind, 16, NCB, QBLK, KBLK)
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
     codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
@@ -643,6 +668,15 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     scale8 = device_fn(scale8)
 
+    def warp_place(warp):
+        # (rg, cq) of a warp: row group and column quarter; with WGS the 4 warps of a
+        # warp group are the 4 row groups of one quarter (wgmma's rows 16 w ..)
+        if WGS:
+            return warp % RG, warp // RG
+        return warp // CQ, warp % CQ
+
+    warp_place = device_fn(warp_place)
+
     def lane_offsets(t):
         # thread t's shared byte offsets for ldmatrix (a_lane: the x4 row address of
         # its lane; Q's, K's and P's from it: the XORs of a k step act on the
@@ -651,10 +685,10 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # their swizzle key
         lane = t % WARP
         warp = t // WARP
-        rg = warp // CQ
+        rg, cq = warp_place(warp)
         a_lane = ((lane & 7) | (lane & 8)) * 128 + (((lane >> 4) ^ (lane & 7)) << 4)
         lrow = rg * 16 + lane // 4
-        return (a_lane, Q0B + rg * 16 * 128 + a_lane, (warp % CQ) * 16 * 128 + a_lane,
+        return (a_lane, Q0B + rg * 16 * 128 + a_lane, cq * 16 * 128 + a_lane,
                 P0B + rg * 16 * 128 + a_lane, lrow, P0B // 4 + lrow * 32 + lane % 4,
                 lrow & 7)
 
@@ -668,7 +702,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         # positions, chunks from its warp's first output column (NC16 a power of
         # two, so the warp's chunk bits and a chunk pair's are apart: XOR 2 q << 4)
         lane = t % WARP
-        cq = (t // WARP) % CQ
+        _, cq = warp_place(t // WARP)
         r16 = (lane & 7) | (lane & 8)
         sw = (lane >> 4) ^ (lane & 7)
         k8 = (cq * 16 + r16) * RANK + (sw << 4)
@@ -765,8 +799,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         warp = tid // WARP
         lane = tid % WARP
         tq = lane % 4
-        rg = warp // CQ
-        cq = warp % CQ
+        rg, cq = warp_place(warp)
         n_rows = qc.shape[1]
         smem = cuda.shared.array(0, uint32)
         smf = cuda.shared.array(0, float32)
@@ -859,6 +892,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                 if DIRECT:
                     k8_lane, v8_lane = code_offsets(tid_z)
             wait_all()  # this thread's copies of tile it have landed
+            if WGS:  # (and Q's stores) visible to the wgmma's async proxy
+                fence_async()
             if PER_TOKEN and tid < KT:
                 smf[SCL + tid] = s_next  # (the last tile's conversion read them)
             cuda.syncthreads()  # ... every thread's; tile it - 1's buffer and P are free
@@ -887,10 +922,17 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             tile0 = start + it * KT
 
             # -- S = Q K^T over the warp's 16 positions tile0 + 16 cq .. --
+            w0 = w1 = w2 = w3 = w4 = w5 = w6 = w7 = float32(0.0)
+            if WGS:  # the warp group, every warp (wgmma is a warp-group instruction)
+                w0, w1, w2, w3, w4, w5, w6, w7 = s_tile(
+                    wdesc(sbase + Q0B), wdesc(sbase + kb + cq * 16 * 128))
             if active:
                 c0 = c1 = c2 = c3 = float32(0.0)
                 d0 = d1 = d2 = d3 = float32(0.0)
                 cb0 = 0  # the first column block of the loop below
+                if WGS:  # accumulator i: n tile i // 4, as c0 .. c3, d0 .. d3
+                    c0, c1, c2, c3, d0, d1, d2, d3 = w0, w1, w2, w3, w4, w5, w6, w7
+                    cb0 = NCB
                 if DIRECT:  # c_kv from the codes (s_nope)
                     c0, c1, c2, c3, d0, d1, d2, d3 = s_nope(
                         smem, sbase, q_lane, sbase + cbuf, k8_lane, c0, c1, c2, c3, d0, d1,
@@ -1024,7 +1066,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                         part_acc[seq, row, split, col + step] = x1
 
     name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
-            + (f"{PAGE}" if PAGE else "") + ("" if fp8 is None else "_fp8" + fp8))
+            + (f"{PAGE}" if PAGE else "") + ("" if fp8 is None else "_fp8" + fp8)
+            + ("_wgmma" if WGS else ""))
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
     # 512 threads at RG 4: at most 128 registers a thread for one block an SM
     return jit(kernel, fastmath=True, launch_bounds=(NTH,))
@@ -1035,7 +1078,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 # ---------------------------------------------------------------------------
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
-         row_groups=None, tile=None, defect=None, fp8=None, chunk=None, page_size=None):
+         row_groups=None, tile=None, defect=None, fp8=None, chunk=None, page_size=None,
+         wgmma=False):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
@@ -1049,6 +1093,8 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     to a multiple of KT): a batch-invariant plan's (``invariant_chunk``).
     ``page_size`` (paged): the cache's P compiled into the kernel (``launch``
     refuses another); None: one kernel for any P, read at run time.
+    ``wgmma``: S = Q K^T on Hopper's warp-group MMA (``mla_mma_kernel``; a 16-bit
+    cache at RG 4; GPU only, sm_90a).
     """
     n_rows = int(n_rows)
     if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
@@ -1067,7 +1113,8 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
                                       chunk=chunk)
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
-                                 defect, fp8, None if page_size is None else int(page_size)),
+                                 defect, fp8, None if page_size is None else int(page_size),
+                                 bool(wgmma)),
         "kind": kind,
         "rank": int(rank),
         "d_rope": int(d_rope),
@@ -1082,6 +1129,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         "page_size": None if page_size is None else int(page_size),
         "defect": defect,
         "fp8": fp8,
+        "wgmma": bool(wgmma),
     }
 
 
