@@ -59,8 +59,8 @@ thread at RG 4, against 16 with it a constant.
 
 S on wgmma (``wgmma=True``; a 16-bit cache at RG 4; GPU only, sm_90a): the 4
 warps of a warp group are the 4 row groups of one column quarter, and the group
-multiplies the block's 64 Q rows by its quarter's 16 positions with 36
-``wgmma.m64n16k16`` a tile (``attention.gemm.wgmma.tile_product``), reading Q and
+multiplies the block's 64 Q rows by its quarter's 16 positions with ``4 W / 64``
+(36) ``wgmma.m64n16k16`` a tile (``attention.gemm.wgmma.tile_product``), reading Q and
 K from their tiles, whose layout is the 128-byte swizzle the instruction
 expects; each warp's accumulators are then its S fragments as the mma.sync loop
 leaves them, and the rest is unchanged. Q's shared bytes a tile fall fourfold
@@ -310,7 +310,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         raise ValueError(f"kind: an fp8 cache is attended in f16, got {kind!r}")
     check_defect(defect, fp8)
     RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
-    # S = Q K^T on wgmma (attention.gemm.wgmma; GPU only): warp group cq (warps 4 cq
+    # S = Q K^T on wgmma (attention.gemm.wgmma; sm_90a, and its emulation on the
+    # simulator): warp group cq (warps 4 cq
     # .. 4 cq + 3, one a row group) multiplies the block's 64 Q rows by its 16
     # positions, 4 W / 64 instructions m64n16k16 a tile reading both operands from
     # their swizzled tiles; its accumulators are each warp's S fragments as mma.sync
@@ -925,7 +926,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
             w0 = w1 = w2 = w3 = w4 = w5 = w6 = w7 = float32(0.0)
             if WGS:  # the warp group, every warp (wgmma is a warp-group instruction)
                 w0, w1, w2, w3, w4, w5, w6, w7 = s_tile(
-                    wdesc(sbase + Q0B), wdesc(sbase + kb + cq * 16 * 128))
+                    smem, wdesc(sbase + Q0B), wdesc(sbase + kb + cq * 16 * 128))
             if active:
                 c0 = c1 = c2 = c3 = float32(0.0)
                 d0 = d1 = d2 = d3 = float32(0.0)

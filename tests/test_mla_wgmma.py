@@ -2,11 +2,12 @@
 ``attention.gemm.wgmma``): the building block's PTX text, the kernel's PTX and
 ptxas on ``sm_90a``, bad arguments, and on a GPU the mma.sync kernel's result.
 
-The variant has no simulator form (wgmma is a warp-group instruction the
-simulator does not emulate), so its data movement is checked on a GPU only: the
-same bits as the mma.sync form if the warp-group instruction rounds a k step as
-mma.sync does, else a difference of the order of a k step's rounding, and the
-float64 oracle's rule either way.
+On the simulator ``attention.gemm.wgmma`` emulates the instruction from its
+descriptors (the swizzled addresses, the k steps' offsets, the accumulator
+layout) with mma.sync's k-step rule, so the two forms of the kernel must give the
+same bits there: that checks the data movement in CI. On a GPU: the same bits if
+the warp-group instruction rounds a k step as mma.sync does, else a difference
+of the order of a k step's rounding, and the float64 oracle's rule either way.
 """
 
 from __future__ import annotations
@@ -50,6 +51,63 @@ def test_bad_arguments_are_refused():
         MM.mla_mma_kernel("f16", 512, 64, 4, 64, False, None, "tensor", None, True)
 
 
+def _both(kind, rank, heads, lens, cap, n_split, seed=3, defect=None):
+    """o_lat and lse of the mma.sync and the wgmma kernels (RG 4) over one random
+    contiguous 16-bit cache, and the inputs; ``defect`` planted in the wgmma one."""
+    from attention.core.device import BFLOAT16, device_empty, to_device
+    from mla import mma as MM
+
+    rng = np.random.default_rng(seed)
+    d_rope, n_b = 64, len(lens)
+    dt = np.float16 if kind == "f16" else BFLOAT16
+    qc = rng.standard_normal((n_b, heads, rank + d_rope)).astype(np.float32)
+    lat = rng.standard_normal((n_b, cap, rank + d_rope)).astype(np.float32).astype(dt)
+    lens = np.asarray(lens, np.int32)
+    table = np.arange(n_b, dtype=np.int32)[:, None]
+    outs = []
+    for wg in (False, True):
+        pl = MM.plan(n_b, heads, rank, d_rope, cap, kind, n_split=n_split, row_groups=4,
+                     wgmma=wg, defect=defect if wg else None)
+        o = device_empty((n_b, heads, rank), np.float32)
+        lse = device_empty((n_b, heads), np.float32)
+        pa, pm = MM.scratch(pl, n_b, heads)
+        MM.launch(pl, to_device(qc), to_device(lat), to_device(lens), to_device(table), heads,
+                  0.07, o, lse, pa, pm, 0)
+        outs.append((o.copy_to_host(), lse.copy_to_host()))
+    return outs, qc, lat, lens, dt
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_wgmma_kernel_gives_the_mma_sync_bits_on_the_simulator(kind):
+    """Rank 64 (W 128: two column blocks, so the block offsets count), 2 heads
+    (rows 2 .. 63 of the row block padded), lengths 70 and 5 (two tiles, a
+    partial one), one split. Only on the simulator: there both forms sum a k
+    step by the same rule."""
+    from attention.core.device import SIMULATOR
+
+    if not SIMULATOR:
+        pytest.skip("the bits are compared on the simulator (its wgmma is mma.sync's rule); "
+                    "the GPU test below compares with the oracle")
+    (o0, l0), (o1, l1) = _both(kind, 64, 2, [70, 5], 72, 1)[0]
+    np.testing.assert_array_equal(o1, o0)
+    np.testing.assert_array_equal(l1, l0)
+    assert np.isfinite(o1).all() and np.abs(o1).max() > 0
+
+
+@pytest.mark.device
+def test_planted_swizzle_changes_the_wgmma_kernel_bits():
+    """Positive control of the test above: the latent tiles stored with the next
+    row's swizzle (``swizzle_off_by_one``), which the wgmma, reading through the
+    128-byte swizzle of its descriptors, must see."""
+    from attention.core.device import SIMULATOR
+
+    if not SIMULATOR:
+        pytest.skip("the bits are compared on the simulator")
+    (o0, l0), (o1, l1) = _both("f16", 64, 2, [70, 5], 72, 1, defect="swizzle_off_by_one")[0]
+    assert not (np.array_equal(o1, o0) and np.array_equal(l1, l0))
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 def test_kernel_compiles_to_wgmma_for_sm_90a(kind):
@@ -77,34 +135,16 @@ def test_kernel_compiles_to_wgmma_for_sm_90a(kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="wgmma: a GPU-only kernel variant (no simulator form)")
+@pytest.mark.skipif(not GPU, reason="the full shape on a GPU (wgmma needs sm_90a)")
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 def test_wgmma_kernel_matches_the_mma_sync_kernel(kind):
-    """B 3 / 64 heads (one RG 4 row block) / lengths 300, 64 and 1, two splits:
-    the wgmma kernel against the mma.sync one, and both against the oracle."""
-    from attention.core.device import BFLOAT16, device_empty, to_device
-    from mla import mma as MM
-
-    rng = np.random.default_rng(3)
-    rank, d_rope, heads, cap = 512, 64, 64, 320
-    dt = np.float16 if kind == "f16" else BFLOAT16
-    qc = rng.standard_normal((3, heads, rank + d_rope)).astype(np.float32)
-    lat = rng.standard_normal((3, cap, rank + d_rope)).astype(np.float32).astype(dt)
-    lens = np.array([300, 64, 1], np.int32)
-    table = np.arange(3, dtype=np.int32)[:, None]
-    outs = []
-    for wg in (False, True):
-        pl = MM.plan(3, heads, rank, d_rope, cap, kind, n_split=2, wgmma=wg)
-        o = device_empty((3, heads, rank), np.float32)
-        lse = device_empty((3, heads), np.float32)
-        pa, pm = MM.scratch(pl, 3, heads)
-        MM.launch(pl, to_device(qc), to_device(lat), to_device(lens), to_device(table), heads,
-                  0.07, o, lse, pa, pm, 0)
-        outs.append((o.copy_to_host(), lse.copy_to_host()))
-    (o0, l0), (o1, l1) = outs
-    # the oracle, float64 over the 16-bit cache and q rounded as the kernels round it
+    """B 3 / 64 heads (one RG 4 row block) / lengths 300, 64 and 1, two splits,
+    rank 512: the wgmma kernel against the mma.sync one, and both against the
+    float64 oracle (q rounded to the cache type as the kernels round it)."""
+    ((o0, l0), (o1, l1)), qc, lat, lens, dt = _both(kind, 512, 64, [300, 64, 1], 320, 2)
+    rank = 512
     q = qc.astype(dt).astype(np.float64)
-    want = np.zeros_like(o0, np.float64)
+    want = np.zeros(o0.shape, np.float64)
     for b, n in enumerate(lens):
         kv = lat[b, :n].astype(np.float64)
         s = 0.07 * q[b] @ kv.T
@@ -113,5 +153,4 @@ def test_wgmma_kernel_matches_the_mma_sync_kernel(kind):
     err0, err1 = np.abs(o0 - want).max(), np.abs(o1 - want).max()
     assert np.isfinite(o1).all() and np.isfinite(l1).all()
     assert err1 <= 2 * err0 + 1e-6, (err0, err1)
-    # a k step's rounding apart at most (P is rounded to 16 bits from S)
     assert np.abs(o0 - o1).max() <= 4 * err0 + 1e-6

@@ -22,8 +22,10 @@ what this module relies on (``reports/gpu/runs/d3bcec1-h200-mla-direct``):
   ``mma.sync.m16n8k16``.
 
 ``tile_product(kind, n, blocks, a_block, b_block)``: a device function
-``(da, db) -> N / 2 floats`` issuing ``4 blocks`` wgmma ``m64nNk16`` in one
-asm statement (fence, the instructions, commit, wait): column block ``j``'s k
+``(smem, da, db) -> N / 2 floats`` (``smem`` the shared array the addresses
+point into: it types the call on a GPU, the simulator reads it) issuing ``4
+blocks`` wgmma ``m64nNk16`` in one asm statement (fence, the instructions,
+commit, wait): column block ``j``'s k
 step ``s`` reads A at ``da``'s address plus ``j a_block + 32 s`` bytes and B at
 ``db``'s plus ``j b_block + 32 s``, the first with the accumulators zeroed.
 The k steps are summed in that order, one k step of 16 products at a time.
@@ -32,13 +34,22 @@ stores (``st.shared``, landed ``cp.async``) that a later wgmma reads.
 ``descriptor(addr)``: the device form of a 128-byte-swizzle descriptor (LBO
 16, SBO 1024) of a shared byte address.
 
-No simulator form: the kernels that use it are GPU-only variants
-(``available()``).
+On the simulator (shared base address 0) ``tile_product`` is an emulation
+from the same descriptors: each thread forms its ``N / 2`` accumulators from
+the operands' 16-bit values at their swizzled addresses (a value's logical byte
+address ``L`` is stored at ``L ^ (((L >> 7) & 7) << 4)``, the swizzle being of
+the address bits), one k step at a time by ``attention.gemm.mma16.k_step_sum``,
+the rule mma.sync's emulation uses: so a kernel's data movement through the
+descriptors is checked in CI, and on the simulator the wgmma and mma.sync forms
+of a product give the same bits. Whether the GPU's wgmma rounds a k step as its
+mma.sync does is a question for the GPU.
 """
 
 from __future__ import annotations
 
 import functools
+
+from numba import cuda  # a module global: the simulator swaps it in device functions
 
 from attention.core.device import SIMULATOR
 
@@ -48,11 +59,38 @@ LBO = 16  # unused by a swizzled K-major operand whose K fits one swizzle row
 KINDS = ("f16", "bf16")
 
 
-def available():
-    """None when the wgmma building blocks can be compiled here, else why not."""
-    if SIMULATOR:
-        return "wgmma has no simulator form (a GPU-only kernel variant)"
-    return None
+def _sim_product(kind, n, blocks, a_block, b_block):
+    """The simulator's ``tile_product`` (module docstring)."""
+    from numba import float32
+
+    from attention.core.device import device_fn
+    from attention.gemm.mma16 import _halves, k_step_sum
+
+    regs = n // 2
+
+    def value(smem, addr):
+        phys = addr ^ (((addr >> 7) & 7) << 4)
+        return _halves(smem[phys // 4], kind)[(phys >> 1) & 1]
+
+    def product(smem, da, db):
+        t = cuda.threadIdx.x % 128
+        w, lane = t // 32, t % 32
+        a0, b0 = (int(da) & 0x3FFF) << 4, (int(db) & 0x3FFF) << 4
+        out = []
+        for i in range(regs):
+            row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
+            col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+            acc = 0.0
+            for j in range(blocks):
+                for s in range(4):
+                    ra = a0 + j * a_block + 32 * s + (row // 8) * SBO + (row % 8) * 128
+                    rb = b0 + j * b_block + 32 * s + (col // 8) * SBO + (col % 8) * 128
+                    acc = k_step_sum(acc, [value(smem, ra + 2 * k) for k in range(16)],
+                                     [value(smem, rb + 2 * k) for k in range(16)])
+            out.append(float32(acc))
+        return tuple(out)
+
+    return device_fn(product)
 
 
 def descriptor_host(addr):
@@ -63,15 +101,23 @@ def descriptor_host(addr):
 
 @functools.lru_cache(maxsize=None)
 def _ops():
-    from llvmlite import ir
-    from numba import types, uint64
-    from numba.cuda.extending import intrinsic
+    from numba import uint64
 
     from attention.core.device import device_fn
 
     def descriptor(addr):
         return (uint64((addr & 0x3FFFF) >> 4) | (uint64(LBO >> 4) << uint64(16))
                 | (uint64(SBO >> 4) << uint64(32)) | (uint64(SWIZZLE_128B) << uint64(62)))
+
+    if SIMULATOR:  # the emulation reads shared memory as it stands
+        def nothing():
+            return None
+
+        return device_fn(descriptor), device_fn(nothing)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
 
     @intrinsic
     def fence_async(typingctx):
@@ -126,10 +172,10 @@ def tile_text(kind, n, blocks, a_block, b_block):
 
 @functools.lru_cache(maxsize=None)
 def tile_product(kind, n, blocks, a_block, b_block):
-    """Device ``product(da, db) -> tuple of n / 2 float32`` (module docstring)."""
-    why = available()
-    if why is not None:
-        raise RuntimeError(why)
+    """Device ``product(smem, da, db) -> tuple of n / 2 float32`` (module docstring)."""
+    tile_text(kind, n, blocks, a_block, b_block)  # the arguments' checks
+    if SIMULATOR:
+        return _sim_product(kind, n, blocks, a_block, b_block)
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -141,14 +187,15 @@ def tile_product(kind, n, blocks, a_block, b_block):
     struct = ir.LiteralStructType([f32] * regs)
 
     @intrinsic
-    def product(typingctx, da, db):
+    def product(typingctx, smem, da, db):
         def codegen(context, builder, sig, args):
             fnty = ir.FunctionType(struct, [i64, i64])
             cons = ",".join(["=f"] * regs) + ",l,l,~{memory}"
-            r = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), list(args))
+            r = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                             list(args[1:]))
             return context.make_tuple(builder, ret, [builder.extract_value(r, i)
                                                      for i in range(regs)])
 
-        return ret(types.uint64, types.uint64), codegen
+        return ret(smem, types.uint64, types.uint64), codegen
 
     return product
