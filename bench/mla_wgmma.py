@@ -1,12 +1,13 @@
-"""The MLA attention kernel with S = Q K^T on wgmma against its mma.sync form, one
-GPU run (printed, no report): bits and time of the attention launch alone.
+"""The MLA attention kernel on wgmma (level 1: S = Q K^T; 2: S and P.V) against its
+mma.sync form, one GPU run (printed, no report): bits and time of the attention
+launch alone.
 
     python3 -m bench.mla_wgmma [--batch 64] [--heads 128] [--len 4096] [--reps 30]
 
 For each 16-bit cache type: random q rows ``[B, heads, r + d_rope]`` (DeepSeek's r
 512, d_rope 64), a contiguous latent cache ``[B, L, 576]`` and every length L; one
-plan each way (``mla.mma.plan(..., wgmma=False / True)``, the same split). Printed:
-whether o_lat and the LSE are the same bits (both kernels sum S one k step of 16 at a
+plan each way (``mla.mma.plan(..., wgmma=0 / 1 / 2)``, the same split). Printed, for
+each wgmma level against mma.sync: whether o_lat and the LSE are the same bits (both kernels sum S one k step of 16 at a
 time in the same order; if the warp-group instruction rounds a k step as mma.sync
 does, they are), the largest difference and its size relative to max |o_lat|, and
 the median time of each launch (``bench.gpu.Timer``: L2 flushed, device time), with
@@ -45,7 +46,7 @@ def run(batch=64, heads=128, length=4096, reps=30, kinds=("f16", "bf16"), seed=0
         d_q, d_lat, d_lens, d_tab = to_device(qc), to_device(lat), to_device(lens), \
             to_device(table)
         out = {}
-        for wg in (False, True):
+        for wg in (0, 1, 2):
             pl = MM.plan(batch, heads, rank, d_rope, length, kind, wgmma=wg)
             o = device_empty((batch, heads, rank), np.float32)
             lse = device_empty((batch, heads), np.float32)
@@ -58,16 +59,18 @@ def run(batch=64, heads=128, length=4096, reps=30, kinds=("f16", "bf16"), seed=0
             go()
             ms = timer.time(go, reps=reps)
             out[wg] = (o.copy_to_host(), lse.copy_to_host(), ms, pl["n_split"])
-        (o0, l0, ms0, ns), (o1, l1, ms1, _) = out[False], out[True]
-        same = np.array_equal(o0, o1) and np.array_equal(l0, l1)
-        diff = float(np.abs(o0 - o1).max())
-        rows.append(dict(kind=kind, same_bits=same, max_diff=diff,
-                         rel_diff=diff / float(np.abs(o0).max()),
-                         lse_diff=float(np.abs(l0 - l1).max()), n_split=ns,
-                         ms_mma=round(ms0, 4), ms_wgmma=round(ms1, 4),
-                         speedup=round(ms0 / ms1, 3),
-                         tflops_mma=round(flops / ms0 / 1e9, 1),
-                         tflops_wgmma=round(flops / ms1 / 1e9, 1)))
+        o0, l0, ms0, ns = out[0]
+        for wg in (1, 2):
+            o1, l1, ms1, _ = out[wg]
+            same = np.array_equal(o0, o1) and np.array_equal(l0, l1)
+            diff = float(np.abs(o0 - o1).max())
+            rows.append(dict(kind=kind, wgmma=wg, same_bits=same, max_diff=diff,
+                             rel_diff=diff / float(np.abs(o0).max()),
+                             lse_diff=float(np.abs(l0 - l1).max()), n_split=ns,
+                             ms_mma=round(ms0, 4), ms_wgmma=round(ms1, 4),
+                             speedup=round(ms0 / ms1, 3),
+                             tflops_mma=round(flops / ms0 / 1e9, 1),
+                             tflops_wgmma=round(flops / ms1 / 1e9, 1)))
     return rows
 
 

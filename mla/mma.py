@@ -57,15 +57,23 @@ in (``plan(page_size=)``, one kernel a page size, as ``prepare`` plans it):
 read at run time, its division and shift paths spilled 124 to 184 bytes a
 thread at RG 4, against 16 with it a constant.
 
-S on wgmma (``wgmma=True``; a 16-bit cache at RG 4; GPU only, sm_90a): the 4
-warps of a warp group are the 4 row groups of one column quarter, and the group
-multiplies the block's 64 Q rows by its quarter's 16 positions with ``4 W / 64``
-(36) ``wgmma.m64n16k16`` a tile (``attention.gemm.wgmma.tile_product``), reading Q and
-K from their tiles, whose layout is the 128-byte swizzle the instruction
-expects; each warp's accumulators are then its S fragments as the mma.sync loop
-leaves them, and the rest is unchanged. Q's shared bytes a tile fall fourfold
-(one read a warp group, not one a warp). After its copies land and before the
-barrier, each thread fences its shared stores for the async proxy.
+Hopper's warp-group MMA (``wgmma``: 1, S on it; 2, S and P.V; a 16-bit cache at
+RG 4, sm_90a, and its emulation on the simulator; ``plan`` picks 2 on a
+compute-capability-9.0 GPU): the 4 warps of a warp group are the 4 row groups
+of one column quarter. S: the group multiplies the block's 64 Q rows by its
+quarter's 16 positions with ``4 W / 64`` (36) ``wgmma.m64n16k16`` a tile
+(``attention.gemm.wgmma.tile_product``), reading Q and K from their tiles, whose
+layout is the 128-byte swizzle the instruction expects; each warp's
+accumulators are then its S fragments as the mma.sync loop leaves them. P.V:
+the group adds the P tile (64 rows, K-major) times its quarter's ``r / 4``
+columns of the latent tile (MN-major: V as the tile stores it, 64-column
+blocks the descriptor's LBO apart) onto O in ``KT / 16`` (4)
+``wgmma.m64n{r/4}k16`` (``tile_accumulate``); O's registers are the mma.sync
+loop's. Q's and V's shared bytes a tile fall fourfold (one read a warp group,
+not one a warp). Each thread fences its shared stores for the async proxy
+before the barriers after which a wgmma reads them (a landed tile, the P
+tile). The planted ``ldmatrix_no_trans`` reads V K-major there (trans-b 0),
+``v_block_stride`` drops the quarter's column-block offset and the LBO.
 
 Three ``__syncthreads`` a tile (tile landed; row maxima; P tile). Shared memory,
 words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
@@ -262,7 +270,7 @@ sub_word = device_fn(sub_word)
 
 @functools.lru_cache(maxsize=None)
 def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defect=None,
-                   fp8=None, page_size=None, wgmma=False):
+                   fp8=None, page_size=None, wgmma=0):
     """The tensor-core MLA attention kernel (module docstring).
 
     kind: "f16" / "bf16" (the cache's type; "f16" for an fp8 cache); rank: r;
@@ -316,10 +324,14 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     # positions, 4 W / 64 instructions m64n16k16 a tile reading both operands from
     # their swizzled tiles; its accumulators are each warp's S fragments as mma.sync
     # leaves them. A 16-bit cache at RG 4 only
-    WGS = bool(wgmma)
+    if int(wgmma) not in (0, 1, 2):
+        raise ValueError(f"wgmma: 0 (off), 1 (S) or 2 (S and P.V), got {wgmma!r}")
+    WGS, WGV = int(wgmma) >= 1, int(wgmma) == 2
     if WGS and (RG != 4 or fp8 is not None):
         raise ValueError(f"wgmma: a 16-bit cache at row_groups 4, got row_groups {RG}, "
                          f"fp8 {fp8!r}")
+    if WGV and not 8 <= RANK // CQ <= 256:
+        raise ValueError(f"wgmma: P.V's n (r / {CQ}) in [8, 256], got rank {RANK}")
     PAGED = bool(paged)
     if page_size is not None and (not PAGED or int(page_size) < 1):
         raise ValueError(f"page_size: a page size >= 1 of a paged kernel, got {page_size!r} "
@@ -417,6 +429,9 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         wdesc = WG.descriptor()
         fence_async = WG.fence_async()
         s_tile = WG.tile_product(kind, 16, NCB, QBLK, KBLK)
+        if WGV:  # V MN-major, 64-column blocks V_BLOCK apart (the descriptor's LBO)
+            pv_tile = WG.tile_accumulate(kind, NCOL, KT // 16, 0 if NO_TRANS else 1)
+            vdesc = WG.descriptor(V_BLOCK)
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
     codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
@@ -993,10 +1008,16 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
                     pw = p_word + ((((2 * cq + h) ^ p_key)) << 2)
                     smem[pw] = pack(s[4 * h], s[4 * h + 1])
                     smem[pw + 256] = pack(s[4 * h + 2], s[4 * h + 3])
+            if WGV:  # (the P tile's stores, for the wgmma below)
+                fence_async()
             cuda.syncthreads()  # the P tile is complete
 
             # -- O += P V over the warp's columns NCOL cq .. (two n tiles a load) --
-            if active and DIRECT:
+            if WGV:  # the warp group, every warp: its quarter's columns
+                col = cq * NCOL
+                pv_tile(smem, wdesc(sbase + P0B),
+                        vdesc(sbase + kb + (col >> 6) * V_BLOCK + (col & 63) * 2), o)
+            elif active and DIRECT:
                 # V straight from the codes (pv_all, pv_codes): a load covers 32
                 # columns, n tiles of the even and the odd columns of each 16
                 # (o[16 q + 4 (2 b + odd) ..]: the warp's columns 32 q + 16 b + 4 tq
@@ -1068,7 +1089,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
     name = (f"mla_mma_{kind}_r{RANK}_w{W}_rg{RG}_kt{KT}_{'paged' if PAGED else 'contiguous'}"
             + (f"{PAGE}" if PAGE else "") + ("" if fp8 is None else "_fp8" + fp8)
-            + ("_wgmma" if WGS else ""))
+            + ("" if not WGS else "_wgmma" if WGV else "_wgmma_s"))
     kernel.__name__ = kernel.__qualname__ = name + ("" if defect is None else "_" + defect)
     # 512 threads at RG 4: at most 128 registers a thread for one block an SM
     return jit(kernel, fastmath=True, launch_bounds=(NTH,))
@@ -1080,7 +1101,7 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
 
 def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=None,
          row_groups=None, tile=None, defect=None, fp8=None, chunk=None, page_size=None,
-         wgmma=False):
+         wgmma=None):
     """Launch plan (a dict): kernel, grid, block, dyn_smem, chunk, n_split, ...
 
     ``n_rows``: R, a sequence's query rows (s_q nh). ``row_groups`` (default
@@ -1094,8 +1115,9 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     to a multiple of KT): a batch-invariant plan's (``invariant_chunk``).
     ``page_size`` (paged): the cache's P compiled into the kernel (``launch``
     refuses another); None: one kernel for any P, read at run time.
-    ``wgmma``: S = Q K^T on Hopper's warp-group MMA (``mla_mma_kernel``; a 16-bit
-    cache at RG 4; GPU only, sm_90a).
+    ``wgmma``: Hopper's warp-group MMA (module docstring): 0 / False off, 1 S
+    only, 2 / True S and P.V (a 16-bit cache at RG 4; on a GPU, compute
+    capability 9.0 only); None: ``wgmma_level``'s choice.
     """
     n_rows = int(n_rows)
     if row_groups is None:  # H200 (notes/bench.md run 22): RG 2 beats RG 1 at 16 rows
@@ -1103,6 +1125,12 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     if tile is None:
         tile = 64
     row_groups, tile = int(row_groups), int(tile)
+    if wgmma is None:
+        wgmma = wgmma_level(kind, row_groups, fp8)
+    wgmma = 2 if wgmma is True else int(wgmma)
+    if wgmma and not SIMULATOR and _compute_capability() != (9, 0):
+        raise ValueError(f"wgmma: sm_90a only, this GPU is compute capability "
+                         f"{_compute_capability()}")
     width = int(rank) + int(d_rope)
     dyn = 4 * smem_words(width, row_groups, tile, fp8)
     if dyn > SMEM_BLOCK_MAX:
@@ -1115,7 +1143,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     return {
         "kernel": mla_mma_kernel(kind, int(rank), int(d_rope), row_groups, tile, bool(paged),
                                  defect, fp8, None if page_size is None else int(page_size),
-                                 bool(wgmma)),
+                                 wgmma),
         "kind": kind,
         "rank": int(rank),
         "d_rope": int(d_rope),
@@ -1130,7 +1158,7 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
         "page_size": None if page_size is None else int(page_size),
         "defect": defect,
         "fp8": fp8,
-        "wgmma": bool(wgmma),
+        "wgmma": wgmma,
     }
 
 
@@ -1143,6 +1171,24 @@ def invariant_chunk(n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=No
     the same positions and the splits merge in a fixed order: its output and
     LSE are the same bits in any batch."""
     return plan(1, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)["chunk"]
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability():
+    """The current GPU's (major, minor), or None where there is none."""
+    try:
+        return tuple(cuda.get_current_device().compute_capability)
+    except Exception:  # no driver or no GPU: a plan is still built, not launched
+        return None
+
+
+def wgmma_level(kind, row_groups, fp8=None):
+    """``plan``'s default ``wgmma``: 2 (S and P.V on wgmma) for a 16-bit cache
+    at RG 4 on a compute-capability-9.0 GPU, else 0 (mma.sync; on the simulator
+    too, where the wgmma form is an emulation the tests run by name)."""
+    if SIMULATOR or fp8 is not None or kind not in ("f16", "bf16") or int(row_groups) != 4:
+        return 0
+    return 2 if _compute_capability() == (9, 0) else 0
 
 
 def capacity_plan(n_seq, n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=None,
@@ -1304,4 +1350,4 @@ def launch_prepared(p, stream):
 
 __all__ = ["DEFECTS", "SIMULATOR", "launch", "launch_prepared", "mla_mma_kernel", "plan",
            "prepare", "scratch", "smem_words", "supported", "invariant_chunk",
-           "capacity_plan", "PLAN_DEFECTS"]
+           "capacity_plan", "PLAN_DEFECTS", "wgmma_level"]

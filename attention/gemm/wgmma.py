@@ -1,5 +1,5 @@
-"""Hopper warp-group MMA (``wgmma.mma_async``, sm_90a) over 128-byte-swizzled,
-K-major 16-bit tiles in shared memory, fp32 accumulation.
+"""Hopper warp-group MMA (``wgmma.mma_async``, sm_90a) over 128-byte-swizzled
+16-bit tiles in shared memory, fp32 accumulation.
 
 A warp group (4 consecutive warps, 128 threads) multiplies ``D[64, N] = A[64, K]
 B[K, N]`` with A and ``B^T`` read from shared memory through 64-bit matrix
@@ -31,8 +31,19 @@ step ``s`` reads A at ``da``'s address plus ``j a_block + 32 s`` bytes and B at
 The k steps are summed in that order, one k step of 16 products at a time.
 ``fence_async()``: ``fence.proxy.async.shared::cta``, after a thread's shared
 stores (``st.shared``, landed ``cp.async``) that a later wgmma reads.
-``descriptor(addr)``: the device form of a 128-byte-swizzle descriptor (LBO
-16, SBO 1024) of a shared byte address.
+``descriptor(lbo=16)``: the device form ``(addr) -> uint64`` of a
+128-byte-swizzle descriptor (SBO 1024) of a shared byte address.
+
+``tile_accumulate(kind, n, steps, trans_b=1)``: a device function ``(smem, da,
+db, acc)`` adding ``A[64, 16 steps] B[16 steps, N]`` onto ``acc`` (a local
+array of ``N / 2`` floats in the accumulator layout) in ``steps`` wgmma, A
+K-major as above, B **MN-major** (``trans_b``: N contiguous, V as a latent tile
+stores it): rows of 128 bytes (64 columns) swizzled as above, 8-row groups SBO
+(1024) bytes apart along K, 64-column atoms LBO bytes apart along N (the
+descriptor's ``lbo``: a tile's column-block stride); a k step of 16 rows is
+``MN_STEP`` (2,048) bytes on. That reading of the two offsets for a swizzled
+MN-major operand is the one of the PTX ISA's canonical layouts; the kernels'
+GPU tests (the mma.sync form's bits) are its check.
 
 On the simulator (shared base address 0) ``tile_product`` is an emulation
 from the same descriptors: each thread forms its ``N / 2`` accumulators from
@@ -56,7 +67,18 @@ from attention.core.device import SIMULATOR
 SWIZZLE_128B = 1  # the descriptor's mode field (bits 62-63)
 SBO = 1024  # bytes between 8-row atoms of a 128-byte-swizzled K-major operand
 LBO = 16  # unused by a swizzled K-major operand whose K fits one swizzle row
+MN_STEP = 16 * 128  # bytes a k step of 16 rows moves along an MN-major operand
 KINDS = ("f16", "bf16")
+
+
+def _value(kind):
+    from attention.gemm.mma16 import _halves
+
+    def value(smem, addr):  # the 16-bit value at logical byte address addr (swizzled)
+        phys = addr ^ (((addr >> 7) & 7) << 4)
+        return _halves(smem[phys // 4], kind)[(phys >> 1) & 1]
+
+    return value
 
 
 def _sim_product(kind, n, blocks, a_block, b_block):
@@ -64,13 +86,10 @@ def _sim_product(kind, n, blocks, a_block, b_block):
     from numba import float32
 
     from attention.core.device import device_fn
-    from attention.gemm.mma16 import _halves, k_step_sum
+    from attention.gemm.mma16 import k_step_sum
 
     regs = n // 2
-
-    def value(smem, addr):
-        phys = addr ^ (((addr >> 7) & 7) << 4)
-        return _halves(smem[phys // 4], kind)[(phys >> 1) & 1]
+    value = _value(kind)
 
     def product(smem, da, db):
         t = cuda.threadIdx.x % 128
@@ -93,20 +112,60 @@ def _sim_product(kind, n, blocks, a_block, b_block):
     return device_fn(product)
 
 
-def descriptor_host(addr):
+def _sim_accumulate(kind, n, steps, trans_b):
+    """The simulator's ``tile_accumulate`` (module docstring): B's element (k, c)
+    at ``LBO (c // 64) + SBO (k // 8) + 128 (k % 8) + 2 (c % 64)`` bytes past a
+    step's address (MN-major; ``trans_b`` 0: the K-major reading, ``SBO (c //
+    8) + 128 (c % 8) + 2 k``), the LBO and the address from the descriptor."""
+    from numba import float32
+
+    from attention.core.device import device_fn
+    from attention.gemm.mma16 import k_step_sum
+
+    regs = n // 2
+    value = _value(kind)
+
+    def accumulate(smem, da, db, acc):
+        t = cuda.threadIdx.x % 128
+        w, lane = t // 32, t % 32
+        a0, b0 = (int(da) & 0x3FFF) << 4, (int(db) & 0x3FFF) << 4
+        lbo = ((int(db) >> 16) & 0x3FFF) << 4
+        for i in range(regs):
+            row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
+            col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+            x = float(acc[i])
+            for s in range(steps):
+                ra = a0 + 32 * s + (row // 8) * SBO + (row % 8) * 128
+                rb = b0 + MN_STEP * s
+                if trans_b:
+                    bs = [value(smem, rb + (col // 64) * lbo + (k // 8) * SBO + (k % 8) * 128
+                                + 2 * (col % 64)) for k in range(16)]
+                else:
+                    bs = [value(smem, rb + (col // 8) * SBO + (col % 8) * 128 + 2 * k)
+                          for k in range(16)]
+                x = k_step_sum(x, [value(smem, ra + 2 * k) for k in range(16)], bs)
+            acc[i] = float32(x)
+
+    return device_fn(accumulate)
+
+
+def descriptor_host(addr, lbo=LBO):
     """The 64-bit descriptor of shared byte address ``addr`` (host form, for tests)."""
-    return (((addr & 0x3FFFF) >> 4) | ((LBO >> 4) << 16) | ((SBO >> 4) << 32)
+    return (((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16) | ((SBO >> 4) << 32)
             | (SWIZZLE_128B << 62))
 
 
 @functools.lru_cache(maxsize=None)
-def _ops():
+def _ops(lbo=LBO):
     from numba import uint64
 
     from attention.core.device import device_fn
 
+    if lbo % 16 or not 0 <= lbo < 1 << 18:
+        raise ValueError(f"lbo: a multiple of 16 bytes below 2^18, got {lbo}")
+
     def descriptor(addr):
-        return (uint64((addr & 0x3FFFF) >> 4) | (uint64(LBO >> 4) << uint64(16))
+        return (uint64((addr & 0x3FFFF) >> 4) | (uint64(lbo >> 4) << uint64(16))
                 | (uint64(SBO >> 4) << uint64(32)) | (uint64(SWIZZLE_128B) << uint64(62)))
 
     if SIMULATOR:  # the emulation reads shared memory as it stands
@@ -134,9 +193,10 @@ def _ops():
     return device_fn(descriptor), fence_async
 
 
-def descriptor():
-    """Device ``descriptor(addr) -> uint64`` (module docstring)."""
-    return _ops()[0]
+def descriptor(lbo=LBO):
+    """Device ``descriptor(addr) -> uint64`` (module docstring); ``lbo``: the
+    leading byte offset (an MN-major operand's bytes between 64-column atoms)."""
+    return _ops(int(lbo))[0]
 
 
 def fence_async():
@@ -199,3 +259,68 @@ def tile_product(kind, n, blocks, a_block, b_block):
         return ret(smem, types.uint64, types.uint64), codegen
 
     return product
+
+
+def accumulate_text(kind, n, steps, trans_b=1):
+    """The PTX of ``tile_accumulate`` (a string; ``$0 .. $(n/2 - 1)`` the
+    accumulators, read (tied inputs ``$(n/2) ..``) and written, ``$n`` / ``$(n +
+    1)`` the base descriptors of A and B)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"n: expected a multiple of 8 in [8, 256], got {n}")
+    if steps < 1:
+        raise ValueError(f"steps: at least 1, got {steps}")
+    regs = n // 2
+    outs = ", ".join(f"${i}" for i in range(regs))
+    lines = ["{", ".reg .b64 wa, wb;", ".reg .pred p1;", "setp.eq.b32 p1, 0, 0;",
+             "wgmma.fence.sync.aligned;"]
+    op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}"
+    for s in range(steps):
+        lines.append(f"add.s64 wa, ${n}, {(32 * s) >> 4};")
+        lines.append(f"add.s64 wb, ${n + 1}, {(MN_STEP * s if trans_b else 32 * s) >> 4};")
+        lines.append(f"{op} {{{outs}}}, wa, wb, p1, 1, 1, 0, {int(bool(trans_b))};")
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def tile_accumulate(kind, n, steps, trans_b=1):
+    """Device ``accumulate(smem, da, db, acc)``: ``acc`` (a local float32 array
+    of ``n / 2``, the accumulator layout) += ``A[64, 16 steps] B[16 steps, n]``
+    in ``steps`` wgmma ``m64nNk16`` (module docstring): A K-major at ``da``'s
+    address plus ``32 s`` bytes a k step ``s``, B MN-major (``trans_b`` 1: n
+    contiguous, 64-column atoms the descriptor's LBO apart, 8-row groups SBO
+    apart) at ``db``'s plus ``MN_STEP s`` (``trans_b`` 0: B K-major, ``32 s``).
+    The k steps are summed in order, each onto the accumulators as they stand."""
+    accumulate_text(kind, n, steps, trans_b)  # the arguments' checks
+    if SIMULATOR:
+        return _sim_accumulate(kind, n, steps, trans_b)
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    regs = n // 2
+    text = accumulate_text(kind, n, steps, trans_b)
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    struct = ir.LiteralStructType([f32] * regs)
+    cons = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["l", "l", "~{memory}"])
+
+    @intrinsic
+    def accumulate(typingctx, smem, da, db, acc):
+        if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[3])(context, builder, args[3])
+            ptrs = [builder.gep(ary.data, [ir.Constant(i64, i)]) for i in range(regs)]
+            fnty = ir.FunctionType(struct, [f32] * regs + [i64, i64])
+            r = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                             [builder.load(q) for q in ptrs] + list(args[1:3]))
+            for i, q in enumerate(ptrs):
+                builder.store(builder.extract_value(r, i), q)
+            return context.get_dummy_value()
+
+        return types.void(smem, types.uint64, types.uint64, acc), codegen
+
+    return accumulate
