@@ -173,7 +173,7 @@ from attention.core.device import (
 )
 from attention.core.warp import fragment_softmax_step, group_max, group_sum, softmax_finish
 from attention.decode import fast
-from attention.decode.mma import _codes_f16x2, _swap_middle_bytes
+from attention.decode.mma import _codes_f16x2, _v_codes_f16x2
 from attention.gemm import mma16
 
 from . import attn_gemm as G
@@ -435,14 +435,8 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     shared_base, ld_x4, ld_x4_trans, copy, commit, _, wait_all = mma16.smem_ops()
     codes4 = _codes4("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
     codes_f16x2 = _codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
-    swap_bytes = _swap_middle_bytes()
-
-    def v_codes_f16x2(word):
-        # an ldmatrix .trans word of byte pairs (positions p, p + 1 of columns c,
-        # c + 1) as the f16x2 pairs (p, p + 1) of column c and of column c + 1
-        return codes_f16x2(swap_bytes(word))
-
-    v_codes_f16x2 = device_fn(v_codes_f16x2)
+    # an ldmatrix .trans word of byte pairs as the f16x2 pairs of its two columns
+    v_codes_f16x2 = _v_codes_f16x2("e5m2" if defect == "fp8_as_e5m2" else "e4m3")
 
     def chunk_at(row, c):
         # byte offset of 16-byte chunk c of row `row` in a tile stored as 64-column
@@ -775,21 +769,21 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
     # DIRECT: the c_kv part of S and the tile's P V written out (generated source,
     # every offset a constant: as loops the compiler kept them rolled)
     s_nope = pv_all = None
-    lines = ["def s_nope(smem, sbase, q_lane, kbase, k8, c0, c1, c2, c3, d0, d1, d2, d3):"]
-    for cb in range(NCBN):
-        for j in range(2):
-            lines.append(f"    c0, c1, c2, c3, d0, d1, d2, d3 = s_codes(smem, sbase + "
-                         f"((q_lane + {cb * QBLK}) ^ {64 * j}), kbase + (k8 ^ "
-                         f"{(4 * cb + 2 * j) << 4}), c0, c1, c2, c3, d0, d1, d2, d3)")
-    lines.append("    return c0, c1, c2, c3, d0, d1, d2, d3")
-    lines.append("def pv_all(smem, sbase, p_lane, vbase, v8, o):")
-    for kk in range(KT // 16):
-        lines.append(f"    p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ {32 * kk}))")
-        for q in range(NT // 4):
-            lines.append(f"    pv_codes(smem, vbase + {kk * 16 * RANK} + (v8 ^ "
-                         f"{((2 * q) & VMASK) << 4}), p0, p1, p2, p3, o, {16 * q})")
-    space = {"s_codes": s_codes, "pv_codes": pv_codes, "ld_x4": ld_x4}
     if DIRECT:
+        lines = ["def s_nope(smem, sbase, q_lane, kbase, k8, c0, c1, c2, c3, d0, d1, d2, d3):"]
+        for cb in range(NCBN):
+            for j in range(2):
+                lines.append(f"    c0, c1, c2, c3, d0, d1, d2, d3 = s_codes(smem, sbase + "
+                             f"((q_lane + {cb * QBLK}) ^ {64 * j}), kbase + (k8 ^ "
+                             f"{(4 * cb + 2 * j) << 4}), c0, c1, c2, c3, d0, d1, d2, d3)")
+        lines.append("    return c0, c1, c2, c3, d0, d1, d2, d3")
+        lines.append("def pv_all(smem, sbase, p_lane, vbase, v8, o):")
+        for kk in range(KT // 16):
+            lines.append(f"    p0, p1, p2, p3 = ld_x4(smem, sbase + (p_lane ^ {32 * kk}))")
+            for q in range(NT // 4):
+                lines.append(f"    pv_codes(smem, vbase + {kk * 16 * RANK} + (v8 ^ "
+                             f"{((2 * q) & VMASK) << 4}), p0, p1, p2, p3, o, {16 * q})")
+        space = {"s_codes": s_codes, "pv_codes": pv_codes, "ld_x4": ld_x4}
         exec("\n".join(lines), space)  # noqa: S102 - fixed text built above
         s_nope = device_fn(space["s_nope"])
         pv_all = device_fn(space["pv_all"])
@@ -1173,6 +1167,20 @@ def invariant_chunk(n_rows, rank, d_rope, capacity, kind, *, paged=False, fp8=No
     return plan(1, n_rows, rank, d_rope, capacity, kind, paged=paged, fp8=fp8)["chunk"]
 
 
+def kernel_signature():
+    """The numba argument types of ``mla_mma_kernel``'s kernel (``kernel(qc, lat,
+    sc, lens, table, page, n_pages, shift, nh, s_q, scale, chunk, o_lat, lse,
+    part_acc, part_ml)``, the layouts of the module docstring; ``lat`` as uint32
+    words), for compiling it without a GPU (``cuda.compile_ptx``)."""
+    from numba import types
+
+    u32, i32, f32 = types.uint32, types.int32, types.float32
+    arr = types.Array
+    return (arr(f32, 3, "C"), arr(u32, 1, "C"), arr(f32, 1, "C"), arr(i32, 1, "C"),
+            arr(i32, 2, "C"), i32, i32, i32, i32, i32, f32, i32, arr(f32, 3, "C"),
+            arr(f32, 2, "C"), arr(f32, 4, "C"), arr(f32, 4, "C"))
+
+
 @functools.lru_cache(maxsize=None)
 def _compute_capability():
     """The current GPU's (major, minor), or None where there is none."""
@@ -1350,4 +1358,4 @@ def launch_prepared(p, stream):
 
 __all__ = ["DEFECTS", "SIMULATOR", "launch", "launch_prepared", "mla_mma_kernel", "plan",
            "prepare", "scratch", "smem_words", "supported", "invariant_chunk",
-           "capacity_plan", "PLAN_DEFECTS", "wgmma_level"]
+           "capacity_plan", "PLAN_DEFECTS", "wgmma_level", "kernel_signature"]

@@ -507,14 +507,7 @@ def test_plan_sizes_blocks_and_splits():
 # ---------------------------------------------------------------------------
 
 def _signature():
-    from numba import types
-
-    u32, i32, f32 = types.uint32, types.int32, types.float32
-    arr = types.Array
-    return (arr(f32, 3, "C"), arr(u32, 1, "C"), arr(f32, 1, "C"), arr(i32, 1, "C"),
-            arr(i32, 2, "C"), i32, i32,
-            i32, i32, i32, f32, i32, arr(f32, 3, "C"), arr(f32, 2, "C"), arr(f32, 4, "C"),
-            arr(f32, 4, "C"))
+    return MM.kernel_signature()
 
 
 @pytest.mark.compile

@@ -74,9 +74,7 @@ def _kernels():
         from mla import mma as MM
 
         k = MM.mla_mma_kernel("f16", 512, 64, 4, 64, False)
-        return k.py_func, (arr(f32, 3, "C"), w1, a1, arr(i32, 1, "C"), arr(i32, 2, "C"), i32, i32,
-                           i32, i32, i32, f32, i32, arr(f32, 3, "C"), a2, arr(f32, 4, "C"),
-                           arr(f32, 4, "C"))
+        return k.py_func, MM.kernel_signature()
 
     out = [(name, lambda a=args, k=kw: fast(a, k))
            for name, args, kw in (("fast_ring", (2, 8, 2, 128, 1024, "f16"), {"stages": 4}),

@@ -382,12 +382,12 @@ def _codes_f16x2(fmt="e4m3"):
 
 
 @functools.lru_cache(maxsize=None)
-def _v_codes_f16x2():
+def _v_codes_f16x2(fmt="e4m3"):
     """Device ``v_codes_f16x2(word) -> (even, odd)``: an ``ldmatrix .trans``
     word of a V code tile (bytes: position p columns c, c + 1, then position
     p + 1 columns c, c + 1) as the f16x2 pairs (p, p + 1) of column c and of
-    column c + 1 (bytes 0, 2 and 1, 3; ``codes_f16x2``)."""
-    codes_f16x2 = _codes_f16x2()
+    column c + 1 (bytes 0, 2 and 1, 3; ``codes_f16x2`` of ``fmt``)."""
+    codes_f16x2 = _codes_f16x2(fmt)
     swap = _swap_middle_bytes()
 
     def v_codes_f16x2(word):
