@@ -217,3 +217,13 @@ def test_wgmma_kernel_matches_the_mma_sync_kernel(kind, level, rank):
     assert np.isfinite(o1).all() and np.isfinite(l1).all()
     assert err1 <= 2 * err0 + 1e-6, (err0, err1)
     assert np.abs(o0 - o1).max() <= 4 * err0 + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="the full shape on a GPU (wgmma needs sm_90a)")
+@pytest.mark.parametrize("defect", ["swizzle_off_by_one", "ldmatrix_no_trans", "v_block_stride"])
+def test_planted_defects_change_the_wgmma_kernel_on_the_gpu(defect):
+    """The simulator's positive controls on the GPU, at rank 512 (S and P.V on
+    wgmma): each planted switch changes the output."""
+    (o0, l0), (o1, l1) = _both("f16", 512, 64, [300, 64, 1], 320, 2, defect=defect)[0]
+    assert not (np.array_equal(o1, o0) and np.array_equal(l1, l0))

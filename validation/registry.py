@@ -139,6 +139,10 @@ MLA_FAMILY_SMALL = (
 MLA_FAMILY_FULL = (
     ("mma_dsv3_nh16", ("mma", "mla_fp8"),
      dict(n_head=16, d_nope=128, d_rope=64, d_v=128, kv_rank=512), 1, 1025, True),
+    # 64 heads: four row groups a block (RG 4), the plan that puts a 16-bit cache's S
+    # and P.V on wgmma on a compute-capability-9.0 GPU (``mla.mma.wgmma_level``)
+    ("mma_dsv3_nh64", ("mma", "mla_fp8"),
+     dict(n_head=64, d_nope=128, d_rope=64, d_v=128, kv_rank=512), 1, 1025, True),
 )
 
 
