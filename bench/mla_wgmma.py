@@ -7,9 +7,10 @@ launch alone.
 For each 16-bit cache type: random q rows ``[B, heads, r + d_rope]`` (DeepSeek's r
 512, d_rope 64), a contiguous latent cache ``[B, L, 576]`` and every length L; one
 plan each way (``mla.mma.plan(..., wgmma=0 / 1 / 2)``, the same split). Printed, for
-each wgmma level against mma.sync: whether o_lat and the LSE are the same bits (both kernels sum S one k step of 16 at a
-time in the same order; if the warp-group instruction rounds a k step as mma.sync
-does, they are), the largest difference and its size relative to max |o_lat|, and
+each wgmma level against mma.sync: whether o_lat and the LSE are the same bits (the
+kernels sum S and P.V one k step of 16 at a time in the same order; the warp-group
+instruction rounds a k step as mma.sync does, so they are: notes/bench.md run 45),
+the largest difference and its size relative to max |o_lat|, and
 the median time of each launch (``bench.gpu.Timer``: L2 flushed, device time), with
 TFLOP/s counted as the MLA rows of ``bench.mla_mma`` count the attention
 (2 B heads L (r + d_rope) for S plus 2 B heads L r for P.V).

@@ -252,19 +252,9 @@ def _intrinsics(n, kind, steps, trans_b=0):
 
         return ret(u32, u32, u32, u32, types.uint64, ret), codegen
 
-    @intrinsic
-    def fence(typingctx):
-        sig = types.void()
+    from attention.gemm.wgmma import fence_async
 
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, "fence.proxy.async.shared::cta;", "~{memory}",
-                                      side_effect=True), [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return first, acc, first_ra, acc_ra, fence
+    return first, acc, first_ra, acc_ra, fence_async()
 
 
 @functools.lru_cache(maxsize=None)
