@@ -76,7 +76,7 @@ def _provenance_and_cut(path, rc=None):
     (``CUT_STATUS``); the note
     names a sanitizer report whose positive control the tool did not flag (its
     0 errors then say nothing). A JSON report is read once."""
-    if path.suffix == ".json" or path.name.endswith(".json.gz"):
+    if _is_json(path):
         try:
             doc = _json_doc(path)
         except (OSError, ValueError, EOFError):
@@ -94,6 +94,11 @@ def _provenance_and_cut(path, rc=None):
     return prov, bool(prov.get("interrupted") or prov.get("sections_skipped")), ""
 
 
+def _is_json(path):
+    """Whether ``path`` names a JSON report (``.json``, or ``.json.gz`` compressed)."""
+    return path.suffix == ".json" or path.name.endswith(".json.gz")
+
+
 def _json_doc(path):
     """A JSON report's document (``.json``, or ``.json.gz`` compressed)."""
     from validation.report import file_bytes
@@ -105,7 +110,7 @@ def read_provenance(path):
     """The provenance dict ``path`` states, or None."""
     path = Path(path)
     try:
-        if path.suffix == ".json" or path.name.endswith(".json.gz"):
+        if _is_json(path):
             return _json_doc(path).get("provenance")
         with path.open(errors="replace") as fh:
             head = [next(fh, "") for _ in range(400)]  # a resumed bench's is long
