@@ -247,3 +247,36 @@ def test_planted_defects_change_the_wgmma_kernel_on_the_gpu(defect):
     wgmma): each planted switch changes the output."""
     (o0, l0), (o1, l1) = _both("f16", 512, 64, [300, 64, 1], 320, 2, defect=defect)[0]
     assert not (np.array_equal(o1, o0) and np.array_equal(l1, l0))
+
+
+# ---------------------------------------------------------------------------
+# error growth over decode steps of the 16-bit tensor-core MLA
+# ---------------------------------------------------------------------------
+
+def test_mla_mma_growth_run_is_registered_and_float16_only():
+    from validation import growth
+
+    assert "mla_mma_decode" in growth.GROWTH_KERNELS
+    assert growth.REGISTRY_KERNEL["mla_mma_decode"] == "mla_mma"
+    assert growth.MLA_GPU_HEADS["mla_mma_decode"] > 32  # RG 4 on a GPU (the wgmma plan)
+    rec = growth.run_growth(growth.GrowthJob("mla_mma_decode", "float32", 0, 2, True))
+    assert rec["status"] == "unsupported" and "float16 latent cache" in rec["detail"], rec
+
+
+@pytest.mark.device
+def test_mla_mma_growth_run_passes_and_a_planted_defect_fails_it(monkeypatch):
+    """Three steps on the simulator (1024 on a GPU): every step within the rule,
+    the cache rows the appended ones, NaN past the last. The control: the same
+    run with V read without its transpose (``ldmatrix_no_trans``) fails."""
+    import functools
+
+    import mla.pipeline
+    from validation import growth
+
+    rec = growth.run_growth(growth.GrowthJob("mla_mma_decode", "float16", 0, 3, True))
+    assert rec["status"] == "pass", rec["detail"]
+    assert rec["cache_ok"] and len(rec["series"]["step"]) == 3
+    monkeypatch.setattr(mla.pipeline, "mla_decode",
+                        functools.partial(mla.pipeline.mla_decode, defect="ldmatrix_no_trans"))
+    bad = growth.run_growth(growth.GrowthJob("mla_mma_decode", "float16", 0, 3, True))
+    assert bad["status"] == "fail", bad

@@ -67,7 +67,14 @@ Runs (``GROWTH_KERNELS``):
   ``mla_fp8_tok`` (``mla_rounded_p``); at the end every cache byte and scale
   must equal the mirror's. The widths are the tensor-core kernel's (r 64,
   d_rope 64, 2 heads on the simulator; DeepSeek's with 16 heads on a GPU);
-  float16 only (the format's k_pe).
+  float16 only (the format's k_pe);
+* ``mla_mma_decode``: one sequence in a float16 ``LatentCache`` (NaN beyond
+  its length) attended by ``mla_decode(..., method="mma")``, the 16-bit
+  tensor-core kernel, judged with the registry's ``mla_mma`` baseline
+  (``mla_rounded_p``: q_lat and P rounded to fp16); the tensor-core widths
+  on the simulator (r 64, d_rope 64, 2 heads), DeepSeek's with 128 heads on a
+  GPU (four row groups a block: S and P.V on wgmma on a compute-capability-9.0
+  GPU, ``mla.mma.wgmma_level``); float16 only (the kernel's cache).
 
 A step passes under the sweep's rule (``validation.metrics.judge``), except
 that an output with fewer than ``tolerance.MEAN_MIN_ENTRIES`` entries a step
@@ -92,7 +99,8 @@ from validation import baselines, fixtures, metrics, tolerance
 
 GROWTH_KERNELS = ("batched_decode", "flash_decode", "fast_decode", "paged_decode",
                   "paged_decode_t4", "fp8_decode", "mma_paged_decode_t4", "mma_fp8_decode",
-                  "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode", "mla_fp8_decode")
+                  "mla_decode", "mla_gemm_decode", "mla_gemm_fma_decode", "mla_fp8_decode",
+                  "mla_mma_decode")
 # the paged runs: queries a call (tokens appended a call) and page size (GPU, simulator)
 PAGED_T_Q = {"paged_decode": 1, "paged_decode_t4": 4, "mma_paged_decode_t4": 4}
 # the runs on the tensor-core decode (DecodePlan(method="mma"))
@@ -103,7 +111,7 @@ MLA_METHODS = {"mla_decode": "flash", "mla_gemm_decode": "gemm", "mla_gemm_fma_d
 # heads of the GPU runs (DeepSeek-V3 widths): 16 keep the float64 recompute cheap; the
 # tensor-core GEMM path needs more than 64 (``attention.gemm.tgemm.usable``), so it gets 128
 MLA_GPU_HEADS = {"mla_decode": 16, "mla_gemm_decode": 128, "mla_gemm_fma_decode": 16,
-                 "mla_fp8_decode": 16}
+                 "mla_fp8_decode": 16, "mla_mma_decode": 128}
 DECODE_METHODS = {"batched_decode": "warp", "flash_decode": "split", "fast_decode": "fast"}
 DEFAULT_SIM = ("batched_decode", "mla_decode")
 KERNEL_OF_METHOD = {m: k for k, m in DECODE_METHODS.items()}
@@ -115,7 +123,8 @@ REGISTRY_KERNEL = {"batched_decode": "batched_decode", "flash_decode": "flash_de
                    "mla_decode": "mla",
                    "mla_gemm_decode": "mla_gemm",
                    "mla_gemm_fma_decode": "mla_gemm_fma",
-                   "mla_fp8_decode": "mla_fp8_tok"}
+                   "mla_fp8_decode": "mla_fp8_tok",
+                   "mla_mma_decode": "mla_mma"}
 
 
 def baseline_order(kernel, inputs=None, storage=np.float32):
@@ -158,6 +167,8 @@ MODULES = {"batched_decode": ("attention.decode.step", "attention.oracle"),
            "mla_gemm_fma_decode": ("mla.cache", "mla.pipeline", "mla.attn_gemm", "mla.oracle",
                                    "mla.dims"),
            "mla_fp8_decode": ("mla.fp8", "mla.fp8_append", "mla.pipeline", "mla.oracle",
+                              "mla.dims"),
+           "mla_mma_decode": ("mla.cache", "mla.pipeline", "mla.mma", "mla.oracle",
                               "mla.dims")}
 
 
@@ -522,7 +533,8 @@ def mla_growth_inputs(job):
     generator, drawn when asked for (``bench.tgemm_emu`` replays the run from these)."""
     from mla import dims as mla_dims
 
-    if job.small and job.kernel == "mla_fp8_decode":  # the tensor-core kernel's widths
+    if job.small and job.kernel in ("mla_fp8_decode", "mla_mma_decode"):  # the
+        # tensor-core kernel's widths
         dims = mla_dims.MlaDims(n_head=2, d_nope=16, d_rope=64, d_v=16, kv_rank=64)
     elif job.small:
         dims = mla_dims.SMALL_SHAPES[0]
@@ -637,6 +649,50 @@ def _mla_fp8_growth(job):
     return series, not problems, "; ".join(problems), geometry
 
 
+def _mla_mma_growth(job):
+    """The 16-bit tensor-core MLA's growth run (module docstring)."""
+    from mla.cache import LatentCache
+    from mla.oracle import mla_attend_absorbed
+    from mla.pipeline import mla_decode
+
+    if job.dtype != "float16":
+        from attention.core.checks import DTypeError
+
+        raise DTypeError(f"{job.dtype}: mla_decode(method='mma') takes a float16 latent cache")
+    dims, dt, start, w_uk, w_uv, c_all, k_all, queries = mla_growth_inputs(job)
+    nh, d_nope, d_rope, d_v, r = dims.n_head, dims.d_nope, dims.d_rope, dims.d_v, dims.kv_rank
+    cap = start + job.steps + 1  # one row past the last step: never written
+    cache = LatentCache(1, cap, dims, dtype=dt)
+    cache.append(0, c_all[:start], k_all[:start])
+    plane = cache.plane(0)
+    d_latent = plane.reshape((1,) + tuple(plane.shape))
+    label = baseline_order(job.kernel, {"k_pe": k_all}, np.float16)
+    scale = 1.0 / np.sqrt(d_nope + d_rope)
+    series = _series()
+    for step, (q_nope, q_pe) in enumerate(queries):
+        length = start + step + 1
+        cache.append(0, c_all[length - 1:length], k_all[length - 1:length])
+        out = mla_decode(q_nope, q_pe, d_latent, np.array([length], np.int32), w_uk, w_uv,
+                         method="mma")
+        args = (q_nope, q_pe, c_all[:length].astype(np.float64),
+                k_all[:length].astype(np.float64), w_uk, w_uv)
+        ref = mla_attend_absorbed(*args)
+        base = baselines.mla_rounded_p(*args, scale, np.float16)
+        _record_step(series, step + 1, length,
+                     {"out": metrics.judge(np.asarray(out), ref, base, label)})
+    problems = []
+    rows = np.asarray(cache.rows(0), dtype=np.float64)
+    want = np.concatenate([c_all, k_all], axis=1).astype(np.float64)
+    if not np.array_equal(rows, want):
+        problems.append("latent rows differ from the appended [c_kv | k_pe] rows")
+    host_plane = np.asarray(plane.copy_to_host(), dtype=np.float64)
+    if not np.isnan(host_plane[start + job.steps:]).all():
+        problems.append("rows beyond the length were written")
+    geometry = {"nh": nh, "d_nope": d_nope, "d_rope": d_rope, "d_v": d_v, "r": r,
+                "start": start, "path": "mla_decode(method='mma')"}
+    return series, not problems, "; ".join(problems), geometry
+
+
 def _available(kernel):
     from validation.registry import _import
 
@@ -665,6 +721,8 @@ def run_growth(job):
     try:
         if job.kernel == "mla_fp8_decode":
             series, cache_ok, problems, geometry = _mla_fp8_growth(job)
+        elif job.kernel == "mla_mma_decode":
+            series, cache_ok, problems, geometry = _mla_mma_growth(job)
         elif job.kernel in MLA_METHODS:
             series, cache_ok, problems, geometry = _mla_growth(job)
         elif job.kernel in PAGED_T_Q:
