@@ -12,7 +12,12 @@
   1). Bytes: the latent rows read, B x L x 576 x 2; the
   ratio is to a device-to-device copy measured in the same run (``bench.gpu``).
 * 128 heads (``bench.mla_mma.COMPUTE``): the fp16 cache against the fp8 caches (per
-  tensor, per token), the whole call and the attention launch alone.
+  tensor, per token), the whole call and the attention launch alone; for fp16,
+  the whole call again with the weight GEMMs on FMAs (``sgemm``, the ways
+  before they went to ``tgemm``; outputs compared: max relative difference)
+  and the weight GEMMs alone, every way.
+* The weight GEMMs' ways include ``tgemm`` (split-tf32 tensor cores) at each
+  of ``tgemm.WEIGHT_PLANS`` the operands take.
 """
 
 from __future__ import annotations
@@ -42,13 +47,14 @@ def _weight_gemms(t, p, copy):
     marked. Bytes: the fp32 weights, nh x N x K x 4; the ratio is to the copy
     (GB/s) measured in the same run."""
     from attention.core.device import device_empty
-    from attention.gemm import sgemm, skinny
+    from attention.gemm import sgemm, skinny, tgemm
 
     n_q, nh, sms = p["n_q"], p["nh"], sgemm.sm_count()
     for label in G.WEIGHT_GEMMS:
-        n_len, k_len = G.weight_operands(p, label)[5:7]
-        chosen = G.weight_gemm_method(n_q, n_len, k_len, nh, sms)
-        ways = []
+        a, b, _, _, _, n_len, k_len, b_order = G.weight_operands(p, label)
+        chosen = p["weight_way"][label]
+        ways = [(("tgemm", plan), None) for plan in tgemm.WEIGHT_PLANS
+                if tgemm.usable(a, b, a_order="mzk", b_order=b_order, plan=plan)]
         if n_q <= skinny.SKINNY_ROWS and k_len <= skinny.MAX_K:
             ways.append((("skinny", 1), None))
         for k_split in sorted({1, sgemm.k_splits(n_q, n_len, k_len, nh, sms)}):
@@ -61,6 +67,8 @@ def _weight_gemms(t, p, copy):
             us = t.time(lambda: G.weight_gemm(p, label, 0, way=way, k_scratch=scratch),
                         reps=30) * 1e3
             name = way[0] if way[1] == 1 else f"sgemm K split {way[1]}"
+            if way[0] == "tgemm":
+                name = "tgemm {}x{}".format(*tgemm.tile_shape(way[1]))
             mark = " (the plan's)" if way == chosen else ""
             gbs = nbytes / us / 1e3
             row.append(f"{name} {us:.1f} us, {gbs:.0f} GB/s, {gbs / copy:.3f} of copy{mark}")
@@ -106,15 +114,44 @@ def memory_bound(t, copy):
                       f"{nbytes / ms / 1e6 / copy:.3f} of copy", flush=True)
 
 
-def compute_bound(t):
+def _fma_weights(t, p):
+    """The whole call with the weight GEMMs on FMAs (``weight_gemm_method``
+    without ``tensor``; the K split they would take is not set up here, so
+    one launch each), timed, and the largest relative difference of its output
+    from the call as planned."""
+    from attention.gemm import sgemm
+
+    planned = p["out"].copy_to_host()
+    kept = dict(p["weight_way"])
+    for label in G.WEIGHT_GEMMS:
+        n_len, k_len = G.weight_operands(p, label)[5:7]
+        way = G.weight_gemm_method(p["n_q"], n_len, k_len, p["nh"], sgemm.sm_count())
+        p["weight_way"][label] = way if way[0] == "skinny" else ("sgemm", 1)
+    try:
+        ms = t.time(lambda: MM.launch_prepared(p, 0), reps=20)
+        fma = p["out"].copy_to_host()
+    finally:
+        p["weight_way"] = kept
+    rel = float(abs(fma.astype("f8") - planned).max() / abs(planned).max())
+    return ms, rel
+
+
+def compute_bound(t, copy):
     inputs = mla_inputs("float16", COMPUTE)
     for name in ("f16", "fp8_tensor", "fp8_token"):
         p = _prepared(inputs, 0) if name == "f16" else _fp8_prepared(inputs, name[4:], 0)[0]
         whole = t.time(lambda: MM.launch_prepared(p, 0), reps=20)
         pl = p["plan"]
         ms = t.time(lambda: _attention(p, pl, p["part_acc"], p["part_ml"]), reps=20)
+        ways = {k: v[0] for k, v in p["weight_way"].items()}
         print(f"128 heads {name}: whole {whole:.4f} ms, attention {ms:.4f} ms "
-              f"(rg {pl['row_groups']} n_split {pl['n_split']})", flush=True)
+              f"(rg {pl['row_groups']} n_split {pl['n_split']}); weight GEMMs {ways}",
+              flush=True)
+        if name == "f16":
+            fma, rel = _fma_weights(t, p)
+            print(f"  whole call, weight GEMMs on FMAs {fma:.4f} ms; output's max relative "
+                  f"difference from the planned call {rel:.2e}", flush=True)
+            _weight_gemms(t, p, copy)
 
 
 def main():
@@ -122,7 +159,7 @@ def main():
     copy = copy_bandwidth(t)[0]
     print(f"copy {copy:.0f} GB/s", flush=True)
     memory_bound(t, copy)
-    compute_bound(t)
+    compute_bound(t, copy)
 
 
 if __name__ == "__main__":

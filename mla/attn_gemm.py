@@ -649,10 +649,19 @@ def _attention_gemm(p, a, b, c, n_ext, k_ext, alpha, *, b_order, max_n, stream,
                 ready=p["smem_ready"], defect=defect)
 
 
-def weight_gemm_method(m_len, n_len, k_len, nh, sms):
-    """``("skinny", 1)``, ``("sgemm", S)`` (S > 1: its K split, ``sgemm.k_splits``)
-    or ``("sgemm", 1)``: how a weight GEMM of ``m_len`` rows a head runs on a
-    GPU of ``sms`` SMs (0: the simulator's, no K split)."""
+def weight_gemm_method(m_len, n_len, k_len, nh, sms, tensor=False):
+    """``("tgemm", plan)``, ``("skinny", 1)``, ``("sgemm", S)`` (S > 1: its K
+    split, ``sgemm.k_splits``) or ``("sgemm", 1)``: how a weight GEMM of
+    ``m_len`` rows a head runs on a GPU of ``sms`` SMs (0: the simulator's, no
+    K split). ``tensor`` (the 16-bit tensor-core MLA, ``mla.mma``): split-tf32
+    tensor cores (``attention.gemm.tgemm``, ``weight_plan``'s tile) where ``M``
+    is more than half the tile's rows and the grid fills the SMs once (on the
+    simulator: the rows alone); else as without."""
+    if tensor:
+        plan = tgemm.weight_plan(n_len, nh, sms)
+        if (m_len > tgemm.tile_shape(plan)[0] // 2
+                and tgemm.weight_blocks(m_len, n_len, nh, plan) >= int(sms)):
+            return "tgemm", plan
     if skinny.use_skinny(m_len, n_len, k_len, nh):
         return "skinny", 1
     return "sgemm", (sgemm.k_splits(m_len, n_len, k_len, nh, sms) if sms else 1)
@@ -675,7 +684,10 @@ def weight_operands(p, name):
 
 
 def weight_gemm_scratch(p, stream, sms=None, workspace=None):
-    """The K-split scratch of the absorb and decompress GEMMs, kept in ``p``
+    """The absorb and decompress GEMMs' ways on this GPU, ``p["weight_way"]``
+    ({name: ``weight_gemm_method``'s, with ``p["weight_tensor"]`` (False when
+    absent) as its ``tensor``; ``tgemm`` only where ``tgemm.usable`` takes the
+    operands}), and their K-split scratch, kept in ``p``
     (``p["k_split"]``: {"absorb" / "decompress": (S, float32 device array)}
     for each that splits on this GPU; ``sms`` default ``sgemm.sm_count()``).
     One buffer for both (they run one after the other on one stream), from
@@ -684,10 +696,15 @@ def weight_gemm_scratch(p, stream, sms=None, workspace=None):
     launches, so they (and a graph capture of them) allocate nothing."""
     sms = sgemm.sm_count() if sms is None else int(sms)
     n_q, nh = p["n_q"], p["nh"]
-    planned = {}
+    planned, p["weight_way"] = {}, {}
     for name in WEIGHT_GEMMS:
-        n_len, k_len = weight_operands(p, name)[5:7]
-        method, k_split = weight_gemm_method(n_q, n_len, k_len, nh, sms)
+        a, b, _, _, _, n_len, k_len, b_order = weight_operands(p, name)
+        way = weight_gemm_method(n_q, n_len, k_len, nh, sms, p.get("weight_tensor", False))
+        if way[0] == "tgemm" and not tgemm.usable(a, b, a_order="mzk", b_order=b_order,
+                                                   plan=way[1]):
+            way = weight_gemm_method(n_q, n_len, k_len, nh, sms)
+        p["weight_way"][name] = way
+        method, k_split = way
         if method == "sgemm" and k_split > 1:
             planned[name] = (k_split, sgemm.k_scratch_size(nh, k_split, n_q, n_len))
     p["k_split"] = {}
@@ -702,21 +719,29 @@ def weight_gemm_scratch(p, stream, sms=None, workspace=None):
 def weight_gemm(p, name, stream, defect=None, way=None, k_scratch=None):
     """Weight GEMM ``name`` (``weight_operands``) batched over heads, one weight
     a head (``p["heads"]`` is ``arange(nh)``, N and K the same for every head).
-    ``way`` None: the call's plan, ``skinny`` where it applies
-    (``weight_gemm_method``: few rows a head and a small ``sgemm`` grid; the
-    same bits), else ``sgemm``, which also carries the planted switches
-    (``defect``), with the K split ``weight_gemm_scratch`` planned (the same
-    bits, two launches; not with a switch). ``way`` ("skinny", 1) or ("sgemm",
-    S) forces one (``bench.mla_probe``; a forced split takes ``k_scratch``)."""
+    ``way`` None: the call's plan, ``p["weight_way"]`` (``weight_gemm_scratch``;
+    where it is absent, ``weight_gemm_method`` without ``tensor``): ``tgemm``
+    (split-tf32 tensor cores, the 16-bit MLA's), ``skinny`` (few rows a head
+    and a small ``sgemm`` grid; ``sgemm``'s bits), else ``sgemm``, which also
+    carries the planted switches (``defect``: ``sgemm`` in one launch), with
+    the K split ``weight_gemm_scratch`` planned (the same bits, two launches).
+    ``way`` ("tgemm", plan), ("skinny", 1) or ("sgemm", S) forces one
+    (``bench.mla_probe``; a forced split takes ``k_scratch``)."""
     a, b, c, n_ext, k_ext, n_len, k_len, b_order = weight_operands(p, name)
     nh = p["nh"]
     if way is None:
         way = ("sgemm", 1)
         if defect is None:
-            way = weight_gemm_method(int(a.shape[0]), n_len, k_len, nh, 0)
+            way = ((p.get("weight_way") or {}).get(name)
+                   or weight_gemm_method(int(a.shape[0]), n_len, k_len, nh, 0))
             if way[0] == "sgemm":
                 k_split, k_scratch = (p.get("k_split") or {}).get(name, (1, None))
                 way = ("sgemm", k_split)
+    if way[0] == "tgemm":
+        tgemm.launch(a, b, c, p["heads"], n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
+                     c_order="mzn", max_n=n_len, n_batch=nh, stream=stream,
+                     ready=p["smem_ready"], plan=way[1])
+        return
     if way[0] == "skinny":
         skinny.launch(a, b, c, 1.0, a_order="mzk", b_order=b_order, c_order="mzn",
                       n_len=n_len, k_len=k_len, n_batch=nh, stream=stream,
@@ -728,7 +753,7 @@ def weight_gemm(p, name, stream, defect=None, way=None, k_scratch=None):
 
 
 def launch_absorb(p, stream, defect=None):
-    """qc[:, :, :r] = q_nope W_UK (an fp32 FMA GEMM batched over heads) and
+    """qc[:, :, :r] = q_nope W_UK (an fp32 GEMM batched over heads: ``weight_gemm``) and
     qc[:, :, r:] = q_pe: the ``p`` keys q_nope, w_uk, uk_order, qc, heads,
     h_rank, h_nope, q_pe, n_q, nh, rank, d_rope, smem_ready (``prepare``'s).
     ``defect``: the sgemm switch or None."""

@@ -81,6 +81,14 @@ words of 4 bytes: Q ``8 RG W``, two latent tiles ``KT W / 2`` each, the P tile
 576 (the H200 allows 232,448 a block); an fp8 cache adds ``KT`` floats of row
 scales (230,656 bytes).
 
+The absorb and decompress GEMMs around the attention (``prepare``,
+``launch_prepared``; ``mla.attn_gemm.weight_gemm``) run on split-tf32 tensor
+cores (``attention.gemm.tgemm``, 64-row tiles, ``a`` read as [q, head, k])
+where their grid fills the GPU once (128 heads at B 64), else on fp32 FMAs as
+the other methods do (``sgemm``, ``skinny``). Either way their error is of
+fp32's class, far below the 16-bit rounding of q_lat after the absorb and of P
+and the cache before the decompress.
+
 Layouts (C-contiguous device arrays):
     qc        [B, R, W] float32 (R = s_q nh rows of a sequence)
     latent    contiguous [S, max_seq, W] with slots [B] (``table`` [B, 1]), or
@@ -167,6 +175,7 @@ from attention.core.device import (
     device_empty,
     device_fn,
     ensure_dynamic_shared,
+    gpu_available,
     jit,
     page_split,
     to_device,
@@ -318,12 +327,14 @@ def mla_mma_kernel(kind, rank, d_rope, row_groups=4, tile=64, paged=False, defec
         raise ValueError(f"kind: an fp8 cache is attended in f16, got {kind!r}")
     check_defect(defect, fp8)
     RANK, W, RG, KT = int(rank), int(rank) + int(d_rope), int(row_groups), int(tile)
-    # S = Q K^T on wgmma (attention.gemm.wgmma; sm_90a, and its emulation on the
-    # simulator): warp group cq (warps 4 cq
+    # wgmma (attention.gemm.wgmma; sm_90a, and its emulation on the simulator),
+    # a 16-bit cache at RG 4 only. Level 1, S = Q K^T: warp group cq (warps 4 cq
     # .. 4 cq + 3, one a row group) multiplies the block's 64 Q rows by its 16
     # positions, 4 W / 64 instructions m64n16k16 a tile reading both operands from
-    # their swizzled tiles; its accumulators are each warp's S fragments as mma.sync
-    # leaves them. A 16-bit cache at RG 4 only
+    # their swizzled tiles; its accumulators are each warp's S fragments as
+    # mma.sync leaves them. Level 2 adds P.V: the warp group adds the P tile times
+    # its quarter's r / 4 latent columns (V read MN-major from the latent tile)
+    # onto O's registers, in m64n(r/4)k16 instructions
     if int(wgmma) not in (0, 1, 2):
         raise ValueError(f"wgmma: 0 (off), 1 (S) or 2 (S and P.V), got {wgmma!r}")
     WGS, WGV = int(wgmma) >= 1, int(wgmma) == 2
@@ -1122,9 +1133,11 @@ def plan(n_seq, n_rows, rank, d_rope, max_len, kind, *, paged=False, n_split=Non
     if wgmma is None:
         wgmma = wgmma_level(kind, row_groups, fp8)
     wgmma = 2 if wgmma is True else int(wgmma)
-    if wgmma and not SIMULATOR and _compute_capability() != (9, 0):
-        raise ValueError(f"wgmma: sm_90a only, this GPU is compute capability "
-                         f"{_compute_capability()}")
+    if wgmma and not SIMULATOR:
+        cc = _compute_capability()
+        if cc != (9, 0):
+            raise ValueError("wgmma: sm_90a only, " + ("no GPU" if cc is None else
+                                                      f"this GPU is compute capability {cc}"))
     width = int(rank) + int(d_rope)
     dyn = 4 * smem_words(width, row_groups, tile, fp8)
     if dyn > SMEM_BLOCK_MAX:
@@ -1183,11 +1196,12 @@ def kernel_signature():
 
 @functools.lru_cache(maxsize=None)
 def _compute_capability():
-    """The current GPU's (major, minor), or None where there is none."""
-    try:
-        return tuple(cuda.get_current_device().compute_capability)
-    except Exception:  # no driver or no GPU: a plan is still built, not launched
+    """The current GPU's (major, minor), or None where there is none
+    (``gpu_available``: a plan is still built, not launched). A GPU that is
+    there but does not answer raises, rather than passing for "no GPU"."""
+    if not gpu_available():
         return None
+    return tuple(cuda.get_current_device().compute_capability)
 
 
 def wgmma_level(kind, row_groups, fp8=None):
@@ -1330,6 +1344,10 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
                                                        for i in range(4))
     p["index"] = table  # keeps the slices' memory alive with the dict
     p["smem_ready"] = set()
+    # the absorb and decompress GEMMs on split-tf32 tensor cores where their grid
+    # fills the GPU (``attn_gemm.weight_gemm_method``; fp32-class error, below the
+    # 16-bit rounding of q_lat and P that follows or precedes them)
+    p["weight_tensor"] = True
     p["qc"] = device_empty((n_q, nh, width), np.float32, stream)
     p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uv=d_w_uv, plan=pl, latent=d_latent,
              w_uk=d_w_uk, uk_order="zkn" if w_uk_layout == "mla" else "znk",

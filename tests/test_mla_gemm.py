@@ -257,6 +257,27 @@ def test_k_split_rule():
     assert G.weight_gemm_method(1, 128, 512, 16, 132)[0] == "skinny"  # B 1 stays skinny
 
 
+def test_weight_gemm_method_for_the_tensor_core_mla():
+    """``tensor`` (``mla.mma``'s weight GEMMs): ``tgemm`` at B 64 / 128 heads on
+    132 SMs, the absorb (N 512: 512 blocks of 64 x 128) and the decompress (N
+    128: 64 x 128 would be 128 blocks, short of two an SM, so 64 x 64, 256
+    blocks); not where the grid is short of one block an SM (16 heads: the K
+    split stays), nor at 32 rows (half a 64-row tile) or B 1, nor without
+    ``tensor``."""
+    from attention.gemm import tgemm
+
+    wide, narrow = tgemm.WEIGHT_PLANS
+    assert tgemm.tile_shape(wide) == (64, 128) and tgemm.tile_shape(narrow) == (64, 64)
+    assert G.weight_gemm_method(64, 512, 128, 128, 132, True) == ("tgemm", wide)
+    assert G.weight_gemm_method(64, 128, 512, 128, 132, True) == ("tgemm", narrow)
+    assert G.weight_gemm_method(64, 512, 128, 16, 132, True) == ("sgemm", 1)
+    assert G.weight_gemm_method(64, 128, 512, 16, 132, True) == ("sgemm", 8)
+    assert G.weight_gemm_method(32, 512, 128, 128, 132, True)[0] == "sgemm"
+    assert G.weight_gemm_method(1, 512, 128, 128, 132, True) == ("sgemm", 1)
+    assert G.weight_gemm_method(1, 512, 128, 16, 132, True)[0] == "skinny"
+    assert G.weight_gemm_method(64, 512, 128, 128, 132) == ("sgemm", 1)
+
+
 @pytest.mark.device
 def test_mla_gemm_decode_k_split_same_bits(monkeypatch):
     """Forced on the simulator (an SM count past any grid), the absorb and

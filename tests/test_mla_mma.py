@@ -27,6 +27,9 @@ scores and P.V on ``mma.m16n8k16`` and rounds P to 16 bits before P.V
   case the clean kernel passes: V fragments without ``.trans``, latent tiles
   stored with the next row's swizzle, the causal end one long at a tile edge.
 * ``MLADecodeGraph(method="mma")`` gives ``mla_decode``'s bits.
+* The weight GEMMs on split-tf32 tensor cores (``tgemm``, where
+  ``attn_gemm.weight_gemm_method`` plans them): 9 queries on the simulator, the
+  bench's B 64 / 128 heads on a GPU, by the pipeline rule.
 * **Batch invariance** (``batch_invariant=True``): a sequence alone and in
   batches of 2, 17 and 64 (the simulator: 1 and 2) gets the same bits,
   contiguous and paged, the graph too; the chunk is the lone sequence's.
@@ -310,15 +313,17 @@ def test_planted_defect_is_caught(defect):
 
 def pipeline_baseline(c, s_q, scale):
     """float32 with the kernel's roundings: q_lat = q_nope W_UK in fp32, [q_lat |
-    q_pe] rounded to fp16, the rounded-P decode, o_lat W_UV^T in fp32."""
-    qn = np.asarray(c["q_nope"], np.float32).reshape(len(c["lengths"]), s_q, WIDE.n_head, -1)
+    q_pe] rounded to fp16, the rounded-P decode, o_lat W_UV^T in fp32 (``c``'s
+    dims)."""
+    dims = c["dims"]
+    qn = np.asarray(c["q_nope"], np.float32).reshape(len(c["lengths"]), s_q, dims.n_head, -1)
     qp = np.asarray(c["q_pe"], np.float32).reshape(qn.shape[:3] + (-1,))
     q_lat = np.einsum("bihd,hdr->bihr", qn, c["w_uk"]).astype(np.float32)
     qc = np.concatenate([q_lat, qp], axis=-1).astype(F16).astype(np.float32)
     n_b = qc.shape[0]
     rows = rows_of(c["cont"].astype(np.float64), c["lengths"])
-    o_lat, _ = baseline(qc.reshape(n_b, s_q * WIDE.n_head, -1), rows, c["lengths"],
-                        WIDE.n_head, s_q, scale, WIDE.kv_rank)
+    o_lat, _ = baseline(qc.reshape(n_b, s_q * dims.n_head, -1), rows, c["lengths"],
+                        dims.n_head, s_q, scale, dims.kv_rank)
     o_lat = o_lat.reshape(n_b, s_q, WIDE.n_head, -1)
     return np.einsum("bihr,hvr->bihv", o_lat, c["w_uv"]).astype(np.float32)
 
@@ -341,6 +346,63 @@ def test_mla_decode_mma_matches_the_oracle(s_q):
     assert err <= bound, f"s_q {s_q}: max err {err:.3e} > bound {bound:.3e}"
     assert compare(got, ref)["cos_diff"] < 1e-5  # FlashMLA's cosine check
     np.testing.assert_array_equal(decode(c, True, method="mma"), got)
+
+
+def spy_tgemm(monkeypatch):
+    """The ``a_order`` of every ``tgemm.launch`` from here on (a list): the
+    weight GEMMs read their queries as [q, head, k], "mzk"."""
+    from attention.gemm import tgemm
+
+    calls, real = [], tgemm.launch
+
+    def launch(*args, **kw):
+        calls.append(kw["a_order"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tgemm, "launch", launch)
+    return calls
+
+
+def pipeline_case_judged(c, s_q, monkeypatch):
+    """``mla_decode(method="mma")`` on case ``c`` against the float64 MLA oracle
+    by the pipeline rule and FlashMLA's cosine check; returns the weight GEMMs
+    that ran on ``tgemm`` and the number ``weight_gemm_method`` plans for the
+    case on this GPU (or the simulator)."""
+    from attention.gemm import sgemm
+    from mla import attn_gemm as G
+    from mla.oracle import mla_decode_ref
+    from tests.test_mla_paged import decode
+
+    d = c["dims"]
+    scale = 1.0 / np.sqrt(d.d_nope + d.d_rope)
+    ref = mla_decode_ref(c["q_nope"], c["q_pe"], c["cont"].astype(np.float64), c["lengths"],
+                         c["w_uk"], c["w_uv"])
+    base = pipeline_baseline(c, s_q, scale)
+    calls = spy_tgemm(monkeypatch)
+    got = decode(c, False, method="mma")
+    assert same_nonfinite(got, ref)
+    err, bound = max_abs_error(got, ref), budget(ref, base)
+    assert err <= bound, f"max err {err:.3e} > bound {bound:.3e}"
+    assert compare(got, ref)["cos_diff"] < 1e-5
+    n_q = len(c["lengths"]) * s_q
+    planned = sum(G.weight_gemm_method(n_q, n, k, d.n_head, sgemm.sm_count(), True)[0]
+                  == "tgemm" for n, k in ((d.kv_rank, d.d_nope), (d.d_v, d.kv_rank)))
+    return calls.count("mzk"), planned
+
+
+@pytest.mark.device
+def test_weight_gemms_on_tensor_cores_where_planned(monkeypatch):
+    """9 queries (3 sequences, s_q 3): on the simulator (16-row tiles) both the
+    absorb and the decompress run on ``tgemm`` (split tf32) and the output
+    passes the pipeline rule; on a GPU (64-row tiles) 9 rows stay on FMAs and
+    the same rule holds. The count of ``tgemm`` launches is the plan's."""
+    from tests.test_mla_paged import paged_case
+
+    c = paged_case(8, F16, dims=WIDE, lengths=[0, 3, 21], seed=11, s_q=3)
+    ran, planned = pipeline_case_judged(c, 3, monkeypatch)
+    assert ran == planned
+    if MM.SIMULATOR:
+        assert ran == 2, "the simulator's plan takes both weight GEMMs on tgemm"
 
 
 @pytest.mark.device
@@ -566,6 +628,24 @@ def test_row_groups_4_keep_the_tile_loop_in_registers(fp8, page_size):
 # ---------------------------------------------------------------------------
 # GPU: DeepSeek's shape
 # ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MODE != "gpu", reason="full shape: a GPU run (scripts/gpu_test)")
+def test_b64_128_heads_pipeline_with_tensor_core_weight_gemms(monkeypatch):
+    """The bench's batch (64 sequences, 128 heads, DeepSeek's dims) through
+    ``mla_decode(method="mma")``, lengths up to 256 (one 0): the absorb and the
+    decompress run on ``tgemm`` (the plan on this GPU says so, and both launch)
+    and the output passes the pipeline rule against the float64 MLA oracle."""
+    from mla.dims import MlaDims
+    from tests.test_mla_paged import paged_case
+
+    dims = MlaDims(n_head=128, d_nope=128, d_rope=64, d_v=128, kv_rank=512)
+    lens = np.random.default_rng(64).integers(1, 257, 64)
+    lens[3] = 0
+    c = paged_case(64, F16, dims=dims, lengths=lens, seed=64, s_q=1)
+    ran, planned = pipeline_case_judged(c, 1, monkeypatch)
+    assert planned == 2 and ran == 2, (planned, ran)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MODE != "gpu", reason="full shape: a GPU run (scripts/gpu_test)")

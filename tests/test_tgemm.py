@@ -6,7 +6,8 @@
 * simulator / GPU (``device``): ``usable`` and bad input raised before any
   launch; the GEMM against float64 for both ``b`` layouts and
   dtypes, with a batch table, per-batch extents, a partial last row tile,
-  entries past ``n_ext`` left untouched, and K spanning two partials. On the
+  entries past ``n_ext`` left untouched, and K spanning two partials; the MLA
+  weight GEMMs' layout (a [M, Z, K], c [M, Z, N]) at each weight plan. On the
   simulator ``mma`` is a warp collective of shuffles over the same fragment
   layouts as the hardware's.
 
@@ -71,7 +72,11 @@ def test_usable_and_bad_input():
     a = device_empty((2, m, 64), np.float32)
     b = device_empty((2, 40, 64), np.float32)
     assert tgemm.usable(a, b, a_order="zmk", b_order="znk")
-    assert not tgemm.usable(a, b, a_order="mzk", b_order="znk")  # a's order
+    assert not tgemm.usable(a, b, a_order="kmz", b_order="znk")  # a's order
+    # "mzk": M is the first extent (2 rows here: less than half a tile)
+    assert not tgemm.usable(a, b, a_order="mzk", b_order="znk")
+    rows = device_empty((m, 2, 64), np.float32)
+    assert tgemm.usable(rows, b, a_order="mzk", b_order="znk")
     small = device_empty((2, bm // 2, 64), np.float32)
     assert not tgemm.usable(small, b, a_order="zmk", b_order="znk")  # M: half a tile
     odd = device_empty((2, 40, 66), np.float32)  # rows of 66 words: not 16-byte aligned
@@ -145,3 +150,38 @@ def test_compile_tgemm_partials_inside_a_slice(part_steps, monkeypatch):
         tgemm.tgemm_kernel.cache_clear()
     assert ".local" not in ptx, "tiles or fragments spilled to local memory"
     assert ptx.count("bar.sync") == 1
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("plan", tgemm.WEIGHT_PLANS, ids=str)
+@pytest.mark.parametrize("b_order", sgemm.B_ORDERS)
+def test_weight_layout_mzk_matches_float64(b_order, plan):
+    """The MLA weight GEMMs' layout: a [M, Z, K] (a query's heads side by side),
+    c [M, Z, N] with columns past ``n_ext`` untouched, each weight plan; K not a
+    multiple of the slice, N ending inside a tile. Positive control: the same
+    call with the planted ``tf32_single`` (one tf32 product) breaks the bound."""
+    from attention.core.device import to_device, to_host
+
+    rng = np.random.default_rng(11)
+    bm, bn = tgemm.tile_shape(plan)
+    z_n, m, k, n = 2, bm, PART_K + 24, bn + 4  # b's zkn rows of n: 16-byte aligned
+    a = rng.standard_normal((m, z_n, k)).astype(np.float32)
+    b_nk = rng.standard_normal((z_n, n, k)).astype(np.float32)
+    b = b_nk if b_order == "znk" else np.ascontiguousarray(b_nk.transpose(0, 2, 1))
+    d_a, d_b = to_device(a), to_device(b)
+    assert tgemm.usable(d_a, d_b, a_order="mzk", b_order=b_order, plan=plan)
+    zb = to_device(np.arange(z_n, dtype=np.int32))
+    n_ext, k_ext = (to_device(np.full(z_n, x, np.int32)) for x in (n - 3, k))
+    worst = {}
+    for defect in (None, "tf32_single"):
+        d_c = to_device(np.full((m, z_n, n), np.nan, np.float32))
+        tgemm.launch(d_a, d_b, d_c, zb, n_ext, k_ext, 1.0, a_order="mzk", b_order=b_order,
+                     c_order="mzn", max_n=n - 3, n_batch=z_n, stream=0, plan=plan,
+                     defect=defect)
+        c = to_host(d_c)
+        assert np.isnan(c[:, :, n - 3:]).all(), "wrote past n_ext"
+        worst[defect] = max(
+            (np.abs(c[:, z, :n - 3] - a[:, z].astype(np.float64) @ b_nk[z, :n - 3].T)
+             / _bound(a[:, z], b_nk[z, :n - 3], k)).max() for z in range(z_n))
+    assert worst[None] <= 1.0, f"worst err/bound {worst[None]:.3f}"
+    assert worst["tf32_single"] > 1.0, "the control did not break the bound"

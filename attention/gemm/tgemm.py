@@ -7,6 +7,9 @@ MLA attention GEMMs' fast path).
 "zmk"`` (a[z, m, k]), ``b_order`` "znk" (b[zb, n, k]) or "zkn" (b[zb, k, n]),
 ``c_order`` "zmn" or "mzn"; ``b`` float32 or float16. ``usable`` says whether
 a call qualifies (layouts, 16-byte aligned rows); ``sgemm`` serves the others.
+``a_order`` "mzk" (a[m, z, k], the MLA weight GEMMs' queries: rows ``nh K``
+apart) is the same kernel with other strides; those GEMMs have 64 rows at B 64,
+so they take a plan of one warp row (``WEIGHT_PLANS``, ``weight_plan``).
 
 Arithmetic. Tensor cores multiply tf32 (10-bit mantissa) operands exactly and
 add in fp32. Each fp32 operand is split as ``x = hi + lo``, ``hi = tf32(x)``,
@@ -97,6 +100,10 @@ PART_STEPS = 2  # k8 steps (16 k) whose products go into one partial
 # (warps_m, warps_n, tiles_m, tiles_n, bk, stages)
 GPU_PLAN = (2, 4, 4, 4, 32, 4)
 PLAN = (1, 1, 1, 1, 8, 2) if SIMULATOR else GPU_PLAN
+# the MLA weight GEMMs (M = the queries, 64 at B 64): 64-row tiles, 4 warps along
+# N, each 64 x 32 or 64 x 16 (``weight_plan``); the simulator's one plan
+WEIGHT_PLANS = (PLAN,) if SIMULATOR else ((1, 4, 4, 4, 32, 4), (1, 4, 4, 2, 32, 4))
+A_ORDERS = ("zmk", "mzk")
 
 PRECISION_MUTANTS = ("tf32_single", "no_partials", "ring_stale")
 GROSS_DEFECTS = ("k_slice_dropped",)
@@ -615,6 +622,26 @@ def tgemm_kernel(b_order, b16, plan=PLAN, defect=None, page_size=0, page_defect=
 # launcher
 # ---------------------------------------------------------------------------
 
+def weight_plan(n_len, n_batch, sms):
+    """The ``WEIGHT_PLANS`` entry for a weight GEMM of N ``n_len`` over
+    ``n_batch`` batches (one row of tiles) on a GPU of ``sms`` SMs: the widest
+    tile whose grid gives every SM two blocks, else the narrowest."""
+    for plan in WEIGHT_PLANS:
+        if -(-int(n_len) // tile_shape(plan)[1]) * int(n_batch) >= 2 * int(sms):
+            return plan
+    return WEIGHT_PLANS[-1]
+
+
+def weight_blocks(m_len, n_len, n_batch, plan):
+    """Blocks of the grid of a GEMM of ``m_len`` x ``n_len`` over ``n_batch``."""
+    bm, bn = tile_shape(plan)
+    return -(-int(m_len) // bm) * -(-int(n_len) // bn) * int(n_batch)
+
+
+def _m_len(a, a_order):
+    return int(a.shape[1] if a_order == "zmk" else a.shape[0])
+
+
 def _aligned(x):
     """Device array ``x`` starts on a 16-byte boundary (always, on the simulator)."""
     if SIMULATOR:
@@ -624,18 +651,19 @@ def _aligned(x):
 
 def usable(a, b, *, a_order, b_order, plan=PLAN):
     """True when this GEMM takes the call (else use ``sgemm``): ``a`` in
-    "zmk" order, ``b`` float32 / float16 in "znk" or "zkn" order, rows and
-    batches of both 16-byte aligned (every copy is 16 bytes), and ``M`` more
-    than half a block tile (fewer rows leave most of a tile's work unused)."""
+    "zmk" or "mzk" order, ``b`` float32 / float16 in "znk" or "zkn" order, rows
+    and batches of both 16-byte aligned (every copy is 16 bytes), and ``M``
+    more than half ``plan``'s block tile (fewer rows leave most of a tile's
+    work unused)."""
     name = np.dtype(b.dtype).name
-    if a_order != "zmk" or b_order not in sgemm.B_ORDERS or name not in B_DTYPES:
+    if a_order not in A_ORDERS or b_order not in sgemm.B_ORDERS or name not in B_DTYPES:
         return False
     if np.dtype(a.dtype) != np.float32 or a.ndim != 3 or b.ndim != 3:
         return False
     per_copy = 8 if name == "float16" else 4
     a_z, a_m = sgemm._strides(a, a_order)
     b_z, b_r = sgemm._strides(b, b_order)
-    return (int(a.shape[1]) > tile_shape(plan)[0] // 2 and a_z % 4 == 0 and a_m % 4 == 0
+    return (_m_len(a, a_order) > tile_shape(plan)[0] // 2 and a_z % 4 == 0 and a_m % 4 == 0
             and b_z % per_copy == 0 and b_r % per_copy == 0 and _aligned(a) and _aligned(b))
 
 
@@ -654,7 +682,7 @@ def launch(a, b, c, zb, n_ext, k_ext, alpha, *, a_order, b_order, c_order, max_n
         raise ValueError(f"tgemm: layouts a {a_order!r} b {b_order!r} c {c_order!r}, b "
                          f"{np.dtype(b.dtype).name}, a {tuple(a.shape)}: not usable "
                          "(see tgemm.usable)")
-    m_len = int(a.shape[1])
+    m_len = _m_len(a, a_order)
     if n_batch == 0 or m_len == 0 or max_n <= 0:
         return
     bm, bn = tile_shape(plan)

@@ -52,8 +52,9 @@ address ``L`` is stored at ``L ^ (((L >> 7) & 7) << 4)``, the swizzle being of
 the address bits), one k step at a time by ``attention.gemm.mma16.k_step_sum``,
 the rule mma.sync's emulation uses: so a kernel's data movement through the
 descriptors is checked in CI, and on the simulator the wgmma and mma.sync forms
-of a product give the same bits. Whether the GPU's wgmma rounds a k step as its
-mma.sync does is a question for the GPU.
+of a product give the same bits. On the H100 the GPU's wgmma gave its mma.sync's
+bits too (the MLA kernel at both levels, f16 and bf16:
+``reports/gpu/runs/52cbfaa-h100-mla-wgmma``), so it sums a k step as mma.sync does.
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def _value(kind):
     return value
 
 
+def _acc_at(t, i):
+    """(row, column) of accumulator register ``i`` of warp-group thread ``t``."""
+    w, lane = t // 32, t % 32
+    return 16 * w + lane // 4 + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2
+
+
+def _k_major_row(value, smem, base, row):
+    """The 16 values of a k step of row ``row`` of a K-major operand whose step
+    starts at byte ``base`` (8-row atoms SBO apart, 128-byte rows)."""
+    at = base + (row // 8) * SBO + (row % 8) * 128
+    return [value(smem, at + 2 * k) for k in range(16)]
+
+
 def _sim_product(kind, n, blocks, a_block, b_block):
     """The simulator's ``tile_product`` (module docstring)."""
     from numba import float32
@@ -93,19 +107,16 @@ def _sim_product(kind, n, blocks, a_block, b_block):
 
     def product(smem, da, db):
         t = cuda.threadIdx.x % 128
-        w, lane = t // 32, t % 32
         a0, b0 = (int(da) & 0x3FFF) << 4, (int(db) & 0x3FFF) << 4
         out = []
         for i in range(regs):
-            row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
-            col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+            row, col = _acc_at(t, i)
             acc = 0.0
             for j in range(blocks):
                 for s in range(4):
-                    ra = a0 + j * a_block + 32 * s + (row // 8) * SBO + (row % 8) * 128
-                    rb = b0 + j * b_block + 32 * s + (col // 8) * SBO + (col % 8) * 128
-                    acc = k_step_sum(acc, [value(smem, ra + 2 * k) for k in range(16)],
-                                     [value(smem, rb + 2 * k) for k in range(16)])
+                    acc = k_step_sum(
+                        acc, _k_major_row(value, smem, a0 + j * a_block + 32 * s, row),
+                        _k_major_row(value, smem, b0 + j * b_block + 32 * s, col))
             out.append(float32(acc))
         return tuple(out)
 
@@ -127,23 +138,19 @@ def _sim_accumulate(kind, n, steps, trans_b):
 
     def accumulate(smem, da, db, acc):
         t = cuda.threadIdx.x % 128
-        w, lane = t // 32, t % 32
         a0, b0 = (int(da) & 0x3FFF) << 4, (int(db) & 0x3FFF) << 4
         lbo = ((int(db) >> 16) & 0x3FFF) << 4
         for i in range(regs):
-            row = 16 * w + lane // 4 + 8 * ((i % 4) // 2)
-            col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+            row, col = _acc_at(t, i)
             x = float(acc[i])
             for s in range(steps):
-                ra = a0 + 32 * s + (row // 8) * SBO + (row % 8) * 128
-                rb = b0 + MN_STEP * s
                 if trans_b:
+                    rb = b0 + MN_STEP * s
                     bs = [value(smem, rb + (col // 64) * lbo + (k // 8) * SBO + (k % 8) * 128
                                 + 2 * (col % 64)) for k in range(16)]
                 else:
-                    bs = [value(smem, rb + (col // 8) * SBO + (col % 8) * 128 + 2 * k)
-                          for k in range(16)]
-                x = k_step_sum(x, [value(smem, ra + 2 * k) for k in range(16)], bs)
+                    bs = _k_major_row(value, smem, b0 + 32 * s, col)
+                x = k_step_sum(x, _k_major_row(value, smem, a0 + 32 * s, row), bs)
             acc[i] = float32(x)
 
     return device_fn(accumulate)
@@ -204,30 +211,41 @@ def fence_async():
     return _ops()[1]
 
 
-def tile_text(kind, n, blocks, a_block, b_block):
-    """The PTX of ``tile_product`` (a string; ``$0 .. $(n/2 - 1)`` the
-    accumulators, ``$(n/2)`` / ``$(n/2 + 1)`` the two base descriptors)."""
+def _framed(kind, n, preds, body):
+    """The asm text around ``body(op, outs)`` (its instruction lines): the
+    arguments' checks, the registers, ``preds`` (the predicate set-up lines),
+    the fence before and the commit and wait after."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"n: expected a multiple of 8 in [8, 256], got {n}")
-    regs = n // 2
-    outs = ", ".join(f"${i}" for i in range(regs))
-    # p0 false (the first instruction ignores the accumulators), p1 true
-    lines = ["{", ".reg .b64 wa, wb;", ".reg .pred p0, p1;", "setp.ne.b32 p0, 0, 0;",
-             "setp.eq.b32 p1, 0, 0;", "wgmma.fence.sync.aligned;"]
+    outs = ", ".join(f"${i}" for i in range(n // 2))
     op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}"
-    first = True
-    for j in range(blocks):
-        for s in range(4):
-            # the address field is bits 0-13 of the descriptor, in 16-byte units: the
-            # offsets are added there (shared addresses stay below 2^18 bytes)
-            lines.append(f"add.s64 wa, ${regs}, {(j * a_block + 32 * s) >> 4};")
-            lines.append(f"add.s64 wb, ${regs + 1}, {(j * b_block + 32 * s) >> 4};")
-            lines.append(f"{op} {{{outs}}}, wa, wb, {'p0' if first else 'p1'}, 1, 1, 0, 0;")
-            first = False
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    lines = ["{", ".reg .b64 wa, wb;", *preds, "wgmma.fence.sync.aligned;", *body(op, outs),
+             "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     return "\n".join(lines)
+
+
+def tile_text(kind, n, blocks, a_block, b_block):
+    """The PTX of ``tile_product`` (a string; ``$0 .. $(n/2 - 1)`` the
+    accumulators, ``$(n/2)`` / ``$(n/2 + 1)`` the two base descriptors)."""
+    regs = n // 2
+
+    def body(op, outs):
+        lines = []
+        for j in range(blocks):
+            for s in range(4):
+                # the address field is bits 0-13 of the descriptor, in 16-byte units:
+                # the offsets are added there (shared addresses stay below 2^18 bytes)
+                lines.append(f"add.s64 wa, ${regs}, {(j * a_block + 32 * s) >> 4};")
+                lines.append(f"add.s64 wb, ${regs + 1}, {(j * b_block + 32 * s) >> 4};")
+                first = j == 0 and s == 0
+                lines.append(f"{op} {{{outs}}}, wa, wb, {'p0' if first else 'p1'}, 1, 1, 0, 0;")
+        return lines
+
+    # p0 false (the first instruction ignores the accumulators), p1 true
+    return _framed(kind, n, [".reg .pred p0, p1;", "setp.ne.b32 p0, 0, 0;",
+                             "setp.eq.b32 p1, 0, 0;"], body)
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,23 +283,19 @@ def accumulate_text(kind, n, steps, trans_b=1):
     """The PTX of ``tile_accumulate`` (a string; ``$0 .. $(n/2 - 1)`` the
     accumulators, read (tied inputs ``$(n/2) ..``) and written, ``$n`` / ``$(n +
     1)`` the base descriptors of A and B)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    if n % 8 or not 8 <= n <= 256:
-        raise ValueError(f"n: expected a multiple of 8 in [8, 256], got {n}")
     if steps < 1:
         raise ValueError(f"steps: at least 1, got {steps}")
-    regs = n // 2
-    outs = ", ".join(f"${i}" for i in range(regs))
-    lines = ["{", ".reg .b64 wa, wb;", ".reg .pred p1;", "setp.eq.b32 p1, 0, 0;",
-             "wgmma.fence.sync.aligned;"]
-    op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}"
-    for s in range(steps):
-        lines.append(f"add.s64 wa, ${n}, {(32 * s) >> 4};")
-        lines.append(f"add.s64 wb, ${n + 1}, {(MN_STEP * s if trans_b else 32 * s) >> 4};")
-        lines.append(f"{op} {{{outs}}}, wa, wb, p1, 1, 1, 0, {int(bool(trans_b))};")
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
-    return "\n".join(lines)
+
+    def body(op, outs):
+        lines = []
+        for s in range(steps):
+            lines.append(f"add.s64 wa, ${n}, {(32 * s) >> 4};")
+            lines.append(f"add.s64 wb, ${n + 1}, "
+                         f"{(MN_STEP * s if trans_b else 32 * s) >> 4};")
+            lines.append(f"{op} {{{outs}}}, wa, wb, p1, 1, 1, 0, {int(bool(trans_b))};")
+        return lines
+
+    return _framed(kind, n, [".reg .pred p1;", "setp.eq.b32 p1, 0, 0;"], body)
 
 
 @functools.lru_cache(maxsize=None)
