@@ -85,7 +85,9 @@ The absorb and decompress GEMMs around the attention (``prepare``,
 ``launch_prepared``; ``mla.attn_gemm.weight_gemm``) run on split-tf32 tensor
 cores (``attention.gemm.tgemm``, 64-row tiles, ``a`` read as [q, head, k])
 where their grid fills the GPU once (128 heads at B 64), else on fp32 FMAs as
-the other methods do (``sgemm``, ``skinny``). Either way their error is of
+the other methods do (``sgemm``, ``skinny``); a batch-invariant call
+(``capacity``) keeps the FMA ways, whose bits do not depend on the batch's
+rows. Either way their error is of
 fp32's class, far below the 16-bit rounding of q_lat after the absorb and of P
 and the cache before the decompress.
 
@@ -1346,8 +1348,10 @@ def prepare(d_q_nope, d_q_pe, d_w_uk, d_w_uv, d_latent, slots, vis, scale, *, d_
     p["smem_ready"] = set()
     # the absorb and decompress GEMMs on split-tf32 tensor cores where their grid
     # fills the GPU (``attn_gemm.weight_gemm_method``; fp32-class error, below the
-    # 16-bit rounding of q_lat and P that follows or precedes them)
-    p["weight_tensor"] = True
+    # 16-bit rounding of q_lat and P that follows or precedes them). Not for a
+    # batch-invariant call: the way follows the batch's rows, and only the FMA
+    # ways (sgemm, skinny, the K split) give a query the same bits in any batch
+    p["weight_tensor"] = capacity is None
     p["qc"] = device_empty((n_q, nh, width), np.float32, stream)
     p.update(q_nope=d_q_nope, q_pe=d_q_pe, w_uv=d_w_uv, plan=pl, latent=d_latent,
              w_uk=d_w_uk, uk_order="zkn" if w_uk_layout == "mla" else "znk",

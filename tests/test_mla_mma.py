@@ -32,7 +32,8 @@ scores and P.V on ``mma.m16n8k16`` and rounds P to 16 bits before P.V
   bench's B 64 / 128 heads on a GPU, by the pipeline rule.
 * **Batch invariance** (``batch_invariant=True``): a sequence alone and in
   batches of 2, 17 and 64 (the simulator: 1 and 2) gets the same bits,
-  contiguous and paged, the graph too; the chunk is the lone sequence's.
+  contiguous and paged, the graph too; the chunk is the lone sequence's; the
+  weight GEMMs stay on the FMA ways (``tgemm`` is planned by the batch's rows).
 * Host checks (the cache's dtype and shape, the defect and method pairing),
   compile-only PTX (mma, ldmatrix, cp.async, no local memory) and, on a GPU,
   DeepSeek's shape (128 heads, r 512, d_rope 64, L 4096) with s_q 1 and 2.
@@ -489,6 +490,30 @@ def test_batch_invariant_mma_gives_a_sequence_the_same_bits(paged):
     for out, lse in results[1:]:
         assert np.array_equal(out.view(np.uint32), results[0][0].view(np.uint32))
         assert np.array_equal(lse.view(np.uint32), results[0][1].view(np.uint32))
+
+
+@pytest.mark.device
+def test_batch_invariant_weight_gemms_stay_on_fmas():
+    """64 queries of DeepSeek's 128 heads: the default plan puts both weight
+    GEMMs on ``tgemm`` (here, the control: on a GPU and on the simulator), a
+    batch-invariant one (``capacity``) keeps them on the FMA ways, whose bits
+    do not depend on the batch (a query alone runs ``skinny``, whose bits are
+    ``sgemm``'s). Plans only: nothing is launched."""
+    from attention.core.device import device_empty, to_device
+
+    nh, d_nope, rank, d_rope, d_v, n_q, cap = 128, 128, 512, 64, 128, 64, 256
+    arrays = [device_empty(shape, dtype) for shape, dtype in (
+        ((n_q, nh, d_nope), np.float32), ((n_q, nh, d_rope), np.float32),
+        ((nh, d_nope, rank), np.float32), ((nh, d_v, rank), np.float32),
+        ((n_q, cap, rank + d_rope), np.float16))]
+    vis = np.full(n_q, cap, np.int32)
+    ways = {}
+    for capacity in (None, cap):
+        p = MM.prepare(*arrays, np.arange(n_q, dtype=np.int32), vis, 0.1, d_rope=d_rope,
+                       w_uk_layout="mla", stream=0, d_vis=to_device(vis), capacity=capacity)
+        ways[capacity] = {way[0] for way in p["weight_way"].values()}
+    assert ways[None] == {"tgemm"}, ways
+    assert "tgemm" not in ways[cap], ways
 
 
 def test_batch_invariant_chunk_and_methods():
