@@ -325,7 +325,7 @@ def pipeline_baseline(c, s_q, scale):
     rows = rows_of(c["cont"].astype(np.float64), c["lengths"])
     o_lat, _ = baseline(qc.reshape(n_b, s_q * dims.n_head, -1), rows, c["lengths"],
                         dims.n_head, s_q, scale, dims.kv_rank)
-    o_lat = o_lat.reshape(n_b, s_q, WIDE.n_head, -1)
+    o_lat = o_lat.reshape(n_b, s_q, dims.n_head, -1)
     return np.einsum("bihr,hvr->bihv", o_lat, c["w_uv"]).astype(np.float32)
 
 
