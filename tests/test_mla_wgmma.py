@@ -268,8 +268,6 @@ def test_mla_mma_growth_run_passes_and_a_planted_defect_fails_it(monkeypatch):
     """Three steps on the simulator (1024 on a GPU): every step within the rule,
     the cache rows the appended ones, NaN past the last. The control: the same
     run with V read without its transpose (``ldmatrix_no_trans``) fails."""
-    import functools
-
     import mla.pipeline
     from validation import growth
 
